@@ -1,0 +1,109 @@
+"""Op-contract constants and enums (SPEC §3.1).
+
+The facts about a launch tag (which phase, which buffer side, which group) live on
+`CanaryLaunchTag` itself so nobody parses member names.
+"""
+from __future__ import annotations
+
+import enum
+
+CANARY_CHAIN_ANCHOR = 0xC0FFEE1234567890
+REQ_POOL_IDX_PADDING = 0
+TOKEN_TO_KV_SLOT_PADDING = 0
+
+CANARY_FIELDS_PER_SLOT = 4
+CANARY_FIELD_TOKEN = 0
+CANARY_FIELD_POSITION = 1
+CANARY_FIELD_PREV_HASH = 2
+CANARY_FIELD_REAL_KV_HASH = 3
+CANARY_RECORD_BYTES = CANARY_FIELDS_PER_SLOT * 8
+
+VIOLATION_FIELDS = 8
+VIOLATION_FIELD_KERNEL_KIND = 0
+VIOLATION_FIELD_SLOT_IDX = 1
+VIOLATION_FIELD_POSITION = 2
+VIOLATION_FIELD_STORED_TOKEN = 3
+VIOLATION_FIELD_EXPECTED_TOKEN = 4
+VIOLATION_FIELD_STORED_CHAIN_HASH = 5
+VIOLATION_FIELD_EXPECTED_AUX = 6
+VIOLATION_FIELD_FAIL_REASON_BITS = 7
+
+MAX_REAL_KV_SOURCES = 4
+PARTIAL_REAL_KV_READ_BYTES = 16
+
+
+class FailReason(enum.IntFlag):
+    """Bits of a violation row's FAIL_REASON_BITS field."""
+
+    VERIFY_CHAIN_HASH_MISMATCH = 1
+    VERIFY_POSITION_MISMATCH = 2
+    VERIFY_REAL_KV_HASH_MISMATCH = 4
+    WRITE_TOKEN_MISMATCH = 8
+    WRITE_POSITION_MISMATCH = 16
+    VERIFY_TOKEN_MISMATCH = 32
+
+    @property
+    def label(self) -> str:
+        """Report label: e.g. ``verify_real_kv_hash``; several bits join with ``+``."""
+        return reason_label(int(self))
+
+
+def reason_label(bits: int) -> str:
+    """Report label for a bit set, lowest bit first (``verify_chain_hash+verify_position``)."""
+    names = [
+        member.name.lower().removesuffix("_mismatch")
+        for member in FailReason
+        if int(bits) & int(member)
+    ]
+    unknown = int(bits) & ~sum(int(m) for m in FailReason)
+    if unknown:
+        names.append(f"unknown_0x{unknown:x}")
+    return "+".join(names) if names else "none"
+
+
+class RealKvHashMode(enum.IntEnum):
+    NONE = 0
+    PARTIAL = 1
+    ALL = 2
+
+
+class CanaryLaunchTag(enum.IntEnum):
+    """Stamped into every violation row as KERNEL_KIND: phase x side (K/V) x group."""
+
+    HEAD_K_FULL = 0
+    HEAD_V_FULL = 1
+    TAIL_K_FULL = 2
+    TAIL_V_FULL = 3
+    SWEEP_K_FULL = 4
+    SWEEP_V_FULL = 5
+    HEAD_K_SWA = 6
+    HEAD_V_SWA = 7
+    TAIL_K_SWA = 8
+    TAIL_V_SWA = 9
+    SWEEP_K_SWA = 10
+    SWEEP_V_SWA = 11
+
+    @property
+    def phase(self) -> str:
+        """``head``, ``tail`` or ``sweep``."""
+        return ("head", "tail", "sweep")[(self.value % 6) // 2]
+
+    @property
+    def side(self) -> str:
+        """``k`` or ``v``."""
+        return "kv"[self.value % 2]
+
+    @property
+    def group(self) -> str:
+        """``full`` or ``swa``."""
+        return "full" if self.value < 6 else "swa"
+
+    @classmethod
+    def of(cls, *, phase: str, side: str, group: str) -> "CanaryLaunchTag":
+        """The tag for a phase (head/tail/sweep), side (k/v) and group (full/swa)."""
+        phases = ("head", "tail", "sweep")
+        if phase not in phases or side not in ("k", "v") or group not in ("full", "swa"):
+            raise ValueError(
+                f"kv-canary: no launch tag for phase={phase!r} side={side!r} group={group!r}"
+            )
+        return cls((0 if group == "full" else 6) + 2 * phases.index(phase) + "kv".index(side))

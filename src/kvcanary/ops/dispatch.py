@@ -1,0 +1,24 @@
+"""Choose the implementation for a launch: Triton on CUDA tensors when Triton imports, else the twin."""
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ops() -> Optional[ModuleType]:
+    try:
+        from kvcanary.ops import triton as triton_ops
+    except ImportError:
+        return None
+    return triton_ops if getattr(triton_ops, "AVAILABLE", False) else None
+
+
+def triton_backend(device: torch.device) -> Optional[ModuleType]:
+    """The Triton op module when ``device`` is CUDA and Triton is usable, else None."""
+    if device.type != "cuda":
+        return None
+    return _triton_ops()

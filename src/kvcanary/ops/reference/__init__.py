@@ -1,0 +1,1 @@
+"""Vectorised torch twins of the ops (CPU and any torch device)."""

@@ -1,0 +1,80 @@
+"""The write chain's serial recurrence: running hash before each entry, request by request.
+
+``running[i]`` for the k-th entry of request r is ``mix3`` folded over that request's earlier
+entries, starting from ``start[r]``. Serial by nature (each step needs the previous hash);
+numba compiles the loop when installed, otherwise a pure-Python loop gives the same bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvcanary.ops.hashing import MASK64, splitmix64_mix3, to_signed64
+
+_compiled = None
+USE_COMPILED = True
+"""Set False (tests) to force the pure-Python loop."""
+
+
+def _build_compiled():
+    try:
+        import numba
+    except ImportError:
+        return None
+
+    @numba.njit(cache=True, nogil=True)
+    def _mix(x):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+    @numba.njit(cache=True, nogil=True)
+    def _scan(start, lengths, tokens, positions, out):
+        i = 0
+        for r in range(lengths.shape[0]):
+            h = start[r]
+            for _ in range(lengths[r]):
+                out[i] = h
+                h = _mix(_mix(_mix(h) ^ tokens[i]) ^ positions[i])
+                i += 1
+
+    return _scan
+
+
+def _compiled_scan():
+    global _compiled
+    if _compiled is None:
+        _compiled = _build_compiled() or False
+    return _compiled or None
+
+
+def _python_scan(start: list, lengths: list, tokens: list, positions: list) -> list:
+    out = []
+    i = 0
+    for h, n in zip(start, lengths):
+        h &= MASK64
+        for _ in range(n):
+            out.append(to_signed64(h))
+            h = splitmix64_mix3(h, tokens[i], positions[i])
+            i += 1
+    return out
+
+
+def chain_scan(start: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Running hash before each entry: int64 [sum(lengths)] on ``tokens.device``.
+
+    start: int64 [R] hash each request starts from; lengths: int64 [R] entries per request;
+    tokens, positions: int64 [sum(lengths)], request by request.
+    """
+    device = tokens.device
+    n = int(tokens.shape[0])
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    scan = _compiled_scan() if USE_COMPILED else None
+    if scan is not None:
+        as_u64 = lambda t: t.detach().to("cpu", torch.int64).contiguous().numpy().view(np.uint64)  # noqa: E731
+        out = np.empty(n, dtype=np.uint64)
+        scan(as_u64(start), lengths.to("cpu", torch.int64).numpy(), as_u64(tokens), as_u64(positions), out)
+        return torch.from_numpy(out.view(np.int64)).to(device)
+    values = _python_scan(start.tolist(), lengths.tolist(), tokens.tolist(), positions.tolist())
+    return torch.tensor(values, dtype=torch.int64, device=device)

@@ -1,0 +1,86 @@
+"""Helpers shared by the reference ops: buffer views, slot hashes, the violation ring."""
+from __future__ import annotations
+
+import torch
+
+from kvcanary.ops.constants import (
+    CANARY_FIELD_POSITION,
+    CANARY_FIELD_PREV_HASH,
+    CANARY_FIELD_TOKEN,
+    CANARY_FIELDS_PER_SLOT,
+    VIOLATION_FIELDS,
+)
+from kvcanary.ops.hashing import CHAIN_HEAD_HASH, splitmix64_mix3_tensor, to_signed64
+
+H0_SIGNED = to_signed64(CHAIN_HEAD_HASH)
+
+
+def canary_fields(canary_buf: torch.Tensor) -> torch.Tensor:
+    """int64 view [num_slots, row_bytes // 8] of a uint8 canary buffer; checks the stride."""
+    if canary_buf.dim() != 2 or canary_buf.shape[1] % 8:
+        raise ValueError(
+            "kv-canary: canary_buf must be uint8 [num_slots, stride_bytes] with stride_bytes a "
+            f"multiple of 8, got shape {tuple(canary_buf.shape)}"
+        )
+    fields = canary_buf.view(torch.int64)
+    slot_stride_i64 = int(fields.shape[1])
+    if slot_stride_i64 < CANARY_FIELDS_PER_SLOT:
+        raise ValueError(
+            f"kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {slot_stride_i64}"
+        )
+    return fields
+
+
+def slot_hash(fields: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``slot_hash(buf, s)`` for int64 slots [N]: H0 where ``s < 0``, else mix3 of the record."""
+    head = slots < 0
+    safe = torch.where(head, torch.zeros_like(slots), slots)
+    rec = fields.index_select(0, safe)
+    h = splitmix64_mix3_tensor(
+        rec[:, CANARY_FIELD_PREV_HASH], rec[:, CANARY_FIELD_TOKEN], rec[:, CANARY_FIELD_POSITION]
+    )
+    return torch.where(head, torch.full_like(h, H0_SIGNED), h)
+
+
+def append_violations(ring: torch.Tensor, write_index: torch.Tensor, rows: torch.Tensor) -> None:
+    """Fill-once append (SPEC §3.4): rows go to ``[base, min(base + k, cap))``; index += k."""
+    k = int(rows.shape[0])
+    if k == 0:
+        return
+    base = int(write_index[0])
+    cap = int(ring.shape[0])
+    keep = max(0, min(k, cap - max(base, 0)))
+    if keep:
+        ring[base : base + keep] = rows[:keep].to(device=ring.device, dtype=ring.dtype)
+    write_index += k
+
+
+def violation_rows(*columns: torch.Tensor) -> torch.Tensor:
+    """Stack eight int64 columns [N] (or scalars broadcast) into violation rows [N, 8]."""
+    assert len(columns) == VIOLATION_FIELDS
+    n = max(c.numel() for c in columns if isinstance(c, torch.Tensor))
+    cols = [c.expand(n) if c.numel() == 1 else c for c in columns]
+    return torch.stack([c.to(torch.int64) for c in cols], dim=1)
+
+
+def last_occurrence_mask(keys: torch.Tensor) -> torch.Tensor:
+    """Bool [N]: True where ``keys[i]`` does not occur again later (last write wins)."""
+    n = keys.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool, device=keys.device)
+    order = torch.sort(keys, stable=True).indices
+    sorted_keys = keys[order]
+    last_sorted = torch.ones(n, dtype=torch.bool, device=keys.device)
+    last_sorted[:-1] = sorted_keys[1:] != sorted_keys[:-1]
+    mask = torch.empty(n, dtype=torch.bool, device=keys.device)
+    mask[order] = last_sorted
+    return mask
+
+
+def segment_ids(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For non-negative int64 lengths [R]: (segment of each element, index within its segment)."""
+    total = int(lengths.sum()) if lengths.numel() else 0
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    local = torch.arange(total, device=lengths.device) - starts[seg]
+    return seg, local

@@ -1,0 +1,117 @@
+"""Vectorised torch twin of the plan op (SPEC §3.5)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvcanary.ops.constants import REQ_POOL_IDX_PADDING
+from kvcanary.ops.records import VerifyPlan, WritePlan
+from kvcanary.ops.reference.common import segment_ids
+
+_NAME = "launch_canary_plan_kernels_torch_reference"
+
+
+def _translate(raw: torch.Tensor, lut: Optional[torch.Tensor]) -> torch.Tensor:
+    """T(x): negative values pass through, others are looked up (range already checked)."""
+    if lut is None:
+        return raw
+    looked_up = lut[torch.clamp(raw, min=0)].to(torch.int64)
+    return torch.where(raw < 0, raw, looked_up)
+
+
+def _check_lut_range(slot_raw: torch.Tensor, prev_raw: torch.Tensor, prev_looked_up: torch.Tensor, lut_len: int) -> None:
+    """Raise for the first lookup (entry by entry, slot before predecessor) past the LUT."""
+    bad = torch.stack([slot_raw >= lut_len, prev_looked_up & (prev_raw >= lut_len)], dim=1).flatten()
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        value = int(torch.stack([slot_raw, prev_raw], dim=1).flatten()[first])
+        raise ValueError(f"kv-canary: SWA slot {value} is outside full_to_swa_index_mapping length {lut_len}")
+
+
+def launch_canary_plan_kernels_torch_reference(
+    *,
+    verify_plan_out: VerifyPlan,
+    write_plan_out: WritePlan,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    swa_window_size: int,
+    full_to_swa_index_mapping: Optional[torch.Tensor],
+    verify_capacity: int,
+    req_to_verify_expected_tokens: Optional[torch.Tensor],
+    req_to_verify_expected_tokens_valid_lens: Optional[torch.Tensor],
+    kv_token_id_vs_position_offset: int,
+) -> None:
+    """Gather the verify entries of every active row's cached prefix (window) and the write
+    offsets / seeds of its extend. Mutates only the nine plan tensors; unchanged if it raises."""
+    capacity = int(verify_plan_out.verify_slot_indices.shape[0])
+    if verify_capacity != capacity:
+        raise ValueError(
+            f"kv-canary: {_NAME} verify_capacity={verify_capacity} does not match "
+            f"verify_plan_out.verify_slot_indices.shape[0]={capacity}"
+        )
+    table, valid_lens = req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens
+    if table is not None and valid_lens is None:
+        raise ValueError(
+            f"kv-canary: {_NAME} requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
+        )
+    lut = full_to_swa_index_mapping
+    rp = req_pool_indices.to(torch.int64)
+    prefix = prefix_lens.to(torch.int64)
+    extend = extend_seq_lens.to(torch.int64)
+    bs = int(rp.shape[0])
+    window = int(swa_window_size)
+    active = rp != REQ_POOL_IDX_PADDING
+
+    # Verify entries: positions [lo, P) of every active row, row by row.
+    lo = torch.clamp(prefix - window, min=0) if window > 0 else torch.zeros_like(prefix)
+    count = torch.where(active, torch.clamp(prefix - lo, min=0), torch.zeros_like(prefix))
+    row, local = segment_ids(count)
+    pos = lo[row] + local
+    row_rp = rp[row]
+    slot_raw = req_to_token[row_rp, pos].to(torch.int64)
+    has_prev = pos > 0
+    prev_raw = torch.where(
+        has_prev, req_to_token[row_rp, torch.clamp(pos - 1, min=0)].to(torch.int64), torch.full_like(pos, -1)
+    )
+    if lut is not None:
+        _check_lut_range(slot_raw, prev_raw, has_prev, int(lut.shape[0]))
+    slots = _translate(slot_raw, lut)
+    prevs = _translate(prev_raw, lut)
+    if table is not None and table.shape[1] > 0:
+        col = pos + int(kv_token_id_vs_position_offset)
+        readable = (col >= 0) & (col < valid_lens.to(torch.int64)[row])
+        looked = table[row_rp, torch.clamp(col, 0, table.shape[1] - 1)].to(torch.int64)
+        tokens = torch.where(readable, looked, torch.full_like(pos, -1))
+    else:
+        tokens = torch.full_like(pos, -1)
+    total = int(pos.shape[0])
+
+    # Write metadata.
+    writes = active & (extend > 0)
+    contrib = torch.where(writes, extend, torch.zeros_like(extend))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=rp.device), torch.cumsum(contrib, 0)])
+    n_seed = min(bs, int(write_plan_out.write_seed_slot_indices.shape[0]))
+    seeded = writes & (prefix > 0)
+    seed_raw = req_to_token[rp, torch.clamp(prefix - 1, min=0)].to(torch.int64)
+    seeds = _translate(torch.where(seeded, seed_raw, torch.full_like(rp, -1)), lut)
+
+    # Every check passed: write the outputs.
+    vp, wp = verify_plan_out, write_plan_out
+    if total > capacity:
+        vp.verify_num_valid.fill_(capacity)
+        vp.enable.fill_(0)
+    else:
+        vp.verify_slot_indices[:total] = slots
+        vp.verify_expected_tokens[:total] = tokens
+        vp.verify_expected_positions[:total] = pos
+        vp.verify_prev_slot_indices[:total] = prevs
+        vp.verify_num_valid.fill_(total)
+        vp.enable.fill_(1)
+    n_off = min(bs + 1, int(wp.write_offsets.shape[0]))
+    wp.write_offsets[:n_off] = offsets[:n_off]
+    wp.write_offsets[n_off:] = 0
+    wp.write_seed_slot_indices[:n_seed] = seeds[:n_seed]
+    wp.write_num_valid_reqs.fill_(bs)

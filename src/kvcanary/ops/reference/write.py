@@ -1,0 +1,170 @@
+"""Vectorised torch twin of the write op (SPEC §3.6).
+
+The contract is sequential: requests in batch order, entries in order, on a live buffer. This
+twin gets the same bytes in bulk: fingerprints, asserts and stores are whole-tensor ops, the
+chain recurrence is one serial scan (`chain_scan`), and a slot stored twice keeps its last
+write. A request whose seed was stored by an earlier request of the same launch starts a new
+segment, applied after the earlier ones have landed in the buffer.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvcanary.ops.constants import (
+    CANARY_FIELD_POSITION,
+    CANARY_FIELD_PREV_HASH,
+    CANARY_FIELD_REAL_KV_HASH,
+    CANARY_FIELD_TOKEN,
+    FailReason,
+)
+from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
+from kvcanary.ops.reference.chain_scan import chain_scan
+from kvcanary.ops.reference.common import (
+    append_violations,
+    canary_fields,
+    last_occurrence_mask,
+    segment_ids,
+    slot_hash,
+    violation_rows,
+)
+from kvcanary.ops.reference.real_kv import check_row_widths, fingerprint_slots
+
+
+def _check_input_assert_args(flag: bool, tokens: Optional[torch.Tensor], positions: Optional[torch.Tensor]) -> None:
+    if flag and (tokens is None or positions is None):
+        raise ValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
+    if not flag and (tokens is not None or positions is not None):
+        raise ValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
+
+
+def _first_dependent_request(req: torch.Tensor, slot: torch.Tensor, seeds: torch.Tensor, first_req: int) -> int:
+    """First request r > first_req whose seed is stored by an entry of a request in [first_req, r);
+    -1 if none. ``req``/``slot`` are the entries of requests >= first_req, in order."""
+    if slot.numel() == 0:
+        return -1
+    uniq, inverse = torch.unique(slot, return_inverse=True)
+    big = torch.iinfo(torch.int64).max
+    first_writer = torch.full_like(uniq, big).scatter_reduce(0, inverse, req, reduce="amin")
+    cand = seeds[first_req:]
+    at = torch.clamp(torch.searchsorted(uniq, cand), max=uniq.numel() - 1)
+    writer = torch.where(uniq[at] == cand, first_writer[at], torch.full_like(cand, big))
+    reqs = torch.arange(first_req, first_req + cand.numel(), device=cand.device)
+    dependent = (cand >= 0) & (writer < reqs)
+    if not bool(dependent.any()):
+        return -1
+    return first_req + int(dependent.nonzero()[0, 0])
+
+
+def launch_canary_write_kernel_torch_reference(
+    *,
+    context: VerifyOrWriteContext,
+    plan: WritePlan,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    enable_write_input_assert: bool,
+    expected_input_tokens: Optional[torch.Tensor],
+    expected_input_positions: Optional[torch.Tensor],
+) -> None:
+    """Store (token, position, prev_hash, fingerprint) for every entry with a slot >= 0.
+
+    Mutates: ``kernel_run_counter`` (+1, first), the canary buffer, ``slot_run_counter``
+    (+entries written), the ring and its write index.
+    """
+    ctx = context
+    ctx.kernel_run_counter.add_(1)
+    seeds_all = plan.write_seed_slot_indices
+    num_reqs = min(max(int(plan.write_num_valid_reqs[0]), 0), int(seeds_all.shape[0]))
+    if num_reqs == 0:
+        return
+    offsets = plan.write_offsets[: num_reqs + 1].to(torch.int64)
+    end_of_work = int(offsets[num_reqs])
+    if end_of_work <= 0:
+        return
+    fields = canary_fields(ctx.canary_buf)
+    _check_input_assert_args(bool(enable_write_input_assert), expected_input_tokens, expected_input_positions)
+    if ctx.hashing_on:
+        check_row_widths(ctx.real_kv_sources)
+
+    # Entries of requests [0, num_reqs), request by request; never past offsets[num_reqs].
+    starts = offsets[:num_reqs]
+    lengths = torch.clamp(offsets[1:] - starts, min=0)
+    req, local = segment_ids(lengths)
+    flat = starts[req] + local
+    in_range = flat < end_of_work
+    req, flat = req[in_range], flat[in_range]
+    slot = out_cache_loc[flat].to(torch.int64)
+    stored = slot >= 0
+    req, flat, slot = req[stored], flat[stored], slot[stored]
+    token = input_ids[flat].to(torch.int64)
+    position = positions[flat].to(torch.int64)
+    seeds = seeds_all[:num_reqs].to(torch.int64)
+    fingerprint = fingerprint_slots(ctx.real_kv_sources, ctx.real_kv_hash_mode, slot, fields.device)
+    chain_assert_on = int(ctx.enable_chain_position_assert[0]) != 0
+    if enable_write_input_assert:
+        exp_token = expected_input_tokens[flat].to(torch.int64)
+        exp_position = expected_input_positions[flat].to(torch.int64)
+
+    kind = torch.tensor([int(ctx.kernel_kind)], dtype=torch.int64, device=fields.device)
+    rows: list[torch.Tensor] = []
+    seg_first_req, seg_first_entry = 0, 0
+    while seg_first_req < num_reqs:
+        tail_req = req[seg_first_entry:]
+        dependent = _first_dependent_request(tail_req, slot[seg_first_entry:], seeds, seg_first_req)
+        seg_end_req = num_reqs if dependent < 0 else dependent
+        seg_end_entry = seg_first_entry + int((tail_req < seg_end_req).sum())
+        e = slice(seg_first_entry, seg_end_entry)
+        seg_req, seg_slot, seg_token, seg_pos = req[e], slot[e], token[e], position[e]
+        seg_seeds = seeds[seg_first_req:seg_end_req]
+
+        # Seeds are read from the live buffer: earlier segments have landed.
+        start_hash = slot_hash(fields, seg_seeds)
+        running = chain_scan(
+            start_hash, torch.bincount(seg_req - seg_first_req, minlength=seg_seeds.numel()), seg_token, seg_pos
+        )
+
+        is_first = torch.ones_like(seg_req, dtype=torch.bool)
+        is_first[1:] = seg_req[1:] != seg_req[:-1]
+        seed_of_entry = seg_seeds[seg_req - seg_first_req]
+        seed_pos = fields[torch.clamp(seed_of_entry, min=0), CANARY_FIELD_POSITION]
+        prev_pos = torch.empty_like(seg_pos)
+        prev_pos[1:] = seg_pos[:-1]
+        last_pos = torch.where(is_first, seed_pos, prev_pos)
+
+        entry_rows = []
+        if enable_write_input_assert:
+            et, ep = exp_token[e], exp_position[e]
+            bits = (seg_token != et).to(torch.int64) * int(FailReason.WRITE_TOKEN_MISMATCH) + (
+                seg_pos != ep
+            ).to(torch.int64) * int(FailReason.WRITE_POSITION_MISMATCH)
+            bad = bits != 0
+            entry_rows.append(
+                (bad, violation_rows(kind, seg_slot, seg_pos, seg_token, et, running, ep, bits))
+            )
+        if chain_assert_on:
+            bad = (seed_of_entry >= 0) & (seg_pos != last_pos + 1)
+            bits = torch.full_like(seg_pos, int(FailReason.WRITE_POSITION_MISMATCH))
+            entry_rows.append(
+                (bad, violation_rows(kind, seg_slot, seg_pos, seg_token, seg_token, running, last_pos + 1, bits))
+            )
+        if entry_rows:
+            # Interleave per entry: input-assert row before chain row.
+            flags = torch.stack([m for m, _ in entry_rows], dim=1).flatten()
+            stacked = torch.stack([r for _, r in entry_rows], dim=1).reshape(-1, 8)
+            rows.append(stacked[flags])
+
+        last = last_occurrence_mask(seg_slot)
+        record = torch.stack([seg_token, seg_pos, running, fingerprint[e]], dim=1)[last]
+        target = seg_slot[last]
+        fields[target, CANARY_FIELD_TOKEN] = record[:, 0]
+        fields[target, CANARY_FIELD_POSITION] = record[:, 1]
+        fields[target, CANARY_FIELD_PREV_HASH] = record[:, 2]
+        fields[target, CANARY_FIELD_REAL_KV_HASH] = record[:, 3]
+
+        seg_first_req, seg_first_entry = seg_end_req, seg_end_entry
+
+    ctx.slot_run_counter.add_(int(slot.numel()))
+    if rows:
+        append_violations(ctx.violation_ring, ctx.violation_write_index, torch.cat(rows))

@@ -1,0 +1,57 @@
+"""Write op (SPEC §3.6): public launcher; checks arguments, then runs Triton or the twin."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvcanary.ops.checks import INDEX_DTYPES, check_context, check_tensor, check_write_plan
+from kvcanary.ops.dispatch import triton_backend
+from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
+from kvcanary.ops.reference.write import launch_canary_write_kernel_torch_reference
+
+_OP = "launch_canary_write_kernel"
+
+
+def launch_canary_write_kernel(
+    *,
+    context: VerifyOrWriteContext,
+    plan: WritePlan,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    enable_write_input_assert: bool,
+    expected_input_tokens: Optional[torch.Tensor],
+    expected_input_positions: Optional[torch.Tensor],
+) -> None:
+    """Write canary records for the plan's requests (sequential chain per request).
+
+    Mutates the canary buffer, both counters, the ring and its write index. Raises before
+    touching anything on bad arguments (dtype, shape, device, > 4 sources).
+    """
+    dev = check_context(_OP, context)
+    check_write_plan(_OP, plan, dev)
+    n = None
+    for name, t in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
+        check_tensor(_OP, name, t, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
+        if n is None:
+            n = t.shape[0]
+        elif t.shape[0] != n:
+            raise ValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} entries, input_ids has {n}")
+    for name, t in (("expected_input_tokens", expected_input_tokens), ("expected_input_positions", expected_input_positions)):
+        if t is not None:
+            check_tensor(_OP, name, t, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
+            if t.shape[0] < n:
+                raise ValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} entries, fewer than input_ids ({n})")
+    backend = triton_backend(dev)
+    impl = backend.launch_write if backend else launch_canary_write_kernel_torch_reference
+    impl(
+        context=context,
+        plan=plan,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        enable_write_input_assert=bool(enable_write_input_assert),
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+    )

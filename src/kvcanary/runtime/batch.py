@@ -1,0 +1,123 @@
+"""The engine-neutral description of one forward (adapter -> runtime boundary).
+
+An engine adapter translates its own structures into these frozen dataclasses; the runtime
+never sees an engine type. All index tensors may be int32 or int64 and live on the device
+the canary runs on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import torch
+
+FORWARD_KINDS = ("prefill", "decode", "mixed", "idle")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """One attention group's slot space.
+
+    name: ``"full"`` or ``"swa"`` (selects the launch tags). num_slots: size of the group's
+    slot space, slot 0 being the padding slot. sliding_window: tokens a sliding-window group
+    keeps (0 for full attention). layer_ids: the model layers in the group (for real-KV sources).
+    """
+
+    name: str
+    num_slots: int
+    sliding_window: int = 0
+    layer_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.name not in ("full", "swa"):
+            raise ValueError(f"kv-canary: GroupSpec.name must be 'full' or 'swa', got {self.name!r}")
+        if self.num_slots < 2:
+            raise ValueError(f"kv-canary: GroupSpec.num_slots must be >= 2 (slot 0 is padding), got {self.num_slots}")
+        if self.sliding_window < 0 or (self.name == "swa") != (self.sliding_window > 0):
+            raise ValueError(
+                f"kv-canary: GroupSpec {self.name!r} needs sliding_window > 0 exactly when name == 'swa', "
+                f"got {self.sliding_window}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupBatch:
+    """One group's view of a forward.
+
+    req_to_token: int32 [max_reqs, max_len], slot of (request row, position) — in the group's
+    own slot space, or in the full space when ``full_to_group_lut`` is given (int64 [num_full_slots],
+    full slot -> group slot). out_cache_loc: [num_tokens] slots written by this forward, in the
+    group's own space (negative = not stored).
+    """
+
+    req_to_token: torch.Tensor
+    out_cache_loc: torch.Tensor
+    full_to_group_lut: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchDescription:
+    """One forward, engine-neutral.
+
+    req_pool_indices, prefix_lens, extend_lens: [bs] request rows (row 0 = padding), tokens already
+    cached, tokens computed this forward. input_ids, positions: [num_tokens], flattened request by
+    request in batch order (extend_lens[r] tokens each). groups: per group name, its GroupBatch.
+    request_ids: one id per batch row (None for padding rows) for attribution. token_table /
+    token_table_lens: optional token history per request row (int32 [max_reqs, max_ctx], token at
+    position p in column p) and its valid length per batch row; enables the verify-token check.
+    forward_kind: one of ``prefill | decode | mixed | idle``.
+    expected_input_ids: optional token oracle, [num_tokens] — the tokens the engine *should* be
+    writing (for the write-input assert); without it the assert reads them from token_table.
+
+    Host syncs: the runtime reads prefix_lens, extend_lens and req_pool_indices on the host once
+    per forward (to size and attribute); pass CPU copies of those three if the engine has them.
+    """
+
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    groups: Mapping[str, GroupBatch]
+    request_ids: Optional[tuple[Optional[str], ...]] = None
+    token_table: Optional[torch.Tensor] = None
+    token_table_lens: Optional[torch.Tensor] = None
+    forward_kind: str = "mixed"
+    expected_input_ids: Optional[torch.Tensor] = None
+    extra: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.forward_kind not in FORWARD_KINDS:
+            raise ValueError(
+                f"kv-canary: BatchDescription.forward_kind must be one of {', '.join(FORWARD_KINDS)}, "
+                f"got {self.forward_kind!r}"
+            )
+        bs = int(self.req_pool_indices.shape[0])
+        for name in ("prefix_lens", "extend_lens"):
+            if int(getattr(self, name).shape[0]) != bs:
+                raise ValueError(
+                    f"kv-canary: BatchDescription.{name} has {getattr(self, name).shape[0]} rows, "
+                    f"req_pool_indices has {bs}"
+                )
+        if self.input_ids.shape != self.positions.shape:
+            raise ValueError(
+                f"kv-canary: BatchDescription input_ids {tuple(self.input_ids.shape)} and positions "
+                f"{tuple(self.positions.shape)} differ in shape"
+            )
+        if self.request_ids is not None and len(self.request_ids) != bs:
+            raise ValueError(f"kv-canary: BatchDescription.request_ids has {len(self.request_ids)} ids for {bs} rows")
+        if self.expected_input_ids is not None and self.expected_input_ids.shape != self.input_ids.shape:
+            raise ValueError(
+                f"kv-canary: BatchDescription expected_input_ids {tuple(self.expected_input_ids.shape)} and "
+                f"input_ids {tuple(self.input_ids.shape)} differ in shape"
+            )
+        if (self.token_table is None) != (self.token_table_lens is None):
+            raise ValueError("kv-canary: BatchDescription token_table and token_table_lens go together")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
