@@ -58,7 +58,9 @@ def append_violations(ring: torch.Tensor, write_index: torch.Tensor, rows: torch
 def violation_rows(*columns: torch.Tensor) -> torch.Tensor:
     """Stack eight int64 columns [N] (or scalars broadcast) into violation rows [N, 8]."""
     assert len(columns) == VIOLATION_FIELDS
-    n = max(c.numel() for c in columns if isinstance(c, torch.Tensor))
+    sizes = [c.numel() for c in columns]
+    # An empty column means no rows (a one-element column is then broadcast to nothing).
+    n = 0 if 0 in sizes else max(sizes)
     cols = [c.expand(n) if c.numel() == 1 else c for c in columns]
     return torch.stack([c.to(torch.int64) for c in cols], dim=1)
 
@@ -80,7 +82,9 @@ def last_occurrence_mask(keys: torch.Tensor) -> torch.Tensor:
 def segment_ids(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For non-negative int64 lengths [R]: (segment of each element, index within its segment)."""
     total = int(lengths.sum()) if lengths.numel() else 0
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
+    # searchsorted, not repeat_interleave: the latter takes milliseconds on a busy 2-core CPU.
+    ends = torch.cumsum(lengths, 0)
+    seg = torch.searchsorted(ends, torch.arange(total, device=lengths.device), right=True)
+    starts = ends - lengths
     local = torch.arange(total, device=lengths.device) - starts[seg]
     return seg, local

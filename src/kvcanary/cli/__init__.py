@@ -1,0 +1,1 @@
+"""The ``kvcanary`` command (`kvcanary.cli.main`): ``demo`` today."""

@@ -1,0 +1,48 @@
+"""``kvcanary`` command line: ``kvcanary demo [--json PATH] [--device DEV] [--seed N]``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcanary", description="Catch KV-cache corruption in LLM inference engines.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="checked transformers continuous batching on tiny random models: a clean run, then injected faults",
+    )
+    demo.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    demo.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    demo.add_argument("--seed", type=int, default=0, help="seed for models, workload and fault injectors")
+    demo.add_argument("--verbose", action="store_true", help="show the engine log and one log line per violation")
+    demo.add_argument("--models", default="llama,qwen3_swa", help="comma list of: llama, qwen3_swa")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from kvcanary.cli.demo import format_table, run_demo
+
+        try:
+            result = run_demo(device=args.device, seed=args.seed, models=tuple(m for m in args.models.split(",") if m),
+                              verbose=args.verbose)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            if str(exc).startswith("kv-canary:"):
+                print(exc, file=sys.stderr)
+                return 2
+            raise
+        print(format_table(result))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=2, default=str)
+        clean_ok = result["clean"]["violations"] == 0
+        return 0 if clean_ok and all(f["caught"] for f in result["faults"]) else 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""kvcanary.engines — adapters that translate an engine's structures into `BatchDescription`s."""

@@ -1,0 +1,412 @@
+"""`SimEngine`: scheduler, KV pools and forward of the simulated engine.
+
+One `step()`:
+
+    admit waiting requests (row + longest cached prefix, window-checked for the SWA group)
+    per running request: allocate slots for its next chunk (evict cached prefixes, else retract)
+    build the BatchDescription          -> batch hooks (fault injection) may rewrite it
+    with canary.forward(batch):         -> the "model": KV bytes of every layer into out_cache_loc
+    advance: sample, finish (insert into the prefix cache), abort, drop out-of-window SWA slots
+
+Layers: with ``sliding_window == 0`` every layer is full attention (group ``full``); otherwise even
+layers are full and odd layers sliding-window (group ``swa``, own slot space, full->swa LUT).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from kvcanary.engines.sim.pool import PADDING_SLOT, RequestTable, SlotAllocator
+from kvcanary.engines.sim.radix import RadixCache, RadixNode
+from kvcanary.engines.sim.workload import SimWorkload
+from kvcanary.ops.hashing import splitmix64_mix3_tensor, splitmix64_tensor
+from kvcanary.runtime import BatchDescription, GroupBatch, GroupSpec
+
+BatchHook = Callable[[BatchDescription], BatchDescription]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """Pool sizes and scheduling limits. kv_bytes: bytes per token per layer and side."""
+
+    num_slots: int = 2048
+    swa_num_slots: int = 512
+    sliding_window: int = 0
+    max_requests: int = 32
+    max_context: int = 256
+    block_size: int = 4
+    num_layers: int = 4
+    kv_bytes: int = 32
+    chunk_size: int = 48
+    max_batch_tokens: int = 192
+    max_running: int = 12
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes % 16 or self.kv_bytes <= 0:
+            raise ValueError(f"kv-canary: SimConfig.kv_bytes must be a positive multiple of 16, got {self.kv_bytes}")
+        if self.sliding_window and self.num_layers < 2:
+            raise ValueError("kv-canary: SimConfig with sliding_window needs num_layers >= 2")
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(range(0, self.num_layers, 2 if self.sliding_window else 1))
+
+    @property
+    def swa_layers(self) -> tuple[int, ...]:
+        return tuple(range(1, self.num_layers, 2)) if self.sliding_window else ()
+
+    def group_specs(self) -> list[GroupSpec]:
+        specs = [GroupSpec(name="full", num_slots=self.num_slots, layer_ids=self.full_layers)]
+        if self.sliding_window:
+            specs.append(GroupSpec(name="swa", num_slots=self.swa_num_slots, sliding_window=self.sliding_window,
+                                   layer_ids=self.swa_layers))
+        return specs
+
+
+@dataclass(eq=False)
+class SimRequest:
+    rid: str
+    tokens: list[int]
+    max_new: int
+    row: int = 0
+    num_computed: int = 0
+    generated: int = 0
+    own_from: int = 0
+    full_slots: list[int] = field(default_factory=list)
+    swa_slots: list[int] = field(default_factory=list)
+    swa_dropped_upto: int = 0
+    path: list[RadixNode] = field(default_factory=list)
+    state: str = "waiting"
+
+
+def kv_bytes(tokens: torch.Tensor, positions: torch.Tensor, layer: int, side: int, nbytes: int) -> torch.Tensor:
+    """Deterministic "K/V" of tokens at positions: uint8 [n, nbytes]."""
+    h = splitmix64_mix3_tensor(tokens.to(torch.int64), positions.to(torch.int64),
+                               torch.tensor(layer * 2 + side, dtype=torch.int64))
+    words = [splitmix64_tensor(h + j) for j in range(nbytes // 8)]
+    return torch.stack(words, dim=1).view(torch.uint8).reshape(-1, nbytes)
+
+
+class SimEngine:
+    """The simulated engine. ``canary`` (a `kvcanary.runtime.Canary` or None) brackets each forward."""
+
+    def __init__(self, config: SimConfig, canary=None) -> None:
+        self.config = c = config
+        self.rng = random.Random(c.seed)
+        self.table = RequestTable(c.max_requests, c.max_context)
+        self.full_alloc = SlotAllocator(c.num_slots)
+        self.swa_alloc = SlotAllocator(c.swa_num_slots) if c.sliding_window else None
+        self.full_to_swa = torch.zeros(c.num_slots, dtype=torch.int64)
+        self.cache = RadixCache(c.block_size)
+        self.kv = {  # (group, layer) -> (k, v), uint8 [group slots, kv_bytes]
+            (g, layer): tuple(torch.zeros(n, c.kv_bytes, dtype=torch.uint8) for _ in "kv")
+            for g, layers, n in (("full", c.full_layers, c.num_slots), ("swa", c.swa_layers, c.swa_num_slots))
+            for layer in layers
+        }
+        self.waiting: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self.finished = 0
+        self.aborted = 0
+        self.retracted = 0
+        self.evicted_blocks = 0
+        self.cache_hit_tokens = 0
+        self.forwards = 0
+        self.batch_hooks: list[BatchHook] = []
+        self.bypass_canary = False
+        self._next_rid = 0
+        self.canary = None
+        if canary is not None:
+            self.attach(canary)
+
+    # ---- canary wiring (what a real adapter does) -----------------------------------------------
+    def attach(self, canary) -> None:
+        self.canary = canary
+        for g in ("full", "swa") if self.swa_alloc else ("full",):
+            canary.set_kv_cache(g, {layer: kv for (grp, layer), kv in self.kv.items() if grp == g})
+        canary.set_live_slots_provider(self.live_slots)
+
+    def live_slots(self) -> dict[str, torch.Tensor]:
+        live = {"full": self.full_alloc.live()}
+        if self.swa_alloc:
+            live["swa"] = self.swa_alloc.live()
+        return live
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: list[int], max_new: int, rid: Optional[str] = None) -> SimRequest:
+        if not prompt or len(prompt) + max_new > self.config.max_context:
+            raise ValueError(f"kv-canary: sim request needs 1 <= prompt and prompt + max_new <= {self.config.max_context}")
+        req = SimRequest(rid=rid or f"r{self._next_rid}", tokens=list(prompt), max_new=max_new)
+        self._next_rid += 1
+        self.waiting.append(req)
+        return req
+
+    def request(self, rid: str) -> SimRequest:
+        for r in self.running:
+            if r.rid == rid:
+                return r
+        raise KeyError(f"no running request {rid!r}")
+
+    def _admit(self) -> None:
+        c = self.config
+        while self.waiting and len(self.running) < c.max_running and self.table.num_free:
+            req = self.waiting.pop(0)
+            req.row = self.table.alloc_row()
+            path = self.cache.match(req.tokens, len(req.tokens) - 1)
+            if c.sliding_window:
+                while path and not self._window_alive(path):
+                    path.pop()
+            RadixCache.lock(path, +1)
+            req.path = path
+            req.full_slots = [s for n in path for s in n.full_slots]
+            req.swa_slots = [s for n in path for s in n.swa_slots]
+            req.num_computed = req.own_from = len(req.full_slots)
+            self.cache_hit_tokens += req.own_from
+            req.swa_dropped_upto = req.own_from
+            req.state = "running"
+            n = len(req.tokens)
+            self.table.tokens[req.row, :n] = torch.tensor(req.tokens, dtype=torch.int32)
+            if req.full_slots:
+                self.table.req_to_token[req.row, : len(req.full_slots)] = torch.tensor(req.full_slots, dtype=torch.int32)
+            self.running.append(req)
+
+    def _window_alive(self, path: list[RadixNode]) -> bool:
+        swa = [s for n in path for s in n.swa_slots]
+        return all(s != PADDING_SLOT for s in swa[max(0, len(swa) - self.config.sliding_window):])
+
+    # ---- memory -------------------------------------------------------------------------------
+    def _alloc(self, n: int) -> Optional[tuple[list[int], list[int]]]:
+        """``n`` full (+ swa) slots, evicting cached prefixes if needed; None if impossible."""
+        for alloc in (self.full_alloc, self.swa_alloc):
+            if alloc is not None and alloc.num_free < n:
+                self._evict(n - alloc.num_free)
+        if self.full_alloc.num_free < n or (self.swa_alloc and self.swa_alloc.num_free < n):
+            return None
+        full = self.full_alloc.alloc(n)
+        swa = self.swa_alloc.alloc(n) if self.swa_alloc else [0] * n
+        return full, swa
+
+    def _evict(self, needed: int) -> None:
+        for node in self.cache.evict(needed):
+            self.evicted_blocks += 1
+            self._free(node.full_slots, node.swa_slots)
+
+    def _free(self, full: list[int], swa: list[int]) -> None:
+        self.full_alloc.free(full)
+        if self.swa_alloc:
+            live_swa = [s for s in swa if s != PADDING_SLOT]
+            self.swa_alloc.free(live_swa)
+            if full:
+                self.full_to_swa[full] = 0
+
+    def _release(self, req: SimRequest) -> None:
+        """Free what the request owns (not its cached prefix), unlock the prefix, free the row."""
+        own = slice(req.own_from, None)
+        self._free(req.full_slots[own], req.swa_slots[own])
+        RadixCache.lock(req.path, -1)
+        self.table.free_row(req.row)
+        self.running.remove(req)
+
+    def retract(self, req: SimRequest) -> None:
+        """Put a running request back in the queue; it recomputes from scratch (minus cache hits)."""
+        self._release(req)
+        self.retracted += 1
+        req.state, req.num_computed, req.path, req.full_slots, req.swa_slots = "waiting", 0, [], [], []
+        self.waiting.insert(0, req)
+
+    def abort(self, req: SimRequest) -> None:
+        self._release(req)
+        self.aborted += 1
+        req.state = "aborted"
+
+    def _finish(self, req: SimRequest) -> None:
+        n_blocks = req.num_computed // self.config.block_size
+        dup_full, dup_swa = self.cache.insert(req.tokens, req.full_slots, req.swa_slots, n_blocks, req.path)
+        self._free(dup_full, dup_swa)
+        tail = n_blocks * self.config.block_size
+        self._free(req.full_slots[tail:], req.swa_slots[tail:])
+        RadixCache.lock(req.path, -1)
+        self.table.free_row(req.row)
+        self.running.remove(req)
+        self.finished += 1
+        req.state = "finished"
+
+    # ---- one forward ----------------------------------------------------------------------------
+    def step(self) -> Optional[BatchDescription]:
+        """Schedule and run one forward; returns its batch (None when idle)."""
+        c = self.config
+        self._admit()
+        plan: list[tuple[SimRequest, int, list[int], list[int]]] = []
+        budget = c.max_batch_tokens
+        for req in list(self.running):
+            if req.state != "running" or budget <= 0:
+                continue
+            e = min(c.chunk_size, len(req.tokens) - req.num_computed, budget)
+            got = self._alloc(e)
+            while got is None:
+                victims = [r for r in self.running if r is not req and r not in [p[0] for p in plan]]
+                if not victims:
+                    break
+                self.retract(victims[-1])
+                got = self._alloc(e)
+            if got is None:
+                self.retract(req)
+                continue
+            full, swa = got
+            p = req.num_computed
+            req.full_slots += full
+            req.swa_slots += swa
+            self.table.req_to_token[req.row, p : p + e] = torch.tensor(full, dtype=torch.int32)
+            if self.swa_alloc:
+                self.full_to_swa[full] = torch.tensor(swa, dtype=torch.int64)
+            plan.append((req, e, full, swa))
+            budget -= e
+        if not plan:
+            return None
+        batch = self._batch(plan)
+        for hook in self.batch_hooks:
+            batch = hook(batch)
+        self.forwards += 1
+        if self.canary is not None and not self.bypass_canary:
+            with self.canary.forward(batch):
+                self._model(batch)
+        else:
+            self._model(batch)
+        if self.canary is not None:
+            self.canary.note_engine_forward()
+        self._advance(plan)
+        return batch
+
+    def _batch(self, plan) -> BatchDescription:
+        reqs = [p[0] for p in plan]
+        ext = [p[1] for p in plan]
+        pre = [r.num_computed for r in reqs]
+        ids = [t for r, e in zip(reqs, ext) for t in r.tokens[r.num_computed : r.num_computed + e]]
+        pos = [q for r, e in zip(reqs, ext) for q in range(r.num_computed, r.num_computed + e)]
+        decode = [p > 0 and e == 1 and p + 1 == len(r.tokens) and r.generated > 0 for r, p, e in zip(reqs, pre, ext)]
+        kind = "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
+        groups = {"full": GroupBatch(req_to_token=self.table.req_to_token,
+                                     out_cache_loc=torch.tensor([s for p in plan for s in p[2]], dtype=torch.int64))}
+        if self.swa_alloc:
+            groups["swa"] = GroupBatch(
+                req_to_token=self.table.req_to_token,
+                out_cache_loc=torch.tensor([s for p in plan for s in p[3]], dtype=torch.int64),
+                full_to_group_lut=self.full_to_swa,
+            )
+        return BatchDescription(
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64),
+            prefix_lens=torch.tensor(pre, dtype=torch.int64),
+            extend_lens=torch.tensor(ext, dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            groups=groups,
+            request_ids=tuple(r.rid for r in reqs),
+            token_table=self.table.tokens,
+            token_table_lens=torch.tensor([len(r.tokens) for r in reqs], dtype=torch.int64),
+            forward_kind=kind,
+        )
+
+    def _model(self, batch: BatchDescription) -> None:
+        """Store every layer's K and V for the batch's tokens at the batch's slots."""
+        for (group, layer), (k, v) in self.kv.items():
+            loc = batch.groups[group].out_cache_loc
+            keep = loc >= 0
+            for side, t in enumerate((k, v)):
+                t[loc[keep]] = kv_bytes(batch.input_ids[keep], batch.positions[keep], layer, side, self.config.kv_bytes)
+
+    def _advance(self, plan) -> None:
+        c = self.config
+        for req, e, _, _ in plan:
+            if req.state != "running":
+                continue
+            req.num_computed += e
+            if req.num_computed == len(req.tokens):
+                if req.generated >= req.max_new:
+                    self._finish(req)
+                    continue
+                tok = self.rng.randrange(1, 32000)
+                self.table.tokens[req.row, len(req.tokens)] = tok
+                req.tokens.append(tok)
+                req.generated += 1
+            if c.sliding_window:
+                upto = req.num_computed - c.sliding_window
+                if upto > req.swa_dropped_upto:
+                    drop = range(req.swa_dropped_upto, upto)
+                    self.swa_alloc.free([req.swa_slots[i] for i in drop])
+                    self.full_to_swa[[req.full_slots[i] for i in drop]] = 0
+                    for i in drop:
+                        req.swa_slots[i] = PADDING_SLOT
+                    req.swa_dropped_upto = upto
+
+    def run(self, steps: int, workload: Optional[SimWorkload] = None, *, progress: bool = False) -> int:
+        """Run ``steps`` scheduler steps feeding ``workload``; returns forwards executed."""
+        stream = (workload or SimWorkload(seed=self.config.seed)).stream(self.config.max_context)
+        abort_prob = (workload or SimWorkload()).abort_prob
+        it: Iterable[int] = range(steps)
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(it, desc="sim forwards", unit="step")
+        start = self.forwards
+        for _ in it:
+            for prompt, new in next(stream):
+                self.add_request(prompt, new)
+            if self.running and self.rng.random() < abort_prob:
+                self.abort(self.rng.choice(self.running))
+            self.step()
+        return self.forwards - start
+
+    # ---- fault hooks (tests, kvcanary.faults) -----------------------------------------------------
+    def redirect_slot(self, rid: str, position: int, to_slot: int, *, group: str = "full") -> int:
+        """Point (request, position) at ``to_slot`` in the position->slot table (full) or the LUT
+        (swa). Returns the slot it pointed at before."""
+        req = self.request(rid)
+        full = int(self.table.req_to_token[req.row, position])
+        if group == "full":
+            self.table.req_to_token[req.row, position] = to_slot
+            return full
+        old = int(self.full_to_swa[full])
+        self.full_to_swa[full] = to_slot
+        return old
+
+    def free_and_reuse(self, rid: str, position: int) -> int:
+        """Free (request, position)'s full slot while the request still uses it, so the next
+        allocation hands it out again. Returns the slot."""
+        req = self.request(rid)
+        slot = int(self.table.req_to_token[req.row, position])
+        self.full_alloc.force_free(slot)
+        return slot
+
+    def flip_kv_byte(self, group: str, slot: int, *, layer: Optional[int] = None, side: str = "k",
+                     byte: int = 0, bit: int = 0) -> None:
+        """Flip one bit of one slot's stored K or V (default: the group's first layer)."""
+        layers = self.config.full_layers if group == "full" else self.config.swa_layers
+        k, v = self.kv[(group, layers[0] if layer is None else layer)]
+        t = k if side == "k" else v
+        t[slot, byte] ^= 1 << bit
+
+    def cached_idle_slots(self) -> list[int]:
+        """Full slots held only by the prefix cache (no running request uses them)."""
+        used = {s for r in self.running for s in r.full_slots}
+        return [s for n in self.cache.nodes() for s in n.full_slots if s not in used]
+
+    @staticmethod
+    def shift_positions(rid: str, delta: int) -> BatchHook:
+        """A one-shot batch hook adding ``delta`` to request ``rid``'s positions."""
+        fired = []
+
+        def hook(batch: BatchDescription) -> BatchDescription:
+            if fired or rid not in (batch.request_ids or ()):
+                return batch
+            fired.append(True)
+            r = batch.request_ids.index(rid)
+            start = int(batch.extend_lens[:r].sum())
+            pos = batch.positions.clone()
+            pos[start : start + int(batch.extend_lens[r])] += delta
+            return dataclasses.replace(batch, positions=pos)
+
+        return hook

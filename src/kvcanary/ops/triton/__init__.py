@@ -1,0 +1,27 @@
+"""Triton GPU kernels behind the public launchers (SPEC §3.9).
+
+``AVAILABLE`` is True when Triton imports; ``kvcanary.ops.dispatch`` then routes CUDA tensors
+here. Each op lives in its own module (private ``@triton.jit`` kernels + one launcher):
+``launch_plan``, ``launch_write``, ``launch_verify``, ``launch_scatter`` take the public
+launcher's keyword arguments, already validated. Importing this package never fails when
+Triton is missing: it only sets ``AVAILABLE = False``.
+"""
+from __future__ import annotations
+
+try:  # Triton is optional: CPU-only installs use the torch twins.
+    import triton  # noqa: F401
+    import triton.language  # noqa: F401
+except Exception:  # pragma: no cover - depends on the environment
+    AVAILABLE = False
+else:
+    AVAILABLE = True
+
+if AVAILABLE:
+    from kvcanary.ops.triton.plan import launch_plan
+    from kvcanary.ops.triton.scatter import launch_scatter
+    from kvcanary.ops.triton.verify import launch_verify
+    from kvcanary.ops.triton.write import launch_write
+
+    __all__ = ["AVAILABLE", "launch_plan", "launch_write", "launch_verify", "launch_scatter"]
+else:  # pragma: no cover
+    __all__ = ["AVAILABLE"]

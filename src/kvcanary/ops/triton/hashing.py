@@ -1,0 +1,193 @@
+"""Triton device helpers shared by the kernels: splitmix64, mix3, real-KV fingerprints, launch
+helpers (SPEC §3.2, §3.3).
+
+Interpreter rules (SPEC §3.9): hash math runs on ``tl.uint64`` values bitcast from int64, never
+mixes signed and unsigned operands, and never applies ``~`` to unsigned values.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcanary.ops.constants import PARTIAL_REAL_KV_READ_BYTES, RealKvHashMode
+from kvcanary.ops.hashing import CHAIN_HEAD_HASH, to_signed64
+from kvcanary.ops.records import RealKvSource
+
+H0_SIGNED = to_signed64(CHAIN_HEAD_HASH)
+"""The chain head hash H0 as the int64 value kernels receive."""
+
+
+@triton.jit
+def splitmix64(x):
+    """splitmix64 finaliser of a tl.uint64 tensor."""
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def as_u64(x):
+    """Bit pattern of an integer tensor as tl.uint64 (sign-extending narrower ints first)."""
+    return x.to(tl.int64).to(tl.uint64, bitcast=True)
+
+
+@triton.jit
+def as_i64(x):
+    """tl.uint64 bit pattern as tl.int64 (what the buffers store)."""
+    return x.to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def mix3(h, b, c):
+    """``splitmix64(splitmix64(splitmix64(h) ^ b) ^ c)``; all tl.uint64."""
+    h = splitmix64(h)
+    h = splitmix64(h ^ b)
+    return splitmix64(h ^ c)
+
+
+@triton.jit
+def slot_hash_of_fields(prev_hash, token, position):
+    """mix3 over a record's stored (int64) prev_hash, token and position; returns tl.uint64."""
+    return mix3(as_u64(prev_hash), as_u64(token), as_u64(position))
+
+
+@triton.jit
+def _source_fold(ptr, slot, mask, page_size, nbpt_words, row_words, NWORDS: tl.constexpr):
+    """Fold the first NWORDS little-endian words of each slot's strip: acc = splitmix64(acc ^ w).
+
+    ``ptr`` points at the source's first byte (8-byte aligned); loads go two words (16 bytes)
+    at a time: strips start on 16-byte boundaries.
+    """
+    s = tl.where(mask, slot, 0)
+    first = (s // page_size) * row_words + (s % page_size) * nbpt_words
+    first = tl.multiple_of(first, 2)
+    wptr = ptr.to(tl.pointer_type(tl.int64))
+    acc = tl.zeros(slot.shape, dtype=tl.uint64)
+    pair = tl.arange(0, 2)
+    for k in tl.static_range(NWORDS // 2):
+        two = tl.load(wptr + first[:, None] + (2 * k + pair)[None, :], mask=mask[:, None], other=0)
+        w0, w1 = tl.split(two)
+        acc = splitmix64(acc ^ as_u64(w0))
+        acc = splitmix64(acc ^ as_u64(w1))
+    return acc
+
+
+@triton.jit
+def fingerprint(
+    slot, mask,
+    s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
+    NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+):
+    """Real-KV fingerprint (tl.uint64) of each slot over NSRC sources; 0 when NSRC == 0.
+
+    Per source: base pointer, page size, bytes-per-token in words, row stride in words, and the
+    constexpr number of words hashed (2 in PARTIAL, read_bytes // 8 in ALL).
+    """
+    total = tl.zeros(slot.shape, dtype=tl.uint64)
+    if NSRC > 0:
+        total = splitmix64(total ^ _source_fold(s0, slot, mask, p0, n0, r0, W0))
+    if NSRC > 1:
+        total = splitmix64(total ^ _source_fold(s1, slot, mask, p1, n1, r1, W1))
+    if NSRC > 2:
+        total = splitmix64(total ^ _source_fold(s2, slot, mask, p2, n2, r2, W2))
+    if NSRC > 3:
+        total = splitmix64(total ^ _source_fold(s3, slot, mask, p3, n3, r3, W3))
+    return total
+
+
+@dataclass(frozen=True)
+class SourceArgs:
+    """Kernel arguments describing the real-KV sources of one launch."""
+
+    args: tuple  # 16 runtime values: (tensor, page_size, nbpt_words, row_words) x 4
+    consts: dict  # NSRC, W0..W3
+
+    @staticmethod
+    def none(dummy: torch.Tensor) -> "SourceArgs":
+        return SourceArgs(args=(dummy, 1, 2, 2) * 4, consts=dict(NSRC=0, W0=2, W1=2, W2=2, W3=2))
+
+
+def _kernel_addressable(src: RealKvSource) -> bool:
+    """True when a row's bytes are contiguous in memory and the tensor starts 16-byte aligned
+    (then word ``k`` of slot ``s`` is at a fixed offset from ``data_ptr``)."""
+    t = src.tensor
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def source_args(sources: tuple, mode: int, dummy: torch.Tensor):
+    """SourceArgs for the launch, or None when a source's layout needs the torch twin
+    (rows not contiguous in memory, or a base address not 16-byte aligned)."""
+    if int(mode) == RealKvHashMode.NONE or not sources:
+        return SourceArgs.none(dummy)
+    args: list = []
+    consts = dict(NSRC=len(sources))
+    for i in range(4):
+        if i < len(sources):
+            src = sources[i]
+            if not _kernel_addressable(src):
+                return None
+            nbytes = PARTIAL_REAL_KV_READ_BYTES if int(mode) == RealKvHashMode.PARTIAL else src.read_bytes
+            args += [src.tensor, src.page_size, src.num_bytes_per_token // 8,
+                     src.tensor.stride(0) * src.tensor.element_size() // 8]
+            consts[f"W{i}"] = nbytes // 8
+        else:
+            args += [dummy, 1, 2, 2]
+            consts[f"W{i}"] = 2
+    return SourceArgs(args=tuple(args), consts=consts)
+
+
+def static_error(context, *, check_input_assert=None) -> Exception | None:
+    """The lazy-check error a launch with work would raise, judged from shapes alone (no device
+    read); None when the launch is well-formed. Order as SPEC §3.6/§3.7: stride, input-assert
+    rule (write), narrow rows."""
+    buf = context.canary_buf
+    if buf.shape[1] % 8:
+        return ValueError(
+            "kv-canary: canary_buf must be uint8 [num_slots, stride_bytes] with stride_bytes a "
+            f"multiple of 8, got shape {tuple(buf.shape)}"
+        )
+    if buf.shape[1] // 8 < 4:
+        return ValueError(f"kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {buf.shape[1] // 8}")
+    if check_input_assert is not None:
+        flag, tokens, positions = check_input_assert
+        if flag and (tokens is None or positions is None):
+            return ValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
+        if not flag and (tokens is not None or positions is not None):
+            return ValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
+    if context.hashing_on:
+        for src in context.real_kv_sources:
+            if src.row_bytes < src.slot_layout_bytes:
+                return ValueError(
+                    "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is "
+                    f"{src.row_bytes} bytes but page_size={src.page_size} x num_bytes_per_token="
+                    f"{src.num_bytes_per_token} needs {src.slot_layout_bytes}"
+                )
+    return None
+
+
+def capturing(device: torch.device) -> bool:
+    """True while the current CUDA stream is being captured into a graph (never on CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device (4 under the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,0 +1,294 @@
+"""Triton plan (SPEC §3.5): verify entries and write metadata in two or three launches.
+
+1. ``_row_block_sums_kernel`` (only when the batch spans several row blocks): per row block, the
+   number of verify entries and of extend tokens.
+2. ``_row_scan_kernel``: exclusive running sums per batch row into a scratch array (entry start
+   and write offset of every row; the last element is the total).
+3. ``_gather_kernel``: a persistent kernel, sized from the device, that writes the outputs: write
+   offsets, seeds, counts, and, unless the entries overflow the capacity, every verify entry
+   (each finds its row by binary search over the scratch starts, so one 100k-token row and
+   thousands of one-token rows balance alike).
+
+There is no batch-size ceiling. LUT range errors (ValueError, outputs untouched) need a host
+read: outside CUDA-graph capture a check kernel finds the first offending lookup in gather order
+before anything is written; under capture the check is skipped and an out-of-range lookup
+stores -1 instead of reading past the LUT.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcanary.ops.records import VerifyPlan, WritePlan
+from kvcanary.ops.triton.hashing import capturing, num_sms
+
+_ROW_BLOCK = 4096
+_ENTRY_BLOCK = 1024
+_PROGRAMS_PER_SM = 4
+_NO_ERROR = 2**62
+_NO_ERROR_K = tl.constexpr(_NO_ERROR)
+
+
+@triton.jit
+def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window):
+    """Per batch row: (verify entries, write tokens, window start), int64."""
+    m = rows < bs
+    rp = tl.load(rp_ptr + rows, mask=m, other=0).to(tl.int64)
+    p = tl.load(prefix_ptr + rows, mask=m, other=0).to(tl.int64)
+    e = tl.load(extend_ptr + rows, mask=m, other=0).to(tl.int64)
+    active = m & (rp != 0)
+    if window > 0:
+        lo = tl.maximum(p - window, 0)
+    else:
+        lo = p * 0
+    n_verify = tl.where(active, tl.maximum(p - lo, 0), 0)
+    n_write = tl.where(active & (e > 0), e, 0)
+    return n_verify, n_write, lo
+
+
+@triton.jit
+def _row_block_sums_kernel(rp_ptr, prefix_ptr, extend_ptr, sums_ptr, bs, window, nblocks, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window)
+    tl.store(sums_ptr + pid, tl.sum(nv, 0))
+    tl.store(sums_ptr + nblocks + pid, tl.sum(nw, 0))
+
+
+@triton.jit
+def _row_scan_kernel(
+    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, starts_ptr, bs, window, nblocks,
+    MULTI: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """starts[0:bs+1] = exclusive sums of verify entries; starts[bs+1:2bs+2] = of write tokens."""
+    pid = tl.program_id(0)
+    base_v = tl.zeros([], tl.int64)
+    base_w = tl.zeros([], tl.int64)
+    if MULTI:
+        for b in range(0, pid, BLOCK):
+            blk = b + tl.arange(0, BLOCK)
+            bm = blk < pid
+            base_v += tl.sum(tl.load(sums_ptr + blk, mask=bm, other=0), 0)
+            base_w += tl.sum(tl.load(sums_ptr + nblocks + blk, mask=bm, other=0), 0)
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window)
+    cv = tl.cumsum(nv, 0)
+    cw = tl.cumsum(nw, 0)
+    m = rows < bs
+    tl.store(starts_ptr + rows, base_v + cv - nv, mask=m)
+    tl.store(starts_ptr + bs + 1 + rows, base_w + cw - nw, mask=m)
+    last = rows == bs - 1
+    tl.store(starts_ptr + bs + rows * 0, base_v + cv, mask=last)
+    tl.store(starts_ptr + 2 * bs + 1 + rows * 0, base_w + cw, mask=last)
+
+
+@triton.jit
+def _entry_rows(starts_ptr, e, bs, NSTEPS: tl.constexpr):
+    """Batch row holding each global entry index: the last row r with starts[r] <= e."""
+    lo = tl.zeros(e.shape, tl.int64)
+    hi = tl.zeros(e.shape, tl.int64) + bs - 1
+    for _ in tl.static_range(NSTEPS):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(starts_ptr + mid) <= e
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _entry_fields(
+    e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, bs, window, NSTEPS: tl.constexpr,
+):
+    """(row, request row, position, raw slot, raw predecessor or -1) of entries e (mask m)."""
+    row = _entry_rows(starts_ptr, e, bs, NSTEPS)
+    row = tl.where(m, row, 0)
+    rp = tl.load(rp_ptr + row, mask=m, other=0).to(tl.int64)
+    p = tl.load(prefix_ptr + row, mask=m, other=0).to(tl.int64)
+    if window > 0:
+        lo = tl.maximum(p - window, 0)
+    else:
+        lo = p * 0
+    pos = lo + e - tl.load(starts_ptr + row, mask=m, other=0)
+    line = rtt_ptr + rp * rtt_stride
+    slot_raw = tl.load(line + pos, mask=m, other=0).to(tl.int64)
+    has_prev = m & (pos > 0)
+    prev_raw = tl.load(line + pos - 1, mask=has_prev, other=-1).to(tl.int64)
+    return row, rp, pos, slot_raw, prev_raw, has_prev
+
+
+@triton.jit
+def _lut_check_kernel(
+    starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, lut_len, first_bad_ptr, bs, window,
+    NSTEPS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """first_bad = min over offending lookups of (2 * entry + (0 slot | 1 predecessor))."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = tl.load(starts_ptr + bs)
+    for start in range(pid * BLOCK, total, nprog * BLOCK):
+        e = start + tl.arange(0, BLOCK).to(tl.int64)
+        m = e < total
+        _row, _rp, _pos, slot_raw, prev_raw, has_prev = _entry_fields(
+            e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, bs, window, NSTEPS)
+        key = tl.where(m & (slot_raw >= lut_len), 2 * e, _NO_ERROR_K)
+        key = tl.minimum(key, tl.where(has_prev & (prev_raw >= lut_len), 2 * e + 1, _NO_ERROR_K))
+        worst = tl.min(key, 0)
+        if worst < _NO_ERROR_K:
+            tl.atomic_min(first_bad_ptr, worst)
+
+
+@triton.jit
+def _translate(raw, lut_ptr, lut_len, HAS_LUT: tl.constexpr):
+    """T(x): negative values pass through, others are looked up (-1 past the LUT's end)."""
+    if HAS_LUT:
+        inside = (raw >= 0) & (raw < lut_len)
+        looked = tl.load(lut_ptr + raw, mask=inside, other=-1)
+        return tl.where(raw < 0, raw, looked)
+    else:
+        return raw
+
+
+@triton.jit
+def _gather_kernel(
+    starts_ptr, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, bs, window,
+    lut_ptr, lut_len,
+    table_ptr, table_stride, valid_ptr, token_offset,
+    v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
+    w_off_ptr, w_seed_ptr, w_num_ptr, w_cap,
+    HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr, NSTEPS: tl.constexpr,
+    BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = tl.load(starts_ptr + bs)
+    overflow = total > v_cap
+    if pid == 0:
+        tl.store(v_num_ptr, tl.where(overflow, v_cap, total).to(tl.int32))
+        tl.store(v_enable_ptr, tl.where(overflow, 0, 1).to(tl.int32))
+        tl.store(w_num_ptr, (total * 0 + bs).to(tl.int32))
+    # Write offsets (w_cap + 1 elements: the running sums, then zeros) and seeds.
+    for start in range(pid * ROW_BLOCK, w_cap + 1, nprog * ROW_BLOCK):
+        i = start + tl.arange(0, ROW_BLOCK)
+        off = tl.load(starts_ptr + bs + 1 + i, mask=i <= bs, other=0)
+        tl.store(w_off_ptr + i, off, mask=i <= w_cap)
+        sm = (i < bs) & (i < w_cap)
+        rp = tl.load(rp_ptr + i, mask=sm, other=0).to(tl.int64)
+        p = tl.load(prefix_ptr + i, mask=sm, other=0).to(tl.int64)
+        e = tl.load(extend_ptr + i, mask=sm, other=0).to(tl.int64)
+        seeded = sm & (rp != 0) & (e > 0) & (p > 0)
+        raw = tl.load(rtt_ptr + rp * rtt_stride + p - 1, mask=seeded, other=-1).to(tl.int64)
+        tl.store(w_seed_ptr + i, _translate(raw, lut_ptr, lut_len, HAS_LUT), mask=sm)
+    # Verify entries, unless they overflow the capacity.
+    n = tl.where(overflow, 0, total)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        e = start + tl.arange(0, BLOCK).to(tl.int64)
+        m = e < n
+        row, rp, pos, slot_raw, prev_raw, _hp = _entry_fields(
+            e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, bs, window, NSTEPS)
+        tl.store(v_slot_ptr + e, _translate(slot_raw, lut_ptr, lut_len, HAS_LUT), mask=m)
+        tl.store(v_prev_ptr + e, _translate(prev_raw, lut_ptr, lut_len, HAS_LUT), mask=m)
+        tl.store(v_pos_ptr + e, pos, mask=m)
+        if HAS_TABLE:
+            col = pos + token_offset
+            valid = tl.load(valid_ptr + row, mask=m, other=0).to(tl.int64)
+            readable = m & (col >= 0) & (col < valid)
+            tok = tl.load(table_ptr + rp * table_stride + col, mask=readable, other=-1).to(tl.int64)
+        else:
+            tok = tl.full([BLOCK], -1, tl.int64)
+        tl.store(v_tok_ptr + e, tok, mask=m)
+
+
+def _nsteps(bs: int) -> int:
+    """Binary-search steps to find a row among ``bs``: ceil(log2(bs)), rounded up to a multiple
+    of 4 so batches of similar size share one compiled kernel."""
+    steps = max(1, (bs - 1).bit_length())
+    return (steps + 3) // 4 * 4
+
+
+def launch_plan(
+    *,
+    verify_plan_out: VerifyPlan,
+    write_plan_out: WritePlan,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    swa_window_size: int,
+    full_to_swa_index_mapping: Optional[torch.Tensor],
+    verify_capacity: int,
+    req_to_verify_expected_tokens: Optional[torch.Tensor],
+    req_to_verify_expected_tokens_valid_lens: Optional[torch.Tensor],
+    kv_token_id_vs_position_offset: int,
+) -> None:
+    """Triton twin of ``launch_canary_plan_kernels_torch_reference`` (arguments already checked
+    by the public launcher). With a LUT and outside graph capture, reads one int64 back to raise
+    the first LUT range error before any output is written."""
+    vp, wp = verify_plan_out, write_plan_out
+    dev = req_to_token.device
+    bs = int(req_pool_indices.shape[0])
+    window = int(swa_window_size)
+    lut = full_to_swa_index_mapping
+    table = req_to_verify_expected_tokens
+    valid = req_to_verify_expected_tokens_valid_lens
+    if table is not None and valid is None:  # the public launcher raised already; twin message here
+        raise ValueError(
+            "kv-canary: launch_canary_plan_kernels_torch_reference requires "
+            "req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
+        )
+    if table is not None and table.shape[1] == 0:
+        table = None
+    v_cap = int(vp.verify_slot_indices.shape[0])
+    w_cap = int(wp.write_seed_slot_indices.shape[0])
+    nblocks = max(1, triton.cdiv(bs, _ROW_BLOCK))
+    starts = torch.empty(2 * bs + 2 + 2 * nblocks, dtype=torch.int64, device=dev)
+    sums = starts[2 * bs + 2:]
+    if bs == 0:
+        starts[:2].zero_()
+    else:
+        if nblocks > 1:
+            _row_block_sums_kernel[(nblocks,)](
+                req_pool_indices, prefix_lens, extend_seq_lens, sums, bs, window, nblocks,
+                BLOCK=_ROW_BLOCK, num_warps=8)
+        _row_scan_kernel[(nblocks,)](
+            req_pool_indices, prefix_lens, extend_seq_lens, sums, starts, bs, window, nblocks,
+            MULTI=nblocks > 1, BLOCK=_ROW_BLOCK, num_warps=8)
+    nsteps = _nsteps(bs)
+    sms = num_sms(dev)
+    rtt_stride = req_to_token.stride(0)
+    if lut is not None and bs > 0 and not capturing(dev):
+        first_bad = torch.full((1,), _NO_ERROR, dtype=torch.int64, device=dev)
+        grid = (max(1, min(triton.cdiv(max(v_cap, 1), _ENTRY_BLOCK), sms * _PROGRAMS_PER_SM)),)
+        _lut_check_kernel[grid](
+            starts, req_pool_indices, prefix_lens, req_to_token, rtt_stride, lut.shape[0], first_bad,
+            bs, window, NSTEPS=nsteps, BLOCK=_ENTRY_BLOCK, num_warps=4)
+        key = int(first_bad.item())
+        if key != _NO_ERROR:
+            _raise_lut_error(key, starts, req_pool_indices, prefix_lens, req_to_token, bs, window, int(lut.shape[0]))
+    dummy = starts
+    grid = (max(1, min(triton.cdiv(max(v_cap, w_cap + 1), _ENTRY_BLOCK), sms * _PROGRAMS_PER_SM)),)
+    _gather_kernel[grid](
+        starts, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, bs, window,
+        lut if lut is not None else dummy, lut.shape[0] if lut is not None else 0,
+        table if table is not None else dummy, table.stride(0) if table is not None else 0,
+        valid if valid is not None else dummy, int(kv_token_id_vs_position_offset),
+        vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
+        vp.verify_prev_slot_indices, vp.verify_num_valid, vp.enable, v_cap,
+        wp.write_offsets, wp.write_seed_slot_indices, wp.write_num_valid_reqs, w_cap,
+        HAS_LUT=lut is not None, HAS_TABLE=table is not None, NSTEPS=nsteps,
+        BLOCK=_ENTRY_BLOCK, ROW_BLOCK=_ENTRY_BLOCK, num_warps=4,
+    )
+
+
+def _raise_lut_error(key, starts, rp, prefix, rtt, bs, window, lut_len) -> None:
+    """Recompute the raw value of lookup ``key`` (2 * entry + is_predecessor) on the host."""
+    entry, is_prev = divmod(key, 2)
+    row_starts = starts[:bs + 1].cpu()
+    row = int(torch.searchsorted(row_starts, torch.tensor([entry]), right=True)[0]) - 1
+    p = int(prefix[row])
+    lo = max(p - window, 0) if window > 0 else 0
+    pos = lo + entry - int(row_starts[row]) - is_prev
+    value = int(rtt[int(rp[row]), pos])
+    raise ValueError(f"kv-canary: SWA slot {value} is outside full_to_swa_index_mapping length {lut_len}")

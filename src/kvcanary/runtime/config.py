@@ -1,0 +1,142 @@
+"""The canary's configuration: keyword arguments, or ``KVCANARY_*`` environment variables.
+
+`CanaryConfig.from_env` is the only place in kvcanary that reads the environment; everything
+below the config receives a `CanaryConfig`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Mapping, Optional
+
+from kvcanary.ops.constants import MAX_REAL_KV_SOURCES, RealKvHashMode
+
+MODES = ("none", "log", "raise")
+REAL_KV_HASH_MODES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL, "all": RealKvHashMode.ALL}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanaryConfig:
+    """What the canary checks and how it reports.
+
+    mode: ``none`` (attach nothing), ``log`` (report, keep serving), ``raise`` (report, then raise
+        `CanaryViolationError` at the end of a step that had violations).
+    real_kv_hash: ``none | partial | all`` — fingerprint no bytes, the first 16 bytes, or every
+        byte of each slot's K/V strip (SPEC §3.2).
+    real_kv_layers: which of a group's layers feed its TAIL fingerprints, as indices into the
+        group's ``layer_ids`` (negative counts from the end). Each layer gives one K source (for
+        the TAIL_K buffer) and one V source (TAIL_V); at most 4 layers. Default: first and last.
+    sweep_interval: sweep every live cached slot every N forwards (0 = never).
+    ring_capacity: violation rows kept per launch tag per step (counts are exact beyond it).
+    verify_token: compare stored tokens with the request's token history when the adapter
+        supplies one (`BatchDescription.token_table`).
+    write_input_assert: compare each written token/position with the token oracle (the batch's
+        ``expected_input_ids`` or its token history) and with ``prefix_len + i``.
+    chain_position_warmup: forwards before the chain-position assert (a written position must be
+        its predecessor's + 1) is switched on; -1 = never.
+    stats_interval: log a stats line every N forwards (0 = never).
+    health_interval: check that the canary's kernels are running every N forwards (0 = never).
+    jsonl_path: append one JSON object per violation to this file (None = no file).
+    readable_per_step: violations per step also reported as a multi-line readable block.
+    """
+
+    mode: str = "log"
+    real_kv_hash: str = "partial"
+    real_kv_layers: tuple[int, ...] = (0, -1)
+    sweep_interval: int = 64
+    ring_capacity: int = 1024
+    verify_token: bool = True
+    write_input_assert: bool = True
+    chain_position_warmup: int = 2
+    stats_interval: int = 0
+    health_interval: int = 32
+    jsonl_path: Optional[str] = None
+    readable_per_step: int = 4
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"kv-canary: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.real_kv_hash not in REAL_KV_HASH_MODES:
+            raise ValueError(
+                f"kv-canary: real_kv_hash must be one of {', '.join(REAL_KV_HASH_MODES)}, got {self.real_kv_hash!r}"
+            )
+        layers = self.real_kv_layers
+        if isinstance(layers, list):
+            layers = tuple(layers)
+            object.__setattr__(self, "real_kv_layers", layers)
+        if (
+            not isinstance(layers, tuple)
+            or not 1 <= len(layers) <= MAX_REAL_KV_SOURCES
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+        ):
+            raise ValueError(
+                f"kv-canary: real_kv_layers must be 1 to {MAX_REAL_KV_SOURCES} layer indices "
+                f"(negative counts from the last layer), got {layers!r}"
+            )
+        for name, low in (
+            ("sweep_interval", 0), ("ring_capacity", 1), ("chain_position_warmup", -1),
+            ("stats_interval", 0), ("health_interval", 0), ("readable_per_step", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"kv-canary: {name} must be an integer >= {low}, got {value!r}")
+        for name in ("verify_token", "write_input_assert"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"kv-canary: {name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def real_kv_hash_mode(self) -> RealKvHashMode:
+        return REAL_KV_HASH_MODES[self.real_kv_hash]
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def with_options(self, **overrides: object) -> "CanaryConfig":
+        """A copy with some options replaced (validated again)."""
+        return replace(self, **overrides)
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: object) -> "CanaryConfig":
+        """Read ``KVCANARY_<OPTION>`` (upper-case option name) from ``environ`` (default
+        ``os.environ``); keyword ``overrides`` win over the environment.
+
+        Booleans accept 1/0, true/false, yes/no, on/off; ``KVCANARY_REAL_KV_LAYERS`` is a comma
+        list (``0,-1``); ``KVCANARY_JSONL_PATH`` empty means none.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(f"KVCANARY_{f.name.upper()}")
+            if raw is None:
+                continue
+            values[f.name] = _parse(f.name, raw.strip(), f.default)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(name: str, raw: str, default: object) -> object:
+    var = f"KVCANARY_{name.upper()}"
+    if isinstance(default, bool):
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(f"kv-canary: {var} ({name}) must be one of 1/0, true/false, yes/no, on/off, got {raw!r}")
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"kv-canary: {var} ({name}) must be an integer, got {raw!r}") from None
+    if isinstance(default, tuple):
+        try:
+            return tuple(int(x) for x in raw.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(
+                f"kv-canary: {var} ({name}) must be a comma list of layer indices such as '0,-1', got {raw!r}"
+            ) from None
+    if name == "jsonl_path":
+        return raw or None
+    return raw.lower()

@@ -1,0 +1,58 @@
+"""Device-side launch counters, one slot per launch tag, kept apart for verify and write.
+
+The ops bump a context's ``slot_run_counter`` / ``kernel_run_counter`` in place; each context gets
+one-element views into these arrays, so a whole step's counts are read with one copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.ops import CanaryLaunchTag
+
+NUM_TAGS = len(CanaryLaunchTag)
+
+
+@dataclass(frozen=True)
+class CounterSnapshot:
+    """Host copy of the counters: per op (``verify`` / ``write``), per tag, slots and launches."""
+
+    verify_slots: tuple[int, ...]
+    verify_kernels: tuple[int, ...]
+    write_slots: tuple[int, ...]
+    write_kernels: tuple[int, ...]
+
+    @property
+    def kernel_launches(self) -> int:
+        return sum(self.verify_kernels) + sum(self.write_kernels)
+
+    def slots_verified(self, phase: str | None = None) -> int:
+        return sum(n for tag, n in zip(CanaryLaunchTag, self.verify_slots) if phase in (None, tag.phase))
+
+    def slots_written(self, phase: str | None = None) -> int:
+        return sum(n for tag, n in zip(CanaryLaunchTag, self.write_slots) if phase in (None, tag.phase))
+
+
+class LaunchCounters:
+    """int64 [4, NUM_TAGS] on the device: rows verify-slots, verify-kernels, write-slots, write-kernels."""
+
+    _ROWS = {("verify", "slots"): 0, ("verify", "kernels"): 1, ("write", "slots"): 2, ("write", "kernels"): 3}
+
+    def __init__(self, device: torch.device) -> None:
+        self.table = torch.zeros(4, NUM_TAGS, dtype=torch.int64, device=device)
+
+    def views(self, op: str, tag: CanaryLaunchTag) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot_run_counter, kernel_run_counter)`` one-element views for ``op`` under ``tag``."""
+        t = int(tag)
+        slots = self.table[self._ROWS[(op, "slots")], t : t + 1]
+        kernels = self.table[self._ROWS[(op, "kernels")], t : t + 1]
+        return slots, kernels
+
+    def snapshot(self) -> CounterSnapshot:
+        """Read the counters on the host (a device sync: call it periodically, not per forward)."""
+        rows = self.table.cpu().tolist()
+        return CounterSnapshot(*(tuple(r) for r in rows))
+
+    def memory_bytes(self) -> int:
+        return self.table.numel() * self.table.element_size()

@@ -1,0 +1,178 @@
+"""`CanaryGroup`: one attention group's canary state — buffers, write-time slot records, KV sources.
+
+Per group (full attention, or sliding window with its window size):
+
+* HEAD buffer — written before the forward from the batch alone (no real-KV sources); verified
+  before the forward against the engine's position -> slot table.
+* TAIL buffers — one per hashed side (``k`` and ``v``; only ``k`` when hashing is off): verified
+  after the forward with the real K/V re-hashed, then written with fingerprints of the KV the
+  forward just stored. The sweep verifies these too (SWEEP_K / SWEEP_V).
+* Slot records — what the runtime wrote into each slot and when (position, predecessor slot, step,
+  owner), so the sweep can check slots no forward touches.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional, Union
+
+import torch
+
+from kvcanary.ops import CANARY_FIELDS_PER_SLOT, CanaryLaunchTag, RealKvHashMode, RealKvSource, VerifyOrWriteContext
+from kvcanary.runtime.batch import GroupSpec
+from kvcanary.runtime.config import CanaryConfig
+
+RECORD_BYTES = CANARY_FIELDS_PER_SLOT * 8
+NEVER_WRITTEN = -1
+
+KvLayers = Union[Mapping[int, tuple[torch.Tensor, torch.Tensor]], Callable[[int], tuple[torch.Tensor, torch.Tensor]]]
+
+
+class SlotRecords:
+    """What the runtime last wrote into each slot: int64 [num_slots] each.
+
+    position / prev_slot: the written position and the slot the write chained from (-1 = chain
+    head); step: the forward that wrote it (-1 = never); owner: the writer's code in the ledger's
+    owner table (request id + row), -1 if unknown.
+    """
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        def arr() -> torch.Tensor:
+            return torch.full((num_slots,), NEVER_WRITTEN, dtype=torch.int64, device=device)
+
+        self.position = arr()
+        self.prev_slot = arr()
+        self.step = arr()
+        self.owner = arr()
+
+    def record(self, *, slots: torch.Tensor, positions: torch.Tensor, prev_slots: torch.Tensor,
+               owners: torch.Tensor, step: int) -> None:
+        """Record one write launch's entries (int64 [n], in write order: a slot written twice
+        keeps its last entry, as the canary buffer does)."""
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, positions, prev_slots, owners = slots[keep], positions[keep], prev_slots[keep], owners[keep]
+        self.position.index_put_((slots,), positions)
+        self.prev_slot.index_put_((slots,), prev_slots)
+        self.owner.index_put_((slots,), owners)
+        self.step.index_fill_(0, slots, step)
+
+    def memory_bytes(self) -> int:
+        return 4 * self.position.numel() * 8
+
+
+class CanaryGroup:
+    """The canary state of one attention group (see the module docstring)."""
+
+    def __init__(self, spec: GroupSpec, *, config: CanaryConfig, device: torch.device) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.num_slots = spec.num_slots
+        self.window = spec.sliding_window
+        self.hash_mode: RealKvHashMode = config.real_kv_hash_mode
+        self._layer_picks = config.real_kv_layers
+        self.device = device
+        self.head_buf = self._new_buffer()
+        self.tail_sides: tuple[str, ...] = ("k", "v") if self.hash_mode != RealKvHashMode.NONE else ("k",)
+        self.tail_bufs = {side: self._new_buffer() for side in self.tail_sides}
+        self.records = SlotRecords(spec.num_slots, device)
+        self.sources: dict[str, tuple[RealKvSource, ...]] = {side: () for side in self.tail_sides}
+        self.hashed_layers: tuple[int, ...] = ()
+        self._contexts: dict[tuple, VerifyOrWriteContext] = {}
+
+    def _new_buffer(self) -> torch.Tensor:
+        return torch.zeros(self.num_slots, RECORD_BYTES, dtype=torch.uint8, device=self.device)
+
+    # ---- tags ------------------------------------------------------------------------------
+    def tag(self, phase: str, side: str = "k") -> CanaryLaunchTag:
+        return CanaryLaunchTag.of(phase=phase, side=side, group=self.name)
+
+    def tags(self) -> list[CanaryLaunchTag]:
+        """Every tag this group launches under (HEAD_K, TAIL_*, SWEEP_*)."""
+        return [self.tag("head")] + [self.tag(p, s) for p in ("tail", "sweep") for s in self.tail_sides]
+
+    def buffer(self, phase: str, side: str = "k") -> torch.Tensor:
+        return self.head_buf if phase == "head" else self.tail_bufs[side]
+
+    # ---- real KV ---------------------------------------------------------------------------
+    @property
+    def hashing(self) -> bool:
+        return self.hash_mode != RealKvHashMode.NONE and any(self.sources.values())
+
+    def set_kv_cache(self, layers: KvLayers, *, page_size: int = 1) -> None:
+        """Pick the configured layers from ``layers`` and build one RealKvSource per layer and side."""
+        layer_ids = self.spec.layer_ids or (tuple(sorted(layers)) if isinstance(layers, Mapping) else ())
+        if not layer_ids:
+            raise ValueError(
+                f"kv-canary: group {self.name!r} has no layer_ids; give GroupSpec.layer_ids or a mapping of layers"
+            )
+        picked: list[int] = []
+        for pick in self._layer_picks:
+            if not -len(layer_ids) <= pick < len(layer_ids):
+                raise ValueError(
+                    f"kv-canary: real_kv_layers index {pick} is out of range for group {self.name!r} "
+                    f"with {len(layer_ids)} layer(s) {layer_ids}"
+                )
+            if layer_ids[pick] not in picked:
+                picked.append(layer_ids[pick])
+        sources: dict[str, list[RealKvSource]] = {"k": [], "v": []}
+        for layer in picked:
+            try:
+                pair = layers(layer) if callable(layers) else layers[layer]
+            except KeyError:
+                raise ValueError(f"kv-canary: set_kv_cache for group {self.name!r} has no tensors for layer {layer}") from None
+            for side, tensor in zip("kv", pair):
+                sources[side].append(self._source(tensor, page_size, layer, side))
+        if self.hash_mode == RealKvHashMode.NONE:
+            sources = {"k": []}
+        self.sources = {side: tuple(sources[side]) for side in self.tail_sides}
+        self.hashed_layers = tuple(picked)
+        self._contexts.clear()
+
+    def _source(self, tensor: torch.Tensor, page_size: int, layer: int, side: str) -> RealKvSource:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
+            raise ValueError(
+                f"kv-canary: group {self.name!r} layer {layer} {side.upper()} must be a tensor of >= 2 dims "
+                f"(slot or page rows), got {getattr(tensor, 'shape', type(tensor).__name__)}"
+            )
+        if tensor.device != self.device:
+            raise ValueError(
+                f"kv-canary: group {self.name!r} layer {layer} {side.upper()} is on {tensor.device}, canary on {self.device}"
+            )
+        row_bytes = tensor[0].numel() * tensor.element_size()
+        if row_bytes % page_size:
+            raise ValueError(
+                f"kv-canary: group {self.name!r} layer {layer} {side.upper()} row of {row_bytes} bytes "
+                f"does not split into page_size={page_size} slots"
+            )
+        per_token = row_bytes // page_size
+        return RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=per_token, read_bytes=per_token)
+
+    # ---- launch contexts -------------------------------------------------------------------
+    def context(self, phase: str, side: str, op: str, *, drain, counters, chain_assert: torch.Tensor) -> VerifyOrWriteContext:
+        """The (cached) context for ``op`` (verify/write) on the ``phase``/``side`` buffer."""
+        key = (phase, side, op, id(chain_assert))
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            tag = self.tag(phase, side)
+            ring, write_index = drain.ring_for(tag)
+            slot_counter, kernel_counter = counters.views(op, tag)
+            ctx = VerifyOrWriteContext(
+                canary_buf=self.buffer(phase, side),
+                kernel_kind=tag,
+                violation_ring=ring,
+                violation_write_index=write_index,
+                slot_run_counter=slot_counter,
+                kernel_run_counter=kernel_counter,
+                real_kv_sources=() if phase == "head" else self.sources[side],
+                real_kv_hash_mode=self.hash_mode,
+                enable_chain_position_assert=chain_assert,
+            )
+            self._contexts[key] = ctx
+        return ctx
+
+    def memory_bytes(self) -> int:
+        return (1 + len(self.tail_bufs)) * self.num_slots * RECORD_BYTES + self.records.memory_bytes()
+
+    def describe_sources(self) -> Optional[str]:
+        if not self.hashing:
+            return None
+        return f"layers {self.hashed_layers} x {'/'.join(s.upper() for s in self.tail_sides)}"

@@ -1,0 +1,54 @@
+"""`HealthWatchdog`: notices a canary that stopped running.
+
+Every ``health_interval`` forwards it reads the device launch counters (one small copy). If
+forwards happened since the last check but no canary kernel ran — the bracket is bypassed, a CUDA
+graph replays without the canary, a hook was removed — it says so once per stall: a warning in
+``log`` mode, `CanaryHealthError` in ``raise`` mode. It re-arms when the counters move again.
+"""
+from __future__ import annotations
+
+import logging
+
+from kvcanary.runtime.config import CanaryConfig
+from kvcanary.runtime.counters import LaunchCounters
+
+logger = logging.getLogger("kvcanary")
+
+
+class CanaryHealthError(RuntimeError):
+    """The canary stopped running while the engine kept serving (mode ``raise``)."""
+
+
+class HealthWatchdog:
+    def __init__(self, config: CanaryConfig) -> None:
+        self.interval = config.health_interval
+        self.mode = config.mode
+        self.stalls = 0
+        self._last_forwards = 0
+        self._last_launches = 0
+        self._next_check = self.interval
+        self._stalled = False
+
+    def observe(self, *, engine_forwards: int, canary_forwards: int, counters: LaunchCounters) -> None:
+        """Check, if ``engine_forwards`` reached the next interval."""
+        if self.interval <= 0 or engine_forwards < self._next_check:
+            return
+        self._next_check = engine_forwards + self.interval
+        launches = counters.snapshot().kernel_launches
+        forwards_delta = engine_forwards - self._last_forwards
+        moved = launches != self._last_launches
+        self._last_forwards, self._last_launches = engine_forwards, launches
+        if moved or forwards_delta == 0:
+            self._stalled = False
+            return
+        if self._stalled:
+            return
+        self._stalled = True
+        self.stalls += 1
+        message = (
+            f"kv-canary: health: the canary stopped running — {forwards_delta} forward(s) since the last check "
+            f"(engine forwards {engine_forwards}, bracketed {canary_forwards}) and no canary kernel launched"
+        )
+        if self.mode == "raise":
+            raise CanaryHealthError(message)
+        logger.warning(message)

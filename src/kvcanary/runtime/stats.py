@@ -1,0 +1,79 @@
+"""`CanaryStats`: what the canary has done so far, and the periodic stats line."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from kvcanary.runtime.counters import LaunchCounters
+
+logger = logging.getLogger("kvcanary")
+
+
+@dataclass(frozen=True)
+class CanaryStats:
+    """forwards: steps bracketed. slots_verified / slots_written: per phase (head, tail, sweep).
+    kernel_launches: verify + write launches. violations: total and by reason label.
+    sweeps / last_sweep_*: sweeps run and the last one's live, verified and unrecorded slots.
+    capacity_growths: plans grown for batches beyond the configured limits.
+    write_assert_skipped: forwards whose write-input assert had no oracle."""
+
+    forwards: int
+    slots_verified: dict[str, int]
+    slots_written: dict[str, int]
+    kernel_launches: int
+    violations: int
+    violations_by_reason: dict[str, int]
+    ring_overflow: int
+    sweeps: int
+    last_sweep_live: dict[str, int] = field(default_factory=dict)
+    last_sweep_verified: dict[str, int] = field(default_factory=dict)
+    last_sweep_unrecorded: dict[str, int] = field(default_factory=dict)
+    capacity_growths: int = 0
+    write_assert_skipped: int = 0
+    health_stalls: int = 0
+    memory_bytes: int = 0
+
+    @classmethod
+    def gather(cls, *, forwards, counters: LaunchCounters, ledger, sweeper, bracket, memory_bytes, health=None) -> "CanaryStats":
+        snap = counters.snapshot()
+        last = sweeper.last
+        return cls(
+            forwards=forwards,
+            slots_verified={p: snap.slots_verified(p) for p in ("head", "tail", "sweep")},
+            slots_written={p: snap.slots_written(p) for p in ("head", "tail")},
+            kernel_launches=snap.kernel_launches,
+            violations=ledger.total,
+            violations_by_reason=dict(ledger.by_reason),
+            ring_overflow=ledger.ring_overflow,
+            sweeps=sweeper.sweeps,
+            last_sweep_live=dict(last.live) if last else {},
+            last_sweep_verified=dict(last.verified) if last else {},
+            last_sweep_unrecorded=dict(last.unrecorded) if last else {},
+            capacity_growths=bracket.capacity_growths,
+            write_assert_skipped=bracket.write_assert_skipped,
+            health_stalls=health.stalls if health is not None else 0,
+            memory_bytes=memory_bytes,
+        )
+
+    def line(self) -> str:
+        reasons = ",".join(f"{k}={v}" for k, v in sorted(self.violations_by_reason.items())) or "-"
+        return (
+            f"kv_canary stats: forwards={self.forwards} verified={sum(self.slots_verified.values())} "
+            f"written={sum(self.slots_written.values())} launches={self.kernel_launches} sweeps={self.sweeps} "
+            f"violations={self.violations} by_reason={reasons} ring_overflow={self.ring_overflow}"
+        )
+
+
+class StatsReporter:
+    """Logs `CanaryStats.line` every ``interval`` forwards (0 = never)."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+
+    def maybe_report(self, step: int, stats: Callable[[], CanaryStats]) -> Optional[CanaryStats]:
+        if self.interval <= 0 or step % self.interval:
+            return None
+        s = stats()
+        logger.info(s.line())
+        return s

@@ -1,0 +1,265 @@
+"""kvcanary on the real transformers continuous-batching engine (CPU, tiny random models).
+
+Models and workload come from the demo (`kvcanary.cli.demo`): a 2-layer Llama with prefix sharing
+and a 4-layer Qwen3 with sliding-window layers (window 16, pages of 16, 64 tokens per step), so
+prompts are chunked, prefixes are reused, blocks are freed and reallocated and the window wraps.
+A probe hook (reading only the forward's kwargs) counts what the canary should have verified.
+"""
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers.generation.continuous_batching import cache as cb_cache  # noqa: E402
+from transformers.generation.continuous_batching import continuous_api, input_outputs, model_runner  # noqa: E402
+from transformers.generation.continuous_batching.cache_allocators import (  # noqa: E402
+    FullAttentionCacheAllocator,
+    SlidingAttentionCacheAllocator,
+)
+
+import kvcanary  # noqa: E402
+from kvcanary.cli.demo import SLIDING_WINDOW, FlipSharedBlockByte, RedirectRead, generate, tiny_model, workload  # noqa: E402
+from kvcanary.engines.transformers_cb import attach  # noqa: E402
+from kvcanary.engines.transformers_cb.attach import _refuse_unobservable_paths  # noqa: E402
+from kvcanary.runtime import CanaryViolationError  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quiet_engine():
+    logger = logging.getLogger("ContinuousBatchingLogger")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", CPU, seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_model("qwen3_swa", CPU, seed=0)
+
+
+class Probe:
+    """Independent bookkeeping from the forward kwargs and the batch: per forward, each row's first
+    position P and query length E; which requests wrote each full-attention block."""
+
+    def __init__(self, model) -> None:
+        self.rows: list[list[tuple[str, int, int]]] = []
+        self.block_writers: dict[int, set[str]] = {}
+        self._owner = None
+        self._hook = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+
+    def _pre(self, module, args, kwargs):
+        from kvcanary.engines.transformers_cb.forward_view import find_batch_processor
+
+        cache = kwargs["cache"]
+        if self._owner is None or self._owner[0] is not cache:
+            self._owner = (cache, find_batch_processor(cache))
+        batch = self._owner[1].inputs_and_outputs.requests_in_batch
+        cu = kwargs["cu_seq_lens_q"].tolist()
+        pos = kwargs["position_ids"][0].tolist()
+        self.rows.append([(fs.state.request_id, pos[cu[i]], cu[i + 1] - cu[i]) for i, fs in enumerate(batch)])
+        full = cache.cache_allocators.get("full_attention")
+        if full is not None:
+            w = kwargs["write_index"][full.index]
+            for i, fs in enumerate(batch):
+                for phys in w[cu[i] : cu[i + 1]].tolist():
+                    self.block_writers.setdefault(phys // full.block_physical_stride, set()).add(fs.state.request_id)
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+    def expected_head_verifies(self, window: int) -> int:
+        """Plan entries per SPEC 3.5: P per row (full), min(P, W) per row (sliding window)."""
+        full = sum(p for fwd in self.rows for _, p, _ in fwd)
+        swa = sum(min(p, window) for fwd in self.rows for _, p, _ in fwd) if window else 0
+        return full + swa
+
+
+# ---- clean runs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind, llama, qwen3):
+    model = llama if kind == "llama" else qwen3
+    prompts = workload(seed=1)
+    reference = generate(model, prompts)
+    probe = Probe(model)
+    try:
+        with attach(model, mode="raise", sweep_interval=4) as handle:
+            checked = generate(model, prompts)
+    finally:
+        probe.remove()
+
+    assert checked == reference, "the canary changed the generated tokens"
+    assert len(checked) == len(prompts)
+    assert handle.violations() == [] and handle.counters().get("total", 0) == 0 and handle.errors == []
+    (stats,) = handle.stats()
+    assert stats.forwards == len(probe.rows) == handle.forwards
+    window = SLIDING_WINDOW if kind == "qwen3" else 0
+    expected = probe.expected_head_verifies(window)
+    assert stats.slots_verified["head"] == expected
+    assert stats.slots_verified["tail"] == 2 * expected  # K and V sides
+    assert stats.sweeps > 0 and sum(stats.last_sweep_verified.values()) > 0
+    assert sum(stats.last_sweep_unrecorded.values()) == 0
+    # the workload really exercised what the canary must survive
+    first_seen: dict[str, int] = {}
+    for fwd in probe.rows:
+        for rid, p, _ in fwd:
+            first_seen.setdefault(rid, p)
+    assert any(p > 0 and e > 1 for fwd in probe.rows for _, p, e in fwd), "no chunked prefill"
+    if kind == "llama":
+        assert any(p > 0 for p in first_seen.values()), "no prefix-cache hit"
+        assert any(len(w) > 1 for w in probe.block_writers.values()), "no block freed and reused"
+    else:
+        assert max(p + e for fwd in probe.rows for _, p, e in fwd) > 2 * SLIDING_WINDOW, "window never wrapped"
+        assert any(p > 0 and e >= SLIDING_WINDOW for fwd in probe.rows for _, p, e in fwd), "no chunk >= window"
+
+
+# ---- faults ----------------------------------------------------------------------------------------
+def _sequential_prefix_workload() -> list[list[int]]:
+    """One request at a time, all sharing a 40-token system prompt: every later request reuses the
+    cached blocks of the earlier ones, alone in its forward (unambiguous attribution)."""
+    prompts = workload(seed=2, num_requests=6)
+    return [p for p in prompts if len(p) > 40][:4]
+
+
+def _run_with(model, injector, *, mode, prompts, **gen_kw):
+    injector.install(model)
+    try:
+        with attach(model, mode=mode, sweep_interval=0) as handle:
+            generate(model, prompts, **gen_kw)
+    finally:
+        injector.remove()
+    return handle
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_flipped_byte_in_cached_shared_block_is_charged_to_the_reusing_request(mode, llama):
+    injector = FlipSharedBlockByte(seed=3, after_step=0)
+    prompts = _sequential_prefix_workload()
+    if mode == "log":
+        handle = _run_with(llama, injector, mode=mode, prompts=prompts, max_requests_per_batch=1)
+        found = handle.violations()
+    else:
+        with pytest.raises(CanaryViolationError) as info:
+            _run_with(llama, injector, mode=mode, prompts=prompts, max_requests_per_batch=1)
+        found = info.value.violations
+    (inj,) = injector.ledger
+    hits = [v for v in found if v.slot == inj.slot and v.group == "full"]
+    assert hits, f"flip at slot {inj.slot} not reported: {[v.log_line() for v in found]}"
+    first = min(hits, key=lambda v: v.step)
+    assert first.reason_label == "verify_real_kv_hash"
+    assert first.request_id == inj.request_id and first.step == inj.step
+    assert first.launch_tag.name == "TAIL_K_FULL"
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_read_redirected_to_another_live_slot_is_charged_to_the_reading_request(mode, llama):
+    injector = RedirectRead(group="full", seed=4, after_step=2)
+    prompts = workload(seed=1)
+    if mode == "log":
+        handle = _run_with(llama, injector, mode=mode, prompts=prompts)
+        found = handle.violations()
+    else:
+        with pytest.raises(CanaryViolationError) as info:
+            _run_with(llama, injector, mode=mode, prompts=prompts)
+        found = info.value.violations
+    (inj,) = injector.ledger
+    at_step = [v for v in found if v.step == inj.step]
+    assert at_step, "redirect not reported in the forward that read the wrong slot"
+    assert all(v.request_id == inj.request_id for v in at_step)
+    labels = {label for v in at_step for label in v.reason_label.split("+")}
+    assert "verify_position" in labels and "verify_chain_hash" in labels
+    wrong = [v for v in at_step if v.slot == inj.slot]
+    assert wrong and all(v.stored_position != v.expected_position for v in wrong)
+    if mode == "log":  # one-shot fault: the engine's next read indices are right again
+        assert all(v.step == inj.step for v in found if "verify_position" in v.reason_label)
+
+
+def test_redirected_read_in_the_sliding_window_group(qwen3):
+    injector = RedirectRead(group="swa", seed=5, after_step=2)
+    handle = _run_with(qwen3, injector, mode="log", prompts=workload(seed=1))
+    (inj,) = injector.ledger
+    at_step = [v for v in handle.violations() if v.step == inj.step]
+    assert at_step and {v.group for v in at_step} == {"swa"}
+    assert all(v.request_id == inj.request_id for v in at_step)
+    assert any("verify_position" in v.reason_label for v in at_step if v.slot == inj.slot)
+
+
+# ---- attach / detach ---------------------------------------------------------------------------------
+_ENGINE_CLASSES = [
+    cb_cache.PagedAttentionCache, continuous_api.ContinuousBatchProcessor, continuous_api.ContinuousBatchingManager,
+    continuous_api.ContinuousMixin, model_runner.ModelRunner, input_outputs.ContinuousBatchingIOs,
+    FullAttentionCacheAllocator, SlidingAttentionCacheAllocator, torch.nn.Module,
+]
+_HOOK_DICTS = ["_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called"]
+
+
+def _snapshot(model) -> dict:
+    return {
+        "classes": {c.__qualname__: {k: id(v) for k, v in vars(c).items()} for c in _ENGINE_CLASSES + [type(model)]},
+        "model_attrs": {k: id(v) for k, v in vars(model).items() if k not in _HOOK_DICTS},
+        "hooks": {name: dict(getattr(model, name)) for name in _HOOK_DICTS},
+        "module_hooks": {n: [dict(getattr(m, h)) for h in _HOOK_DICTS] for n, m in model.named_modules()},
+    }
+
+
+def test_detach_leaves_model_and_engine_classes_exactly_as_they_were(llama):
+    before = _snapshot(llama)
+    handle = kvcanary.attach(llama, mode="log")
+    assert _snapshot(llama)["hooks"] != before["hooks"]  # attach did hook the model
+    generate(llama, workload(seed=1, num_requests=3))
+    forwards = handle.forwards
+    assert forwards > 0
+    handle.detach()
+    assert _snapshot(llama) == before
+    generate(llama, workload(seed=1, num_requests=3))
+    assert handle.forwards == forwards  # nothing runs once detached
+    handle.detach()  # idempotent
+
+
+def test_mode_none_attaches_nothing(llama):
+    before = _snapshot(llama)
+    with attach(llama, mode="none") as handle:
+        assert _snapshot(llama) == before
+    assert handle.sessions == 0 and handle.forwards == 0
+
+
+def test_other_transformers_versions_are_refused(llama, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.23.1")
+    with pytest.raises(RuntimeError, match=r"^kv-canary: transformers 5\.23\.1 is not supported; .*==5\.24\.0"):
+        attach(llama)
+
+
+def test_graphs_compile_and_async_batching_are_refused():
+    def processor(graphs=(False, False), compiled=None, use_async=False):
+        runner = types.SimpleNamespace(use_cuda_graph_varlen=graphs[0], use_cuda_graph_decode=graphs[1],
+                                       _compiled_varlen=compiled, _compiled_decode=None)
+        return types.SimpleNamespace(model_runner=runner, use_async_batching=use_async)
+
+    _refuse_unobservable_paths(processor())
+    with pytest.raises(RuntimeError, match=r"^kv-canary: CUDA graphs are on .*use_cuda_graph=False"):
+        _refuse_unobservable_paths(processor(graphs=(False, True)))
+    with pytest.raises(RuntimeError, match=r"^kv-canary: torch.compile is on"):
+        _refuse_unobservable_paths(processor(compiled=object()))
+    with pytest.raises(RuntimeError, match=r"^kv-canary: async batching is on"):
+        _refuse_unobservable_paths(processor(use_async=True))
+
+
+def test_requests_beyond_max_context_fail_loudly(llama):
+    with pytest.raises(RuntimeError, match=r"^kv-canary: request req_\d+ reaches position \d+, beyond max_context=24"):
+        with attach(llama, mode="log", max_context=24):
+            generate(llama, workload(seed=1, num_requests=2))

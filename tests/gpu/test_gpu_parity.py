@@ -1,0 +1,272 @@
+"""Triton kernels vs the torch twins on a real CUDA device, at realistic sizes.
+
+Bit-identical canary buffers, counters, write index and violation sets (as multisets); a CUDA
+graph of plan -> write -> verify replayed with new inputs; repeated runs identical.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+from kvcanary.ops import (  # noqa: E402
+    RealKvHashMode,
+    launch_canary_plan_kernels,
+    launch_canary_plan_kernels_torch_reference,
+    launch_canary_verify_kernel,
+    launch_canary_verify_kernel_torch_reference,
+    launch_canary_write_kernel,
+    launch_canary_write_kernel_torch_reference,
+    launch_scatter_req_token_ids_kernel,
+    scatter_req_token_ids_torch_reference,
+)
+from kvcanary.ops.records import VerifyPlan, WritePlan  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ops.triton_cases import (  # noqa: E402
+    assert_same_state,
+    clone_context,
+    context_state,
+    make_case,
+    make_context,
+    make_source,
+    plan_state,
+    run_plan,
+)
+
+DEV = "cuda"
+
+
+def _write_both(ctx, wp, **kw):
+    before = context_state(ctx)
+    a, b = clone_context(ctx), clone_context(ctx)
+    launch_canary_write_kernel_torch_reference(context=a, plan=wp, **kw)
+    launch_canary_write_kernel(context=b, plan=wp, **kw)
+    torch.cuda.synchronize()
+    assert_same_state(before, context_state(a), context_state(b))
+    return a, b
+
+
+def _verify_both(ctx, vp, check=True):
+    before = context_state(ctx)
+    a, b = clone_context(ctx), clone_context(ctx)
+    launch_canary_verify_kernel_torch_reference(context=a, plan=vp, check_verify_expected_token=check)
+    launch_canary_verify_kernel(context=b, plan=vp, check_verify_expected_token=check)
+    torch.cuda.synchronize()
+    assert_same_state(before, context_state(a), context_state(b))
+    return a, b
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_fuzz_small_cases_on_gpu(seed):
+    case = make_case(seed, DEV, mode=seed % 3, nsrc=(seed // 3) % 5)
+    twin, err_t, (vp, wp) = run_plan(launch_canary_plan_kernels_torch_reference, case)
+    fast, err_f, _ = run_plan(launch_canary_plan_kernels, case)
+    assert (err_t is None) == (err_f is None)
+    for x, y in zip(twin, fast):
+        assert torch.equal(x, y)
+    if err_t is not None:
+        return
+    if case.ctx.violation_ring.shape[0] < 64:
+        case.ctx.__dict__["violation_ring"] = torch.full((512, 8), -77, dtype=torch.int64, device=DEV)
+    a, _ = _write_both(case.ctx, wp, **case.write_kwargs)
+    f = a.canary_buf.view(torch.int64)
+    f[torch.randint(0, f.shape[0], (3,), device=DEV), 1] ^= 1
+    _verify_both(a, vp, True)
+
+
+def _paged_batch(bs, ctx_len, num_slots, page=16, seed=0):
+    """Request table of bs rows x ctx_len positions in 16-slot pages placed in random order."""
+    g = torch.Generator().manual_seed(seed)
+    pages_needed = bs * (ctx_len + 1 + page - 1) // page + 1
+    pages = torch.randperm(num_slots // page - 1, generator=g)[:pages_needed] + 1
+    per_row = (ctx_len + 1 + page - 1) // page
+    rtt = torch.zeros(bs + 1, per_row * page, dtype=torch.int32)
+    rp = pages[: bs * per_row].reshape(bs, per_row)
+    slots = (rp[:, :, None] * page + torch.arange(page)).reshape(bs, -1)
+    rtt[1:] = slots.to(torch.int32)
+    return rtt
+
+
+def _plan_for(bs, prefix, extend, rtt, v_cap, *, table=None):
+    vp, wp = VerifyPlan.allocate(v_cap, DEV), WritePlan.allocate(bs, DEV)
+    kw = dict(
+        req_pool_indices=torch.arange(1, bs + 1, device=DEV), prefix_lens=torch.full((bs,), prefix, device=DEV),
+        extend_seq_lens=torch.full((bs,), extend, device=DEV), req_to_token=rtt.to(DEV), swa_window_size=0,
+        full_to_swa_index_mapping=None, verify_capacity=v_cap, req_to_verify_expected_tokens=table,
+        req_to_verify_expected_tokens_valid_lens=None if table is None else torch.full((bs,), prefix + extend, device=DEV),
+        kv_token_id_vs_position_offset=0,
+    )
+    return vp, wp, kw
+
+
+def _write_inputs(bs, prefix, extend, rtt, tokens):
+    rows = torch.arange(1, bs + 1)
+    pos = (prefix + torch.arange(extend)).repeat(bs)
+    loc = rtt[rows][:, prefix:prefix + extend].reshape(-1).to(torch.int64)
+    ids = tokens[rows][:, prefix:prefix + extend].reshape(-1).to(torch.int64)
+    return dict(input_ids=ids.to(DEV), positions=pos.to(DEV), out_cache_loc=loc.to(DEV),
+                enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
+
+
+@pytest.mark.parametrize("mode,nsrc", [(RealKvHashMode.NONE, 0), (RealKvHashMode.PARTIAL, 2), (RealKvHashMode.ALL, 1)])
+def test_decode_4096_requests_and_4m_verify(mode, nsrc):
+    bs, prefix = 4096, 1024  # 4M verify entries, 4096 one-token writes
+    num_slots = 1 << 23
+    rtt = _paged_batch(bs, prefix, num_slots)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 100000, rtt.shape, generator=g)
+    srcs = [make_source(g, DEV, num_slots=num_slots, page_size=16, nbpt=64, read_bytes=64, dtype=torch.bfloat16)
+            for _ in range(nsrc)]
+    ctx = make_context(g, DEV, num_slots=num_slots, stride_bytes=32, ring_cap=4096, sources=srcs, mode=mode,
+                       chain_assert=1, kind=3)
+    # Build the prefix chains with one write per request (prefill), then check a decode step.
+    vp, wp, kw = _plan_for(bs, 0, prefix, rtt, 1 << 23, table=tokens.to(torch.int32).to(DEV))
+    launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, **kw)
+    a, b = _write_both(ctx, wp, **_write_inputs(bs, 0, prefix, rtt, tokens))
+    vp, wp, kw = _plan_for(bs, prefix, 1, rtt, 1 << 23, table=tokens.to(torch.int32).to(DEV))
+    twin_plan, _, _ = run_plan_direct(launch_canary_plan_kernels_torch_reference, vp, wp, kw)
+    fast_plan, _, (vp2, wp2) = run_plan_direct(launch_canary_plan_kernels, vp, wp, kw)
+    for x, y in zip(twin_plan, fast_plan):
+        assert torch.equal(x, y)
+    assert int(vp2.verify_num_valid[0]) == bs * prefix
+    f = b.canary_buf.view(torch.int64)
+    corrupt = torch.randint(1, num_slots, (100,), device=DEV)
+    f[corrupt, 2] ^= 4
+    _verify_both(b, vp2, True)
+    _write_both(b, wp2, **_write_inputs(bs, prefix, 1, rtt, tokens))
+
+
+def run_plan_direct(impl, vp, wp, kw):
+    vp = VerifyPlan(**{k: getattr(vp, k).clone() for k in vp.__dataclass_fields__})
+    wp = WritePlan(**{k: getattr(wp, k).clone() for k in wp.__dataclass_fields__})
+    impl(verify_plan_out=vp, write_plan_out=wp, **kw)
+    return plan_state(vp, wp), None, (vp, wp)
+
+
+def test_prefill_128k_tokens_one_request():
+    n = 128 * 1024
+    num_slots = 1 << 18
+    g = torch.Generator().manual_seed(2)
+    srcs = [make_source(g, DEV, num_slots=num_slots, page_size=16, nbpt=128, read_bytes=128, dtype=torch.bfloat16)
+            for _ in range(2)]
+    ctx = make_context(g, DEV, num_slots=num_slots, stride_bytes=32, ring_cap=1024, sources=srcs,
+                       mode=RealKvHashMode.PARTIAL, chain_assert=1, kind=2)
+    wp = WritePlan.allocate(1, DEV)
+    wp.write_offsets.copy_(torch.tensor([0, n]))
+    wp.write_seed_slot_indices.fill_(7)
+    wp.write_num_valid_reqs.fill_(1)
+    loc = torch.randperm(num_slots - 8, generator=g)[:n] + 8
+    loc[::1000] = -1
+    pos = torch.arange(n)
+    pos[5000] = 77  # chain-position assert rows
+    kw = dict(input_ids=torch.randint(0, 1 << 40, (n,), generator=g).to(DEV), positions=pos.to(DEV),
+              out_cache_loc=loc.to(DEV), enable_write_input_assert=True,
+              expected_input_tokens=torch.randint(0, 1 << 40, (n,), generator=g).to(DEV), expected_input_positions=pos.to(DEV))
+    kw["expected_input_tokens"][10:] = kw["input_ids"][10:]
+    _write_both(ctx, wp, **kw)
+
+
+def test_graph_capture_replay_with_new_inputs_and_repeat():
+    bs, prefix, num_slots = 64, 512, 1 << 16
+    rtt = _paged_batch(bs, prefix + 2, num_slots).to(DEV)
+    g = torch.Generator().manual_seed(5)
+    srcs = [make_source(g, DEV, num_slots=num_slots, page_size=16, nbpt=64, read_bytes=64, dtype=torch.bfloat16)
+            for _ in range(2)]
+    ctx = make_context(g, DEV, num_slots=num_slots, stride_bytes=32, ring_cap=256, sources=srcs,
+                       mode=RealKvHashMode.PARTIAL, chain_assert=1, kind=0)
+    static = dict(rp=torch.arange(1, bs + 1, device=DEV), p=torch.zeros(bs, dtype=torch.int64, device=DEV),
+                  e=torch.zeros(bs, dtype=torch.int64, device=DEV),
+                  ids=torch.zeros(bs * (prefix + 1), dtype=torch.int64, device=DEV),
+                  pos=torch.zeros(bs * (prefix + 1), dtype=torch.int64, device=DEV),
+                  loc=torch.full((bs * (prefix + 1),), -1, dtype=torch.int64, device=DEV))
+    vp, wp = VerifyPlan.allocate(bs * (prefix + 1), DEV), WritePlan.allocate(bs, DEV)
+
+    def step(plan_fn, write_fn, verify_fn, c):
+        plan_fn(verify_plan_out=vp, write_plan_out=wp, req_pool_indices=static["rp"], prefix_lens=static["p"],
+                extend_seq_lens=static["e"], req_to_token=rtt, swa_window_size=0, full_to_swa_index_mapping=None,
+                verify_capacity=vp.verify_slot_indices.shape[0], req_to_verify_expected_tokens=None,
+                req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0)
+        verify_fn(context=c, plan=vp, check_verify_expected_token=False)
+        write_fn(context=c, plan=wp, input_ids=static["ids"], positions=static["pos"], out_cache_loc=static["loc"],
+                 enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
+
+    def load_inputs(p, e, seed):
+        gg = torch.Generator().manual_seed(seed)
+        static["p"].fill_(p)
+        static["e"].fill_(e)
+        n = bs * e
+        rows = torch.arange(1, bs + 1)
+        static["loc"].fill_(-1)
+        static["loc"][:n] = rtt.cpu()[rows][:, p:p + e].reshape(-1).to(DEV)
+        static["ids"][:n] = torch.randint(0, 1000, (n,), generator=gg).to(DEV)
+        static["pos"][:n] = (p + torch.arange(e)).repeat(bs).to(DEV)
+
+    fast = clone_context(ctx)
+    twin = clone_context(ctx)
+    # Warm-up (compiles, allocates scratch) on a throwaway context.
+    warm = clone_context(ctx)
+    load_inputs(0, prefix, 0)
+    step(launch_canary_plan_kernels, launch_canary_write_kernel, launch_canary_verify_kernel, warm)
+    torch.cuda.synchronize()
+    # Prefill eagerly on both, then capture one decode step and replay it with new inputs.
+    step(launch_canary_plan_kernels, launch_canary_write_kernel, launch_canary_verify_kernel, fast)
+    step(launch_canary_plan_kernels_torch_reference, launch_canary_write_kernel_torch_reference,
+         launch_canary_verify_kernel_torch_reference, twin)
+    graph = torch.cuda.CUDAGraph()
+    load_inputs(prefix, 1, 1)
+    with torch.cuda.graph(graph):
+        step(launch_canary_plan_kernels, launch_canary_write_kernel, launch_canary_verify_kernel, fast)
+    before = context_state(fast)
+    for i, seed in enumerate((11, 12)):
+        load_inputs(prefix + i, 1, seed)
+        graph.replay()
+        step(launch_canary_plan_kernels_torch_reference, launch_canary_write_kernel_torch_reference,
+             launch_canary_verify_kernel_torch_reference, twin)
+        torch.cuda.synchronize()
+        assert_same_state(before, context_state(twin), context_state(fast))
+        if i == 0:
+            f = fast.canary_buf.view(torch.int64)
+            t = twin.canary_buf.view(torch.int64)
+            victim = int(rtt[5, 100])
+            f[victim, 0] += 1
+            t[victim, 0] += 1
+        before = context_state(fast)
+    assert int(fast.violation_write_index[0]) >= 1
+
+
+def test_repeated_runs_identical():
+    case_states = []
+    for _ in range(3):
+        case = make_case(99, DEV, small=False, mode=1, nsrc=2, window=0)
+        _, err, (vp, wp) = run_plan(launch_canary_plan_kernels, case)
+        assert err is None
+        ctx = clone_context(case.ctx)
+        ctx.__dict__["violation_ring"] = torch.full((1 << 20, 8), -77, dtype=torch.int64, device=DEV)
+        launch_canary_write_kernel(context=ctx, plan=wp, **case.write_kwargs)
+        launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=True)
+        torch.cuda.synchronize()
+        s = context_state(ctx)
+        s["ring"] = torch.tensor(sorted(map(tuple, s["ring"].tolist())))
+        case_states.append(s)
+    for s in case_states[1:]:
+        for k in s:
+            assert torch.equal(torch.as_tensor(s[k]), torch.as_tensor(case_states[0][k]))
+
+
+def test_scatter_large():
+    g = torch.Generator().manual_seed(3)
+    bs = 4096
+    lens = torch.randint(0, 300, (bs,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(DEV)
+    flat = torch.randint(-(2**40), 2**40, (int(lens.sum()),), generator=g).to(DEV)
+    rp = torch.randint(0, 3000, (bs,), generator=g).to(DEV)
+    a = torch.randint(-9, 9, (3000, 256), generator=g).to(torch.int32).to(DEV)
+    b = a.clone()
+    scatter_req_token_ids_torch_reference(flat_in=flat, offsets=offsets, req_pool_indices=rp, pool_out=a)
+    launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offsets, req_pool_indices=rp, pool_out=b)
+    assert torch.equal(a, b)

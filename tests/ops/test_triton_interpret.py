@@ -1,0 +1,270 @@
+"""Triton kernels vs the torch twins under the Triton interpreter (CPU, TRITON_INTERPRET=1).
+
+The Triton launchers are called directly with CPU tensors; the interpreter runs the same kernel
+code the GPU compiles. Hand cases pin the tricky paths (intra-launch aliasing, ring overflow,
+plan overflow, LUT errors, lazy errors); a seeded fuzz compares every op to its twin.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if "kvcanary.ops.triton.verify" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    import pytest
+
+    pytest.skip("kvcanary.ops.triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+
+def _numpy_scalar_index_fix() -> None:
+    """Triton 3.6's interpreter turns scalars into Python ints with ``int(array)``; numpy >= 2.4
+    refuses that for the 1-element arrays the interpreter keeps, so loop bounds read from memory
+    fail. Re-patch ``__index__`` to take the single element."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    if getattr(interpreter._patch_lang_tensor, "__name__", "") != "patched":
+        interpreter._patch_lang_tensor = patched
+
+
+_numpy_scalar_index_fix()
+
+from kvcanary.ops import (  # noqa: E402
+    RealKvHashMode,
+    launch_canary_plan_kernels_torch_reference,
+    launch_canary_verify_kernel_torch_reference,
+    launch_canary_write_kernel_torch_reference,
+    scatter_req_token_ids_torch_reference,
+)
+from kvcanary.ops.records import VerifyPlan, WritePlan  # noqa: E402
+from kvcanary.ops.triton import launch_plan, launch_scatter, launch_verify, launch_write  # noqa: E402
+
+from .triton_cases import (  # noqa: E402
+    assert_same_state,
+    clone_context,
+    context_state,
+    make_case,
+    make_context,
+    make_source,
+    run_plan,
+)
+
+
+def _compare_write(ctx, wp, **kw):
+    before = context_state(ctx)
+    a, b = clone_context(ctx), clone_context(ctx)
+    errs = []
+    for impl, c in ((launch_canary_write_kernel_torch_reference, a), (launch_write, b)):
+        try:
+            impl(context=c, plan=wp, **kw)
+            errs.append(None)
+        except ValueError as e:
+            errs.append(str(e))
+    assert errs[0] == errs[1]
+    assert_same_state(before, context_state(a), context_state(b))
+    _check_overflow_subset(ctx, wp, kw, launch_canary_write_kernel_torch_reference, context_state(b), before)
+    return a, b
+
+
+def _compare_verify(ctx, vp, check):
+    before = context_state(ctx)
+    a, b = clone_context(ctx), clone_context(ctx)
+    errs = []
+    for impl, c in ((launch_canary_verify_kernel_torch_reference, a), (launch_verify, b)):
+        try:
+            impl(context=c, plan=vp, check_verify_expected_token=check)
+            errs.append(None)
+        except ValueError as e:
+            errs.append(str(e))
+    assert errs[0] == errs[1]
+    assert_same_state(before, context_state(a), context_state(b))
+    return a, b
+
+
+def _check_overflow_subset(ctx, wp, kw, twin, fast_state, before):
+    """When the ring filled within the launch, the fast path's kept rows are violations the twin
+    records in a ring large enough for all of them."""
+    cap = ctx.violation_ring.shape[0]
+    if fast_state["index"] <= cap:
+        return
+    big = clone_context(ctx)
+    big = type(big)(**{**big.__dict__, "violation_ring": torch.full((fast_state["index"] + 8, 8), -77, dtype=torch.int64)})
+    twin(context=big, plan=wp, **kw)
+    all_rows = set(map(tuple, big.violation_ring[: int(big.violation_write_index[0])].tolist()))
+    lo = min(max(before["index"], 0), cap)
+    kept = set(map(tuple, fast_state["ring"][lo:cap].tolist()))
+    assert kept <= all_rows
+
+
+# --------------------------------------------------------------------------- hand cases
+
+
+def _ctx(num_slots=16, **kw):
+    g = torch.Generator().manual_seed(7)
+    args = dict(num_slots=num_slots, stride_bytes=32, ring_cap=16, sources=(), mode=RealKvHashMode.NONE,
+                chain_assert=1, kind=2)
+    args.update(kw)
+    return make_context(g, "cpu", **args)
+
+
+def _wplan(lengths, seeds):
+    wp = WritePlan.allocate(len(lengths), "cpu")
+    wp.write_offsets.copy_(torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist()))
+    wp.write_seed_slot_indices.copy_(torch.tensor(seeds))
+    wp.write_num_valid_reqs[0] = len(lengths)
+    return wp
+
+
+def _winputs(ids, pos, loc):
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return dict(input_ids=t(ids), positions=t(pos), out_cache_loc=t(loc), enable_write_input_assert=False,
+                expected_input_tokens=None, expected_input_positions=None)
+
+
+def test_write_pinned_chain_and_parallel_requests():
+    ctx = _ctx()
+    _a, b = _compare_write(ctx, _wplan([3, 1, 1], [-1, -1, 9]), **_winputs([10, 20, 30, 7, 8], [0, 1, 2, 0, 5], [3, 4, 5, 6, 7]))
+    f = b.canary_buf.view(torch.int64)
+    assert [hex(v & (2**64 - 1)) for v in f[3:6, 2].tolist()] == ["0xde7fae23a9a1b716", "0xcd6d3fc64ab68b75", "0x2c17d4bb20b967a5"]
+
+
+def test_write_seed_stored_earlier_in_launch_and_duplicate_slots():
+    ctx = _ctx()
+    # Request 1 seeds from slot 5, stored by request 0; slot 4 is stored twice (last wins).
+    _compare_write(ctx, _wplan([3, 2, 2], [-1, 5, 4]), **_winputs([1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 9, 9], [4, 5, 4, 8, 9, 10, -1]))
+
+
+def test_write_long_request_many_chunks_with_skips():
+    ctx = _ctx(num_slots=200)
+    n = 150
+    loc = list(range(1, n + 1))
+    loc[40] = -1
+    loc[77] = -3
+    _compare_write(ctx, _wplan([n], [199]), **_winputs(list(range(1000, 1000 + n)), list(range(n)), loc))
+
+
+def test_write_input_assert_and_ring_overflow():
+    ctx = _ctx(ring_cap=3)
+    kw = _winputs([1, 2, 3, 4], [5, 6, 8, 9], [1, 2, 3, 4])
+    kw.update(enable_write_input_assert=True, expected_input_tokens=torch.tensor([1, 0, 3, 0]),
+              expected_input_positions=torch.tensor([5, 6, 7, 0]))
+    _compare_write(ctx, _wplan([4], [9]), **kw)
+
+
+def test_write_no_work_and_lazy_errors():
+    ctx = _ctx(stride_bytes=24)
+    wp = _wplan([2], [-1])
+    wp.write_num_valid_reqs[0] = 0
+    _compare_write(ctx, wp, **_winputs([1, 2], [0, 1], [1, 2]))  # no work: only the kernel counter
+    wp.write_num_valid_reqs[0] = 1
+    _a, b = _compare_write(ctx, wp, **_winputs([1, 2], [0, 1], [1, 2]))  # raises, counter bumped
+    kw = _winputs([1, 2], [0, 1], [1, 2])
+    kw["enable_write_input_assert"] = True
+    _compare_write(_ctx(), wp, **kw)
+
+
+def test_verify_chain_position_token_and_real_kv():
+    g = torch.Generator().manual_seed(3)
+    src = make_source(g, "cpu", num_slots=16, page_size=4, nbpt=32, read_bytes=32, dtype=torch.bfloat16)
+    for mode in RealKvHashMode:
+        ctx = _ctx(sources=(src,), mode=mode)
+        wctx = clone_context(ctx)
+        launch_canary_write_kernel_torch_reference(context=wctx, plan=_wplan([4], [-1]), **_winputs([5, 6, 7, 8], [0, 1, 2, 3], [1, 2, 3, 4]))
+        wctx.canary_buf.view(torch.int64)[3, 0] += 1  # token flip at slot 3
+        vp = VerifyPlan.allocate(8, "cpu")
+        vp.verify_slot_indices[:6] = torch.tensor([1, 2, 3, 4, 0, 9])
+        vp.verify_prev_slot_indices[:6] = torch.tensor([-1, 1, 2, 3, 0, 0])
+        vp.verify_expected_positions[:6] = torch.tensor([0, 1, 2, 4, 0, 0])
+        vp.verify_expected_tokens[:6] = torch.tensor([5, 6, 7, 8, -1, 3])
+        vp.verify_num_valid[0] = 6
+        for check in (False, True):
+            _compare_verify(wctx, vp, check)
+
+
+def test_verify_disabled_and_narrow_source_error():
+    g = torch.Generator().manual_seed(4)
+    src = make_source(g, "cpu", num_slots=16, page_size=4, nbpt=32, read_bytes=32, dtype=torch.uint8)
+    narrow = type(src)(tensor=src.tensor[:, :64], page_size=4, num_bytes_per_token=32, read_bytes=32)
+    vp = VerifyPlan.allocate(4, "cpu")
+    vp.verify_slot_indices.copy_(torch.tensor([1, 2, 0, 0]))
+    vp.verify_prev_slot_indices.copy_(torch.tensor([-1, 1, 0, 0]))
+    vp.verify_expected_positions.zero_()
+    vp.verify_expected_tokens.fill_(-1)
+    vp.verify_num_valid[0] = 2
+    _compare_verify(_ctx(sources=(narrow,), mode=RealKvHashMode.PARTIAL), vp, False)
+    _compare_verify(_ctx(sources=(narrow,), mode=RealKvHashMode.NONE), vp, False)
+    vp.enable[0] = 0
+    _compare_verify(_ctx(sources=(narrow,), mode=RealKvHashMode.PARTIAL), vp, False)
+
+
+def test_plan_lut_error_leaves_outputs_and_overflow():
+    for seed in range(40):
+        case = make_case(seed, window=4)
+        if case.plan_kwargs["full_to_swa_index_mapping"] is None:
+            continue
+        lut = case.plan_kwargs["full_to_swa_index_mapping"]
+        case.plan_kwargs["full_to_swa_index_mapping"] = lut[: max(1, lut.shape[0] // 2)]
+        twin, err_t, _ = run_plan(launch_canary_plan_kernels_torch_reference, case)
+        fast, err_f, _ = run_plan(launch_plan, case)
+        assert err_t == err_f
+        for x, y in zip(twin, fast):
+            assert torch.equal(x, y)
+
+
+def test_scatter_later_row_wins():
+    pool_a = torch.full((4, 5), -1, dtype=torch.int32)
+    pool_b = pool_a.clone()
+    kw = dict(flat_in=torch.arange(100, 112), offsets=torch.tensor([0, 4, 6, 12, 12]), req_pool_indices=torch.tensor([1, 1, 2, 3]))
+    scatter_req_token_ids_torch_reference(pool_out=pool_a, **kw)
+    launch_scatter(pool_out=pool_b, **kw)
+    assert torch.equal(pool_a, pool_b)
+
+
+# --------------------------------------------------------------------------- seeded fuzz
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_fuzz_plan_write_verify(seed):
+    case = make_case(seed, mode=seed % 3, nsrc=(seed // 3) % 5)
+    twin, err_t, (vp, wp) = run_plan(launch_canary_plan_kernels_torch_reference, case)
+    fast, err_f, _ = run_plan(launch_plan, case)
+    assert err_t == err_f
+    for x, y in zip(twin, fast):
+        assert torch.equal(x, y), (x, y)
+    if err_t is not None:
+        return
+    kw = case.write_kwargs
+    a, _b = _compare_write(case.ctx, wp, **kw)
+    # Verify the written buffer (twin's), with a few corrupted fields.
+    written = clone_context(a)
+    f = written.canary_buf.view(torch.int64)
+    g = torch.Generator().manual_seed(seed)
+    bad = torch.randint(0, f.shape[0], (3,), generator=g)
+    f[bad, torch.randint(0, 4, (3,), generator=g)] ^= 1
+    for check in (False, True):
+        _compare_verify(written, vp, check)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fuzz_scatter(seed):
+    g = torch.Generator().manual_seed(seed)
+    bs = int(torch.randint(0, 6, (1,), generator=g))
+    lens = torch.randint(0, 9, (bs,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    flat = torch.randint(-(2**40), 2**40, (int(offsets[-1]) + 2,), generator=g)
+    rp = torch.randint(0, 4, (bs,), generator=g)
+    pool_a = torch.randint(-9, 9, (4, 6), generator=g).to(torch.int32)
+    pool_b = pool_a.clone()
+    scatter_req_token_ids_torch_reference(flat_in=flat, offsets=offsets, req_pool_indices=rp, pool_out=pool_a)
+    launch_scatter(flat_in=flat, offsets=offsets, req_pool_indices=rp, pool_out=pool_b)
+    assert torch.equal(pool_a, pool_b)
