@@ -10,8 +10,8 @@ from tests.runtime.conftest import make_sim
 @pytest.mark.parametrize(
     "sim_options, steps",
     [
-        (dict(seed=11, num_slots=1024, max_context=128, max_running=8), 1000),
-        (dict(seed=12, sliding_window=24, num_slots=1024, swa_num_slots=256, max_context=128, max_running=8), 700),
+        (dict(seed=11, num_slots=1024, max_context=128, max_running=8), 1500),
+        (dict(seed=12, sliding_window=24, num_slots=1024, swa_num_slots=256, max_context=128, max_running=8), 1000),
     ],
     ids=["full", "sliding_window"],
 )

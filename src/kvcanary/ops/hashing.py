@@ -76,5 +76,5 @@ def splitmix64_xor_tensor(acc: torch.Tensor, word: torch.Tensor) -> torch.Tensor
 def splitmix64_mix3_tensor(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Elementwise mix3 of broadcastable int64 tensors."""
     h = splitmix64_tensor(a)
-    h = _splitmix64_inplace(h.bitwise_xor_(b) if h.shape == torch.broadcast_shapes(h.shape, b.shape) else h ^ b)
-    return _splitmix64_inplace(h.bitwise_xor_(c) if h.shape == torch.broadcast_shapes(h.shape, c.shape) else h ^ c)
+    h = _splitmix64_inplace(h ^ b)
+    return _splitmix64_inplace(h ^ c)
