@@ -26,6 +26,7 @@ import kvcanary  # noqa: E402
 from kvcanary.cli.demo import SLIDING_WINDOW, FlipSharedBlockByte, RedirectRead, generate, tiny_model, workload  # noqa: E402
 from kvcanary.engines.transformers_cb import attach  # noqa: E402
 from kvcanary.engines.transformers_cb.attach import _refuse_unobservable_paths  # noqa: E402
+from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator  # noqa: E402
 from kvcanary.runtime import CanaryViolationError  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -89,10 +90,13 @@ class Probe:
 
 # ---- clean runs ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind, llama, qwen3):
+def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind, llama, qwen3, monkeypatch):
     model = llama if kind == "llama" else qwen3
     prompts = workload(seed=1)
     reference = generate(model, prompts)
+    batches = []
+    describe = ForwardTranslator.describe
+    monkeypatch.setattr(ForwardTranslator, "describe", lambda self, *a, **k: batches.append(describe(self, *a, **k)) or batches[-1])
     probe = Probe(model)
     try:
         with attach(model, mode="raise", sweep_interval=4) as handle:
@@ -110,6 +114,11 @@ def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind
     assert stats.slots_verified["head"] == expected
     assert stats.slots_verified["tail"] == 2 * expected  # K and V sides
     assert stats.sweeps > 0 and sum(stats.last_sweep_verified.values()) > 0
+    assert len(batches) == stats.forwards
+    for batch in batches:  # the canary never writes one slot twice in a launch (sliding-window trash is skipped)
+        for group in batch.groups.values():
+            stored = group.out_cache_loc[group.out_cache_loc >= 0]
+            assert stored.unique().numel() == stored.numel()
     assert sum(stats.last_sweep_unrecorded.values()) == 0
     # the workload really exercised what the canary must survive
     first_seen: dict[str, int] = {}

@@ -9,9 +9,10 @@ histories, batch order = the forward's sequence order), the allocators' block ta
 Per batch row ``i`` with ``P`` = first position and ``E`` = query length:
 
 * written slots (``out_cache_loc``) come from ``write_index`` (or, on the decode fast path, from the
-  block table). Trash rows are not stored (-1). A sliding-window chunk longer than the window sends
-  its first ``E - W`` tokens to the write trash; the canary writes them to their ring slot anyway, in
-  order, so that the last write (the token the engine really stored) wins and the chain is unbroken.
+  block table). Trash rows are not stored (-1): a sliding-window chunk longer than the window sends
+  its first ``E - W`` tokens to the write trash, so the canary skips them too (no slot is written
+  twice in one launch); the chain then jumps from the seed to the first stored token, a link that is
+  never judged because its predecessor is outside the window.
 * the position -> slot table row comes from what attention *reads*: ``read_index`` (full attention:
   positions ``[0, P + E)``; sliding window: the ``min(P, W - 1)`` newest cached positions, then sentinel
   rows for the new tokens). A read redirected to a wrong slot therefore shows up in the canary.
@@ -183,10 +184,6 @@ class ForwardTranslator:
             table[row].zero_()
             if g.sliding_window:
                 win = g.sliding_window
-                stored = min(e, win)
-                if e > stored:  # first e - W tokens went to the write trash: replay them on their ring slot
-                    j = torch.arange(e - stored, device=dev)
-                    w = torch.cat([w[(e - stored) + (j % win)], w[e - stored :]])
                 lo = max(0, p + e - win)
                 if has_reads and p > lo:
                     cached = min(p, win - 1)
