@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "attach":  # lazy: importing kvcanary must not import torch-heavy adapters
-        from kvcanary.attach import attach
+        from kvcanary.engines.dispatch import attach
 
         return attach
     raise AttributeError(f"module 'kvcanary' has no attribute {name!r}")

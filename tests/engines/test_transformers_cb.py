@@ -272,3 +272,13 @@ def test_requests_beyond_max_context_fail_loudly(llama):
     with pytest.raises(RuntimeError, match=r"^kv-canary: request req_\d+ reaches position \d+, beyond max_context=24"):
         with attach(llama, mode="log", max_context=24):
             generate(llama, workload(seed=1, num_requests=2))
+
+
+def test_kvcanary_attach_stays_callable_after_adapter_imports():
+    """`kvcanary.attach` must stay the function even once every kvcanary module is imported."""
+    import kvcanary
+    import kvcanary.cli.demo  # noqa: F401  (imports the adapter and the dispatcher)
+    import kvcanary.engines.dispatch  # noqa: F401
+
+    assert callable(kvcanary.attach)
+    assert kvcanary.attach is kvcanary.engines.dispatch.attach

@@ -115,6 +115,9 @@ class StepRecord:
             slots = g.verify_plan.verify_slot_indices[:n].cpu()
             exp_pos = g.verify_plan.verify_expected_positions[:n].cpu()
             exp_tok = g.verify_plan.verify_expected_tokens[:n].cpu()
+            # Rows of one slot come in plan order (several requests may share a cached slot):
+            # each takes the next fitting entry after the one its predecessor row took.
+            taken: dict[int, int] = {}
             for row in rows:
                 slot, stored_pos, row_tok, bits = row[1], row[2], row[4], FailReason(row[7])
                 cands = (slots == slot).nonzero().flatten().tolist()
@@ -124,7 +127,11 @@ class StepRecord:
                     tok_ok = row_tok == -1 or int(exp_tok[i]) == row_tok
                     return tok_ok and ((int(exp_pos[i]) != stored_pos) == pos_bad)
 
-                best = next((i for i in cands if fits(i)), cands[0] if cands else None)
+                fitting = [i for i in cands if fits(i)] or cands
+                after = [i for i in fitting if i > taken.get(slot, -1)]
+                best = (after or fitting or [None])[0]
+                if best is not None:
+                    taken[slot] = best
                 if best is None:
                     out.append(Attribution(None, None, None, self.step, self.forward_kind))
                     continue

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 
 from kvcanary.ops import CANARY_FIELDS_PER_SLOT, CanaryLaunchTag, RealKvHashMode, RealKvSource, VerifyOrWriteContext
+from kvcanary.ops.reference.common import last_occurrence_mask
 from kvcanary.runtime.batch import GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 
@@ -48,6 +49,7 @@ class SlotRecords:
         """Record one write launch's entries (int64 [n], in write order: a slot written twice
         keeps its last entry, as the canary buffer does)."""
         keep = slots >= 0
+        keep &= last_occurrence_mask(slots)  # index_put_ with repeated indices is unordered on CUDA
         if not bool(keep.all()):
             slots, positions, prev_slots, owners = slots[keep], positions[keep], prev_slots[keep], owners[keep]
         self.position.index_put_((slots,), positions)

@@ -116,6 +116,8 @@ class Sweeper:
         prev = rec.prev_slot[slots]
         safe_prev = torch.clamp(prev, min=0)
         intact = (prev >= 0) & (rec.step[safe_prev] <= written_at) & (rec.step[safe_prev] != NEVER_WRITTEN)
+        # The link is checkable only while the predecessor still holds the previous position.
+        intact &= rec.position[safe_prev] == rec.position[slots] - 1
         prev = torch.where(prev < 0, prev, torch.where(intact, prev, torch.zeros_like(prev)))
         n = int(slots.numel())
         dev = slots.device

@@ -1,4 +1,4 @@
-"""`kvcanary.attach(model, **options)`: pick the engine adapter for ``model`` and attach a canary.
+"""`attach(model, **options)` (exported as `kvcanary.attach`): pick the engine adapter for ``model``.
 
 Today: Hugging Face transformers continuous batching (`kvcanary.engines.transformers_cb`, pinned to
 transformers==5.24.0). The adapter is imported only when needed.
