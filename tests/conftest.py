@@ -4,10 +4,16 @@ Builders are plain functions handed out by fixtures, so hypothesis tests can use
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels can only run in its interpreter, and Triton reads this when it is
+# first imported (any test module may import it first, e.g. through transformers).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvcanary.ops.constants import CanaryLaunchTag, RealKvHashMode
 from kvcanary.ops.records import RealKvSource, VerifyOrWriteContext, VerifyPlan, WritePlan

@@ -7,13 +7,12 @@ plan overflow, LUT errors, lazy errors); a seeded fuzz compares every op to its 
 from __future__ import annotations
 
 import os
-import sys
 
-if "kvcanary.ops.triton.verify" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+if os.environ.get("TRITON_INTERPRET") != "1":
     import pytest
 
-    pytest.skip("kvcanary.ops.triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
+    # tests/conftest.py sets it on machines without a GPU; on a GPU host run tests/gpu instead.
+    pytest.skip("needs TRITON_INTERPRET=1 set before Triton is imported", allow_module_level=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
