@@ -242,6 +242,24 @@ def main():
     ms = bench(lambda: launch_canary_write_kernel(context=ctx, plan=wp, **wkw), reps=5)
     res["write_128k"] = ms
     print(f"write one 128k-token request: {ms:.2f} ms; recurrence floor {fl['recurrence_128k_ms']:.2f} ms")
+    # Chain-kernel sweep (the table uses the module default); each variant's bytes vs the default's.
+    import kvcanary.ops.triton.write as tw
+    wdefault = dict(tw.CONFIG)
+
+    def one_write(cfg):
+        tw.CONFIG.update(cfg)
+        c = make_ctx(1 << 20, ctx.real_kv_sources, RealKvHashMode.PARTIAL)
+        launch_canary_write_kernel(context=c, plan=wp, **wkw)
+        torch.cuda.synchronize()
+        return c.canary_buf.clone(), int(c.slot_run_counter[0])
+
+    ref_bytes = one_write(wdefault)
+    for cfg in (dict(prefetch=False), dict(chunk=64), dict(unroll=8), dict(chunk=64, unroll=8)):
+        cfg = {**wdefault, **cfg}
+        same = all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(one_write(cfg), ref_bytes))
+        ms_v = bench(lambda: launch_canary_write_kernel(context=ctx, plan=wp, **wkw), reps=5)
+        print(f"sweep write 128k {cfg}: {ms_v:.2f} ms ({ms_v / fl['recurrence_128k_ms']:.3f}x floor), bytes same as default: {same}")
+    tw.CONFIG.update(wdefault)
 
     # Decode step: 64 requests x 4k context: plan + HEAD verify/write + TAIL verify/write (graph).
     kw, rtt, num_slots = plan_case(64, 4096)

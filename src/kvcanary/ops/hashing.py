@@ -53,13 +53,21 @@ def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
+def _xor_lsr_(x: torch.Tensor, k: int, tmp: torch.Tensor) -> None:
+    """``x ^= x >>> k`` (logical shift) in place, using ``tmp`` as scratch."""
+    torch.bitwise_right_shift(x, k, out=tmp)
+    tmp.bitwise_and_((1 << (64 - k)) - 1)
+    x.bitwise_xor_(tmp)
+
+
 def _splitmix64_inplace(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 of an int64 tensor the caller owns, computed in place; returns it."""
-    x.bitwise_xor_(_lsr(x, 30))
+    tmp = torch.empty_like(x)
+    _xor_lsr_(x, 30, tmp)
     x.mul_(_S_GAMMA_1)
-    x.bitwise_xor_(_lsr(x, 27))
+    _xor_lsr_(x, 27, tmp)
     x.mul_(_S_GAMMA_2)
-    x.bitwise_xor_(_lsr(x, 31))
+    _xor_lsr_(x, 31, tmp)
     return x
 
 

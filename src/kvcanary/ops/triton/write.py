@@ -34,7 +34,7 @@ from kvcanary.ops.triton.hashing import (
 )
 
 _PREP_BLOCK = 256
-_CHUNK = 32
+CONFIG = dict(chunk=32, unroll=4, prefetch=True)  # chain kernel; the bench sweeps it
 _PROGRAMS_PER_SM = 16
 _CHAIN_PROGRAMS_PER_SM = 32
 
@@ -49,7 +49,7 @@ _SERIAL = tl.constexpr(4)
 @triton.jit
 def _write_prepare_kernel(
     fields_ptr, stride_words, num_slots,       # canary buffer as int64 [num_slots, stride_words]
-    slot_ptr,                                  # out_cache_loc, int32/int64 [N]
+    slot_ptr, n_entries,                       # out_cache_loc, int32/int64 [n_entries]
     off_ptr, seed_ptr, num_reqs_ptr, seed_cap, # write plan
     table_ptr, state_ptr,                      # scratch: int64 [>= num_slots], int64 [8]
     kernel_counter_ptr, slot_counter_ptr,
@@ -72,17 +72,20 @@ def _write_prepare_kernel(
     count = tl.zeros([], tl.int64)
     lanes = tl.arange(0, BLOCK)
     n_req = tl.where(end > 0, a, 0)
-    # Entry block and request block of one iteration are independent: their loads and atomics
-    # are issued together, so the per-launch latency chain stays short.
-    for start in range(pid * BLOCK, tl.maximum(end, n_req), nprog * BLOCK):
+    # The loop runs over the capacities (host ints), so the slot and request loads of an
+    # iteration are issued together with the num_reqs -> offsets[a] chain (in bounds: they read
+    # within the tensors' shapes; what lies past the work gate is loaded but never used). Only
+    # the atomics, stores and real-KV reads wait for the gate.
+    for start in range(pid * BLOCK, tl.maximum(n_entries, seed_cap), nprog * BLOCK):
         i = start + lanes
-        m = (i < end) & (i >= begin)
-        s = tl.load(slot_ptr + i, mask=m, other=-1).to(tl.int64)
+        s = tl.load(slot_ptr + i, mask=i < n_entries, other=-1).to(tl.int64)
         r = i
+        rc = r < seed_cap
+        o0 = tl.load(off_ptr + r, mask=rc, other=0)
+        o1 = tl.load(off_ptr + r + 1, mask=rc, other=0)
+        sd = tl.load(seed_ptr + r, mask=rc, other=-1)
+        m = (i < end) & (i >= begin)
         rm = r < n_req
-        o0 = tl.load(off_ptr + r, mask=rm, other=0)
-        o1 = tl.load(off_ptr + r + 1, mask=rm, other=0)
-        sd = tl.load(seed_ptr + r, mask=rm, other=-1)
         w = m & (s >= 0)
         count += tl.sum(w.to(tl.int64), 0)
         inside = w & (s < num_slots)
@@ -112,32 +115,68 @@ def _write_prepare_kernel(
 
 
 @triton.jit
+def _prefetch_l1(ptr):
+    """Ask L1 for the lines of ``ptr`` (a tensor of pointers); no result, GPU only."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _later_max(i1, p1, i2, p2):
+    """Scan combine: the (index, position) pair of the later valid entry (index -1: none)."""
+    take = i2 >= i1
+    return tl.where(take, i2, i1), tl.where(take, p2, p1)
+
+
+@triton.jit
 def _write_chain_kernel(
     fields_ptr, stride_words,
-    tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr,  # flattened entries
+    tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,  # flattened entries
     off_ptr, seed_ptr, num_reqs_ptr, seed_cap,
     state_ptr, chain_assert_ptr,
     ring_ptr, widx_ptr, ring_cap, slot_counter_ptr,
     kind, h0,
-    INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
+    INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    # Speculative loads of this program's first request (pid < seed_cap: the grid is capped by
+    # the capacity); they are issued together with the num_reqs -> offsets[a] chain. In serial
+    # mode program 0 starts at request 0 = pid too, and the others run no request.
+    pm0 = pid < seed_cap
+    o0_n = tl.load(off_ptr + pid, mask=pm0, other=0).to(tl.int64)
+    o1_n = tl.load(off_ptr + pid + 1, mask=pm0, other=0).to(tl.int64)
+    seed_n = tl.load(seed_ptr + pid, mask=pm0, other=-1).to(tl.int64)
     a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
+    serial = tl.load(state_ptr + _SERIAL) != 0
+    chain_flag = tl.load(chain_assert_ptr) != 0
     end_all = tl.load(off_ptr + a)
     a = tl.where(end_all > 0, a, 0)  # work gate
-    serial = tl.load(state_ptr + _SERIAL) != 0
-    first = tl.where(serial, tl.where(pid == 0, 0, a), pid)
+    r = tl.where(serial, tl.where(pid == 0, 0, a), pid).to(tl.int64)
     step = tl.where(serial, 1, nprog)
-    chain_flag = tl.load(chain_assert_ptr) != 0
     lanes = tl.arange(0, CHUNK)
     later = lanes[None, :] > lanes[:, None]
-    count = tl.zeros([], tl.int64)
-    for r in range(first, a, step):
-        o0 = tl.load(off_ptr + r)
-        o1 = tl.minimum(tl.load(off_ptr + r + 1), end_all)
-        n = tl.maximum(o1 - o0, 0)
-        seed = tl.load(seed_ptr + r)
+    count_v = tl.zeros([CHUNK], tl.int32)
+    while r < a:
+        o0 = o0_n
+        n = tl.maximum(tl.minimum(o1_n, end_all) - o0, 0)
+        seed = seed_n
+        # The first entries' scalars: masked by the unclamped end (never past the tensor).
+        lim = tl.minimum(o1_n, n_entries)
+        k0 = o0 < lim
+        k1 = o0 + 1 < lim
+        s_n = tl.load(slot_ptr + o0, mask=k0 & (o0 >= 0), other=-1).to(tl.int64)
+        t_n = tl.load(tok_ptr + o0, mask=k0 & (o0 >= 0), other=0).to(tl.int64)
+        p_n = tl.load(pos_ptr + o0, mask=k0 & (o0 >= 0), other=0).to(tl.int64)
+        s_nn = tl.load(slot_ptr + o0 + 1, mask=k1 & (o0 >= 0), other=-1).to(tl.int64)
+        t_nn = tl.load(tok_ptr + o0 + 1, mask=k1 & (o0 >= 0), other=0).to(tl.int64)
+        p_nn = tl.load(pos_ptr + o0 + 1, mask=k1 & (o0 >= 0), other=0).to(tl.int64)
+        # The next request's scalars (parallel mode: pid + nprog), loaded one request ahead.
+        rn = r + step
+        rnm = rn < a
+        o0_n = tl.load(off_ptr + rn, mask=rnm, other=0).to(tl.int64)
+        o1_n = tl.load(off_ptr + rn + 1, mask=rnm, other=0).to(tl.int64)
+        seed_n = tl.load(seed_ptr + rn, mask=rnm, other=-1).to(tl.int64)
         has_seed = seed >= 0
         srec = fields_ptr + tl.where(has_seed, seed, 0) * stride_words
         seed_tok = tl.load(srec + 0, mask=has_seed, other=0)
@@ -146,63 +185,53 @@ def _write_chain_kernel(
         running = tl.where(has_seed, slot_hash_of_fields(seed_prev, seed_tok, seed_pos), as_u64(h0 + seed * 0))
         last_pos = seed_pos
         chain_on = has_seed & chain_flag
-        # Chunk 0's tiles and first scalars; later chunks are prefetched one chunk ahead.
-        idx = o0 + lanes
-        m = lanes < n
-        slot_t = tl.load(slot_ptr + idx, mask=m, other=-1).to(tl.int64)
-        tok_t = tl.load(tok_ptr + idx, mask=m, other=0).to(tl.int64)
-        pos_t = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-        if INPUT_ASSERT:
-            etok_t = tl.load(exp_tok_ptr + idx, mask=m, other=0).to(tl.int64)
-            epos_t = tl.load(exp_pos_ptr + idx, mask=m, other=0).to(tl.int64)
-        # The serial loop reads its scalars two steps ahead (an L2 hit outlasts one step).
-        s_n = tl.load(slot_ptr + o0, mask=n > 0, other=-1).to(tl.int64)
-        t_n = tl.load(tok_ptr + o0, mask=n > 0, other=0).to(tl.int64)
-        p_n = tl.load(pos_ptr + o0, mask=n > 0, other=0).to(tl.int64)
-        s_nn = tl.load(slot_ptr + o0 + 1, mask=n > 1, other=-1).to(tl.int64)
-        t_nn = tl.load(tok_ptr + o0 + 1, mask=n > 1, other=0).to(tl.int64)
-        p_nn = tl.load(pos_ptr + o0 + 1, mask=n > 1, other=0).to(tl.int64)
+        check = chain_on | INPUT_ASSERT
+        if PREFETCH:
+            if CHUNK < n:
+                _prefetch_l1(slot_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
+                _prefetch_l1(tok_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
+                _prefetch_l1(pos_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
         for c in range(0, n, CHUNK):
-            slot_c = slot_t
-            tok_c = tok_t
-            pos_c = pos_t
-            if INPUT_ASSERT:
-                etok_c = etok_t
-                epos_c = epos_t
-            m_c = lanes < n - c
-            nidx = o0 + c + CHUNK + lanes
-            nm = lanes < n - c - CHUNK
-            slot_t = tl.load(slot_ptr + nidx, mask=nm, other=-1).to(tl.int64)
-            tok_t = tl.load(tok_ptr + nidx, mask=nm, other=0).to(tl.int64)
-            pos_t = tl.load(pos_ptr + nidx, mask=nm, other=0).to(tl.int64)
-            if INPUT_ASSERT:
-                etok_t = tl.load(exp_tok_ptr + nidx, mask=nm, other=0).to(tl.int64)
-                epos_t = tl.load(exp_pos_ptr + nidx, mask=nm, other=0).to(tl.int64)
-            # Serial part: the running hash before each entry (hs) and the last position (lp).
+            if PREFETCH:  # two chunks ahead: the serial loop's scalar loads then hit L1
+                if c + 2 * CHUNK < n:
+                    pf = o0 + c + 2 * CHUNK + tl.minimum(lanes, n - c - 2 * CHUNK - 1)
+                    _prefetch_l1(slot_ptr + pf)
+                    _prefetch_l1(tok_ptr + pf)
+                    _prefetch_l1(pos_ptr + pf)
+                    if INPUT_ASSERT:
+                        _prefetch_l1(exp_tok_ptr + pf)
+                        _prefetch_l1(exp_pos_ptr + pf)
+            # Serial part, only the recurrence on the dependency path: the running hash before
+            # each entry (hs); the request's last entry needs no step after it.
+            cnt = tl.minimum(n - c, CHUNK).to(tl.int32)
+            last_chunk = c + CHUNK >= n
+            steps = tl.where(last_chunk, cnt - 1, cnt)
             hs = tl.zeros([CHUNK], tl.int64)
-            lp = tl.zeros([CHUNK], tl.int64)
-            cnt = tl.minimum(n - c, CHUNK)
-            for j in tl.range(0, cnt, loop_unroll_factor=UNROLL):
+            base_k = o0 + c + 2
+            for j in tl.range(0, steps, loop_unroll_factor=UNROLL):
                 s_j = s_n
                 t_j = t_n
                 p_j = p_n
                 s_n = s_nn
                 t_n = t_nn
                 p_n = p_nn
-                k = o0 + c + j + 2
+                k = base_k + j
                 km = c + j + 2 < n
                 s_nn = tl.load(slot_ptr + k, mask=km, other=-1).to(tl.int64)
                 t_nn = tl.load(tok_ptr + k, mask=km, other=0).to(tl.int64)
                 p_nn = tl.load(pos_ptr + k, mask=km, other=0).to(tl.int64)
-                sel = lanes == j
-                hs = tl.where(sel, as_i64(running), hs)
-                lp = tl.where(sel, last_pos, lp)
-                stored = s_j >= 0
-                running = tl.where(stored, mix3(running, as_u64(t_j), as_u64(p_j)), running)
-                last_pos = tl.where(stored, p_j, last_pos)
-            # Parallel part: stores (a slot's last entry in the chunk wins) and violation rows.
+                hs = tl.where(lanes == j, as_i64(running), hs)
+                running = tl.where(s_j >= 0, mix3(running, as_u64(t_j), as_u64(p_j)), running)
+            hs = tl.where(last_chunk & (lanes == cnt - 1), as_i64(running), hs)
+            # Parallel part: the chunk's tiles (L1 hits), stores (a slot's last entry in the chunk
+            # wins) and violation rows.
+            idx = o0 + c + lanes
+            m_c = lanes < cnt
+            slot_c = tl.load(slot_ptr + idx, mask=m_c, other=-1).to(tl.int64)
+            tok_c = tl.load(tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
+            pos_c = tl.load(pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
             valid = m_c & (slot_c >= 0)
-            count += tl.sum(valid.to(tl.int64), 0)
+            count_v += valid.to(tl.int32)
             if serial:  # duplicates exist only in serial mode: keep a slot's last entry
                 dup = (slot_c[:, None] == slot_c[None, :]) & valid[None, :] & later
                 keep = valid & (tl.max(dup.to(tl.int32), 1) == 0)
@@ -212,45 +241,62 @@ def _write_chain_kernel(
             tl.store(rec + 0, tok_c, mask=keep)
             tl.store(rec + 1, pos_c, mask=keep)
             tl.store(rec + 2, hs, mask=keep)
-            chain_bad = valid & chain_on & (pos_c != lp + 1)
-            if INPUT_ASSERT:
-                in_bits = tl.where(tok_c != etok_c, 8, 0) + tl.where(pos_c != epos_c, 16, 0)
-                in_bad = valid & (in_bits != 0)
-            else:
-                in_bits = tl.zeros([CHUNK], tl.int32)
-                in_bad = valid & (in_bits != 0)
-            nrows = in_bad.to(tl.int64) + chain_bad.to(tl.int64)
-            total_rows = tl.sum(nrows, 0)
-            if total_rows > 0:
-                base = tl.atomic_add(widx_ptr, total_rows.to(tl.int32)).to(tl.int64)
-                row_in = base + tl.cumsum(nrows, 0) - nrows
-                row_ch = row_in + in_bad.to(tl.int64)
-                kinds = tl.zeros([CHUNK], tl.int64) + kind
+            if check:
+                # last_pos before each entry, in parallel: the latest stored entry before it in
+                # the chunk (a scan over the entries shifted by one), else the carried value.
+                pm = m_c & (lanes > 0)
+                slot_p = tl.load(slot_ptr + idx - 1, mask=pm, other=-1)
+                pos_p = tl.load(pos_ptr + idx - 1, mask=pm, other=0).to(tl.int64)
+                i_p = tl.where(pm & (slot_p >= 0), lanes - 1, -1)
+                i_s, p_s = tl.associative_scan((i_p, pos_p), 0, _later_max)
+                lp = tl.where(i_s >= 0, p_s, last_pos)
+                i_l, p_l = tl.reduce((tl.where(valid, lanes, -1), pos_c), 0, _later_max)
+                last_pos = tl.where(i_l >= 0, p_l, last_pos)
+                chain_bad = valid & chain_on & (pos_c != lp + 1)
                 if INPUT_ASSERT:
-                    ok = in_bad & (row_in >= 0) & (row_in < ring_cap)
-                    out = ring_ptr + row_in * 8
+                    etok_c = tl.load(exp_tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
+                    epos_c = tl.load(exp_pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
+                    in_bits = tl.where(tok_c != etok_c, 8, 0) + tl.where(pos_c != epos_c, 16, 0)
+                    in_bad = valid & (in_bits != 0)
+                else:
+                    etok_c = tok_c
+                    epos_c = pos_c
+                    in_bits = tl.zeros([CHUNK], tl.int32)
+                    in_bad = valid & (in_bits != 0)
+                nrows = in_bad.to(tl.int32) + chain_bad.to(tl.int32)
+                total_rows = tl.sum(nrows, 0)
+                if total_rows > 0:
+                    base = tl.atomic_add(widx_ptr, total_rows).to(tl.int64)
+                    row_in = base + (tl.cumsum(nrows, 0) - nrows).to(tl.int64)
+                    row_ch = row_in + in_bad.to(tl.int64)
+                    kinds = tl.zeros([CHUNK], tl.int64) + kind
+                    if INPUT_ASSERT:
+                        ok = in_bad & (row_in >= 0) & (row_in < ring_cap)
+                        out = ring_ptr + row_in * 8
+                        tl.store(out + 0, kinds, mask=ok)
+                        tl.store(out + 1, slot_c, mask=ok)
+                        tl.store(out + 2, pos_c, mask=ok)
+                        tl.store(out + 3, tok_c, mask=ok)
+                        tl.store(out + 4, etok_c, mask=ok)
+                        tl.store(out + 5, hs, mask=ok)
+                        tl.store(out + 6, epos_c, mask=ok)
+                        tl.store(out + 7, in_bits.to(tl.int64), mask=ok)
+                    ok = chain_bad & (row_ch >= 0) & (row_ch < ring_cap)
+                    out = ring_ptr + row_ch * 8
                     tl.store(out + 0, kinds, mask=ok)
                     tl.store(out + 1, slot_c, mask=ok)
                     tl.store(out + 2, pos_c, mask=ok)
                     tl.store(out + 3, tok_c, mask=ok)
-                    tl.store(out + 4, etok_c, mask=ok)
+                    tl.store(out + 4, tok_c, mask=ok)
                     tl.store(out + 5, hs, mask=ok)
-                    tl.store(out + 6, epos_c, mask=ok)
-                    tl.store(out + 7, in_bits.to(tl.int64), mask=ok)
-                ok = chain_bad & (row_ch >= 0) & (row_ch < ring_cap)
-                out = ring_ptr + row_ch * 8
-                tl.store(out + 0, kinds, mask=ok)
-                tl.store(out + 1, slot_c, mask=ok)
-                tl.store(out + 2, pos_c, mask=ok)
-                tl.store(out + 3, tok_c, mask=ok)
-                tl.store(out + 4, tok_c, mask=ok)
-                tl.store(out + 5, hs, mask=ok)
-                tl.store(out + 6, lp + 1, mask=ok)
-                tl.store(out + 7, tl.zeros([CHUNK], tl.int64) + 16, mask=ok)
-            tl.debug_barrier()  # serial mode: this chunk's stores land before later reads
+                    tl.store(out + 6, lp + 1, mask=ok)
+                    tl.store(out + 7, tl.zeros([CHUNK], tl.int64) + 16, mask=ok)
+            if serial:
+                tl.debug_barrier()  # this chunk's stores land before later reads
+        r = rn
     if serial:
         if pid == 0:
-            tl.store(slot_counter_ptr, tl.load(slot_counter_ptr) + count)
+            tl.store(slot_counter_ptr, tl.load(slot_counter_ptr) + tl.sum(count_v.to(tl.int64), 0))
 
 
 class _Scratch:
@@ -315,7 +361,7 @@ def launch_write(
     sms = num_sms(dev)
     grid = (max(1, min(triton.cdiv(max(n_entries, seed_cap), _PREP_BLOCK), sms * _PROGRAMS_PER_SM)),)
     _write_prepare_kernel[grid](
-        fields, stride_words, num_slots, out_cache_loc,
+        fields, stride_words, num_slots, out_cache_loc, n_entries,
         plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
         table, state, ctx.kernel_run_counter, ctx.slot_run_counter,
         *srcs.args, **srcs.consts, BLOCK=_PREP_BLOCK, num_warps=4,
@@ -325,9 +371,10 @@ def launch_write(
     _write_chain_kernel[grid](
         fields, stride_words, input_ids, positions, out_cache_loc,
         expected_input_tokens if assert_on else input_ids, expected_input_positions if assert_on else positions,
-        plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
+        n_entries, plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
         state, ctx.enable_chain_position_assert,
         ctx.violation_ring, ctx.violation_write_index, ctx.violation_ring.shape[0], ctx.slot_run_counter,
         int(ctx.kernel_kind), H0_SIGNED,
-        INPUT_ASSERT=assert_on, CHUNK=_CHUNK, UNROLL=4, num_warps=1,
+        INPUT_ASSERT=assert_on, CHUNK=CONFIG["chunk"], UNROLL=CONFIG["unroll"],
+        PREFETCH=CONFIG["prefetch"] and dev.type == "cuda", num_warps=1,
     )
