@@ -228,6 +228,13 @@ def main():
     us = bench_graph(lambda: launch_canary_write_kernel(context=ctx, plan=wp, **wkw)) * 1e3
     res["write_decode"] = us
     print(f"write 4096 one-token requests: {us:.1f} us per launch (graph)")
+    import kvcanary.ops.triton.write as tw
+    wdefault = dict(tw.CONFIG)
+    for cfg in (dict(prep_block=128), dict(prep_block=128, prep_warps=2), dict(prep_block=512, prep_warps=8)):
+        tw.CONFIG.update(cfg)
+        us_v = bench_graph(lambda: launch_canary_write_kernel(context=ctx, plan=wp, **wkw)) * 1e3
+        print(f"sweep write 4096x1 {tw.CONFIG}: {us_v:.1f} us per launch (graph)")
+        tw.CONFIG.update(wdefault)
 
     # Write: one 128k-token request.
     n = 128 * 1024
@@ -254,7 +261,7 @@ def main():
         return c.canary_buf.clone(), int(c.slot_run_counter[0])
 
     ref_bytes = one_write(wdefault)
-    for cfg in (dict(prefetch=False), dict(chunk=64), dict(unroll=8), dict(chunk=64, unroll=8)):
+    for cfg in (dict(unroll=4), dict(chunk=64), dict(unroll=16)):
         cfg = {**wdefault, **cfg}
         same = all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(one_write(cfg), ref_bytes))
         ms_v = bench(lambda: launch_canary_write_kernel(context=ctx, plan=wp, **wkw), reps=5)

@@ -12,8 +12,12 @@ The chain recurrence is serial per request; everything else is parallel:
    for all requests in batch order (serial mode, when aliasing was seen: every store lands
    before the next request reads its seed, and within a chunk only a slot's last entry stores).
    Each program walks its request in chunks of 32 entries: the running hash advances one entry
-   per step (the only serial work, its inputs prefetched two steps ahead), then the chunk's token /
-   position / prev_hash fields and its violation rows are stored in parallel.
+   per step (the only serial work: its scalar inputs are read two steps ahead from lines that an
+   L1 prefetch asked for two chunks ahead), then the chunk's tiles are re-read (L1 hits) and its
+   token / position / prev_hash fields, the chain-position ``last_pos`` (a scan, only when rows
+   are possible) and its violation rows are done in parallel. No tile is carried across chunks:
+   ptxas sinks such loads past the serial loop and the back-edge copy then waits a full memory
+   round trip per chunk (bench/NOTES.md, run 6).
 
 No host sync: counts are read on the device, grids come from capacities. Launches whose lazy
 checks would fail (known from shapes) run the torch twin, or raise at once under capture.
@@ -33,8 +37,7 @@ from kvcanary.ops.triton.hashing import (
     static_error,
 )
 
-_PREP_BLOCK = 256
-CONFIG = dict(chunk=32, unroll=4, prefetch=True)  # chain kernel; the bench sweeps it
+CONFIG = dict(chunk=32, unroll=8, prefetch=True, prep_block=256, prep_warps=4)  # the bench sweeps it
 _PROGRAMS_PER_SM = 16
 _CHAIN_PROGRAMS_PER_SM = 32
 
@@ -359,12 +362,13 @@ def launch_write(
     seed_cap = plan.write_seed_slot_indices.shape[0]
     n_entries = out_cache_loc.shape[0]
     sms = num_sms(dev)
-    grid = (max(1, min(triton.cdiv(max(n_entries, seed_cap), _PREP_BLOCK), sms * _PROGRAMS_PER_SM)),)
+    pb = CONFIG["prep_block"]
+    grid = (max(1, min(triton.cdiv(max(n_entries, seed_cap), pb), sms * _PROGRAMS_PER_SM)),)
     _write_prepare_kernel[grid](
         fields, stride_words, num_slots, out_cache_loc, n_entries,
         plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
         table, state, ctx.kernel_run_counter, ctx.slot_run_counter,
-        *srcs.args, **srcs.consts, BLOCK=_PREP_BLOCK, num_warps=4,
+        *srcs.args, **srcs.consts, BLOCK=pb, num_warps=CONFIG["prep_warps"],
     )
     assert_on = bool(enable_write_input_assert)
     grid = (max(1, min(seed_cap, sms * _CHAIN_PROGRAMS_PER_SM)),)
