@@ -14,7 +14,6 @@ import torch
 
 from kvcanary.ops.constants import (
     CANARY_FIELD_POSITION,
-    CANARY_FIELD_PREV_HASH,
     CANARY_FIELD_REAL_KV_HASH,
     CANARY_FIELD_TOKEN,
     FailReason,
@@ -39,12 +38,14 @@ def _check_input_assert_args(flag: bool, tokens: Optional[torch.Tensor], positio
         raise ValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
 
 
-def _first_dependent_request(req: torch.Tensor, slot: torch.Tensor, seeds: torch.Tensor, first_req: int) -> int:
+def _first_dependent_request(
+    req: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor, seeds: torch.Tensor, first_req: int
+) -> int:
     """First request r > first_req whose seed is stored by an entry of a request in [first_req, r);
-    -1 if none. ``req``/``slot`` are the entries of requests >= first_req, in order."""
-    if slot.numel() == 0:
+    -1 if none. ``req`` are the requests of the entries (>= first_req, in order) storing the
+    slots ``uniq[inverse]``."""
+    if req.numel() == 0:
         return -1
-    uniq, inverse = torch.unique(slot, return_inverse=True)
     big = torch.iinfo(torch.int64).max
     first_writer = torch.full_like(uniq, big).scatter_reduce(0, inverse, req, reduce="amin")
     cand = seeds[first_req:]
@@ -55,6 +56,17 @@ def _first_dependent_request(req: torch.Tensor, slot: torch.Tensor, seeds: torch
     if not bool(dependent.any()):
         return -1
     return first_req + int(dependent.nonzero()[0, 0])
+
+
+def _last_writes(inverse: torch.Tensor, num_unique: int) -> Optional[torch.Tensor]:
+    """Bool mask of the entries that are their slot's last store; None when no slot repeats."""
+    n = inverse.numel()
+    if num_unique == n:
+        return None
+    order = torch.arange(n, device=inverse.device)
+    last = torch.full((num_unique,), -1, dtype=torch.int64, device=inverse.device)
+    last = last.scatter_reduce(0, inverse, order, reduce="amax")
+    return last[inverse] == order
 
 
 def launch_canary_write_kernel_torch_reference(
@@ -112,7 +124,8 @@ def launch_canary_write_kernel_torch_reference(
     seg_first_req, seg_first_entry = 0, 0
     while seg_first_req < num_reqs:
         tail_req = req[seg_first_entry:]
-        dependent = _first_dependent_request(tail_req, slot[seg_first_entry:], seeds, seg_first_req)
+        uniq, inverse = torch.unique(slot[seg_first_entry:], return_inverse=True)
+        dependent = _first_dependent_request(tail_req, uniq, inverse, seeds, seg_first_req)
         seg_end_req = num_reqs if dependent < 0 else dependent
         seg_end_entry = seg_first_entry + int((tail_req < seg_end_req).sum())
         e = slice(seg_first_entry, seg_end_entry)
@@ -155,13 +168,15 @@ def launch_canary_write_kernel_torch_reference(
             stacked = torch.stack([r for _, r in entry_rows], dim=1).reshape(-1, 8)
             rows.append(stacked[flags])
 
-        last = last_occurrence_mask(seg_slot)
-        record = torch.stack([seg_token, seg_pos, running, fingerprint[e]], dim=1)[last]
-        target = seg_slot[last]
-        fields[target, CANARY_FIELD_TOKEN] = record[:, 0]
-        fields[target, CANARY_FIELD_POSITION] = record[:, 1]
-        fields[target, CANARY_FIELD_PREV_HASH] = record[:, 2]
-        fields[target, CANARY_FIELD_REAL_KV_HASH] = record[:, 3]
+        if dependent < 0:  # the segment is the whole tail: reuse its unique slots
+            last = _last_writes(inverse, uniq.numel())
+        else:
+            last = last_occurrence_mask(seg_slot)
+        record = torch.stack([seg_token, seg_pos, running, fingerprint[e]], dim=1)
+        target = seg_slot
+        if last is not None:
+            record, target = record[last], target[last]
+        fields[target, CANARY_FIELD_TOKEN : CANARY_FIELD_REAL_KV_HASH + 1] = record
 
         seg_first_req, seg_first_entry = seg_end_req, seg_end_entry
 
