@@ -21,11 +21,6 @@ def to_signed64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def to_unsigned64(x: int) -> int:
-    """``x`` reduced mod 2^64 into ``[0, 2^64)``."""
-    return x & MASK64
-
-
 def splitmix64(x: int) -> int:
     """splitmix64 finaliser of ``x`` (any sign, reduced mod 2^64); returns ``[0, 2^64)``."""
     x &= MASK64

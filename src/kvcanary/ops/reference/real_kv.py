@@ -87,11 +87,4 @@ def fingerprint_slots(
     return total
 
 
-def fingerprint_bytes_needed(sources: tuple[RealKvSource, ...], mode: int) -> int:
-    """Bytes read per slot by a fingerprint (for benchmarks and memory estimates)."""
-    if int(mode) == RealKvHashMode.NONE:
-        return 0
-    return sum(hashed_bytes(s, mode) for s in sources)
-
-
 __all__ = ["check_row_widths", "fingerprint_slots", "strip_words", "hashed_bytes"]
