@@ -26,9 +26,21 @@ from kvcanary.ops.constants import (
     FailReason,
     RealKvHashMode,
 )
+from kvcanary.ops.copy import export_canary_records, import_canary_records, launch_canary_copy_slots_kernel
+from kvcanary.ops.copy_format import (
+    CANARY_RECORDS_MAGIC,
+    CANARY_RECORDS_VERSION,
+    canary_records_from_bytes,
+    canary_records_to_bytes,
+)
 from kvcanary.ops.hashing import splitmix64, splitmix64_mix3
 from kvcanary.ops.plan import launch_canary_plan_kernels
 from kvcanary.ops.records import RealKvSource, VerifyOrWriteContext, VerifyPlan, WritePlan
+from kvcanary.ops.reference.copy import (
+    canary_copy_slots_torch_reference,
+    export_canary_records_torch_reference,
+    import_canary_records_torch_reference,
+)
 from kvcanary.ops.reference.plan import launch_canary_plan_kernels_torch_reference
 from kvcanary.ops.reference.scatter import scatter_req_token_ids_torch_reference
 from kvcanary.ops.reference.verify import launch_canary_verify_kernel_torch_reference
@@ -51,4 +63,8 @@ __all__ = [
     "launch_scatter_req_token_ids_kernel",
     "launch_canary_plan_kernels_torch_reference", "launch_canary_write_kernel_torch_reference",
     "launch_canary_verify_kernel_torch_reference", "scatter_req_token_ids_torch_reference",
+    "launch_canary_copy_slots_kernel", "export_canary_records", "import_canary_records",
+    "canary_copy_slots_torch_reference", "export_canary_records_torch_reference",
+    "import_canary_records_torch_reference",
+    "CANARY_RECORDS_MAGIC", "CANARY_RECORDS_VERSION", "canary_records_to_bytes", "canary_records_from_bytes",
 ]
