@@ -12,9 +12,10 @@ from kvcanary.runtime import BatchDescription, Canary, CanaryConfig, GroupBatch,
 QUIET = dict(health_interval=0, stats_interval=0, readable_per_step=0)
 
 
-def make_canary(specs, *, max_requests=32, max_context=256, **options) -> Canary:
+def make_canary(specs, *, max_requests=32, max_context=256, max_batch_tokens=256, **options) -> Canary:
     config = CanaryConfig(**{**QUIET, "chain_position_warmup": 0, "sweep_interval": 0, **options})
-    return Canary(config, groups=specs, max_requests=max_requests, max_context=max_context)
+    return Canary(config, groups=specs, max_requests=max_requests, max_context=max_context,
+                  max_batch_tokens=max_batch_tokens)
 
 
 def make_sim(*, canary_options=None, **sim_options) -> tuple[SimEngine, Canary]:

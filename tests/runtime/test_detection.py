@@ -2,6 +2,8 @@
 position and request."""
 import pytest
 
+from kvcanary.runtime.canary import OWNER_SPAN
+from kvcanary.runtime.launch import ROW_HISTORY
 from kvcanary.ops import CanaryLaunchTag, FailReason
 
 from tests.runtime.conftest import make_sim, warm_sim
@@ -87,6 +89,8 @@ def test_flipped_byte_in_idle_cached_slot_is_caught_only_by_the_sweep():
     assert idle, "the workload should leave cached prefixes"
     slot = idle[-1]
     owner = int(canary.groups["full"].records.owner[slot])
+    written_step, batch_row = divmod(owner, OWNER_SPAN)
+    writer = canary.step_log.get(written_step)
     engine.flip_kv_byte("full", slot, side="v", byte=0, bit=0)
     for _ in range(3):  # forwards without new arrivals do not read idle cached slots
         engine.step()
@@ -95,8 +99,8 @@ def test_flipped_byte_in_idle_cached_slot_is_caught_only_by_the_sweep():
     assert report.complete
     vs = _first(canary, launch_tag=CanaryLaunchTag.SWEEP_V_FULL, slot=slot, forward_kind="sweep",
                 reasons=FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-    assert (vs[0].request_id, vs[0].request_row) == canary.bracket.owners.owner(owner)
-    assert vs[0].request_id is not None
+    assert vs[0].request_id == writer.request_ids[batch_row] and vs[0].request_id is not None
+    assert vs[0].request_row == int(canary.launches.row_history[written_step % ROW_HISTORY, batch_row])
 
 
 def test_position_off_by_one():

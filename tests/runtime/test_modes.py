@@ -92,12 +92,14 @@ def test_reentrant_forward_passes_through(manual):
 def test_capacity_grows_and_is_counted(full_spec, caplog):
     from tests.runtime.conftest import ManualEngine, make_canary
 
-    m = ManualEngine(make_canary(full_spec, max_requests=2, max_context=4))
-    m.forward(m.batch(1, 0, list(range(1, 31)), list(range(1, 31))))
+    m = ManualEngine(make_canary(full_spec, max_requests=2, max_context=4, max_batch_tokens=8))  # verify capacity 8
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
-        m.forward(m.batch(1, 30, [9], [40]))
+        m.forward(m.batch(1, 0, list(range(1, 31)), list(range(1, 31))))  # 30 tokens > 8 static token slots
+        m.forward(m.batch(1, 30, [9], [40]))  # 30 verify entries: this plan overflows (verify skipped) ...
+        m.forward(m.batch(1, 31, [10], [41]))  # ... and the next one runs on the grown plan
     s = m.canary.stats()
-    assert s.capacity_growths == 1 and s.slots_verified["head"] == 30
+    assert s.plans_disabled == 1 and s.capacity_growths >= 2
+    assert s.slots_verified["head"] == 31 and s.violations == 0
     assert any("growing" in r.getMessage() for r in caplog.records)
 
 
@@ -136,7 +138,7 @@ def test_memory_is_reported_when_attaching(full_spec, caplog):
     with caplog.at_level(logging.INFO, logger="kvcanary"):
         c = make_canary(full_spec)
     msg = next(r.getMessage() for r in caplog.records if "attached" in r.getMessage())
-    assert "MiB on cpu for 64 slots" in msg and "128 B/slot" in msg
+    assert "MiB on cpu for 64 slots" in msg and "137 B/slot" in msg  # 3 x 32 B records + 5 x 8 B slot records (+ trash row)
     assert c.memory_bytes() > 64 * 128
 
 

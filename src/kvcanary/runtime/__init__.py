@@ -9,7 +9,8 @@ from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.health import CanaryHealthError
 from kvcanary.runtime.stats import CanaryStats
 from kvcanary.runtime.sweep import SweepReport
-from kvcanary.runtime.violations import CanaryViolationError, Violation
+from kvcanary.runtime.attribution import Violation
+from kvcanary.runtime.report import CanaryViolationError
 
 __all__ = [
     "FORWARD_KINDS", "BatchDescription", "GroupBatch", "GroupSpec",

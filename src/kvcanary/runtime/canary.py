@@ -21,7 +21,7 @@ How an adapter drives it (the whole engine-facing API):
 
        canary.set_live_slots_provider(lambda: {"full": allocator.used_slots()})
 
-4. Around every model forward (outside CUDA graph capture, before the graph replays)::
+4. Around every model forward::
 
        with canary.forward(batch):          # batch: BatchDescription, built before the forward
            engine.run_model(...)            # writes the KV of batch.groups[g].out_cache_loc
@@ -32,6 +32,21 @@ How an adapter drives it (the whole engine-facing API):
    position -> slot table per group (or a full table + LUT for a sliding-window group), the slots
    written, request ids (for attribution) and, optionally, token histories (verify-token check)
    and a token oracle (write-input assert).
+
+   The hot path does no host synchronisation and O(1) Python per forward: the batch is copied into
+   static device buffers, every launch reads only those, and violations are drained a step or more
+   later (non-blocking copies; ``raise`` mode waits at the end of each step). Each half splits in two,
+   so an engine that captures its forward in a CUDA graph can capture the canary's device work with it:
+
+       step = canary.begin_step(request_ids=ids, forward_kind="decode")   # host, per forward / replay
+       canary.stage(batch); canary.launch_head()     # device: capturable (pre-forward)
+       ... forward ...
+       canary.launch_tail()                          # device: capturable (post-forward)
+       canary.end_step()                             # host, per forward / replay
+
+   ``before_forward(batch)`` is ``begin_step + stage + launch_head``; ``after_forward()`` is
+   ``launch_tail + end_step``. With no engine graph, `capture_graphs` captures the canary's own device
+   work once and replays it per forward.
 
 5. Optionally call ``note_engine_forward()`` from the engine's own step loop (not from the hook):
    the health watchdog then notices forwards that ran without the canary.
@@ -47,26 +62,32 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violation, device_rows
 from kvcanary.runtime.batch import BatchDescription, GroupSpec
-from kvcanary.runtime.bracket import ForwardBracket
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
+from kvcanary.runtime.drain import Harvest, ViolationDrain, ViolationRings
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import HealthWatchdog
+from kvcanary.runtime.launch import ForwardLaunches
+from kvcanary.runtime.report import CanaryViolationError, ViolationLedger
+from kvcanary.runtime.staging import StaticBatch
 from kvcanary.runtime.stats import CanaryStats, StatsReporter
 from kvcanary.runtime.sweep import SweepReport, Sweeper
-from kvcanary.runtime.violations import CanaryViolationError, Violation, ViolationDrain, ViolationLedger
 
 LiveSlotsProvider = Callable[[], Mapping[str, torch.Tensor]]
 KvLayers = Union[Mapping[int, tuple[torch.Tensor, torch.Tensor]], Callable[[int], tuple[torch.Tensor, torch.Tensor]]]
 
 logger = logging.getLogger("kvcanary")
 
+OWNER_SPAN = 1 << 20  # slot-record owner code = step * OWNER_SPAN + batch row
+DEFAULT_MAX_BATCH_TOKENS = 8192
+
 
 def create_canary(config: CanaryConfig, **kwargs: object) -> Optional["Canary"]:
     """A `Canary` for ``config``, or None when ``config.mode == "none"`` (nothing attached).
 
-    ``kwargs`` are `Canary`'s: groups, max_requests, max_context, device.
+    ``kwargs`` are `Canary`'s: groups, max_requests, max_context, max_batch_tokens, device.
     """
     if not config.enabled:
         return None
@@ -79,13 +100,14 @@ class Canary:
     Args:
         config: what to check and how to report (mode must not be ``none``: use `create_canary`).
         groups: one `GroupSpec` per attention group (``full``, and ``swa`` for sliding window).
-        max_requests: rows of the engine's request table (row 0 = padding) — sizes the write plan.
+        max_requests: rows of the engine's request table (row 0 = padding) — sizes the batch rows.
         max_context: longest sequence the engine serves — sizes the verify plan.
+        max_batch_tokens: tokens one forward computes at most — sizes the static token buffers.
         device: where the engine's KV and tables live; the canary's buffers go there too.
 
     Device memory (reported when it attaches, and by `memory_bytes`): per group and slot, a HEAD
-    record and one TAIL record per hashed side (32 bytes each) plus 32 bytes of write-time slot
-    records for the sweep; plus the verify plans and violation rings.
+    record and one TAIL record per hashed side (32 bytes each) plus 40 bytes of write-time slot
+    records for the sweep; plus the static batch buffers, plans and violation rings.
     """
 
     def __init__(
@@ -95,6 +117,7 @@ class Canary:
         groups: Sequence[GroupSpec],
         max_requests: int,
         max_context: int,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         device: Union[str, torch.device] = "cpu",
     ) -> None:
         if not config.enabled:
@@ -104,7 +127,8 @@ class Canary:
         names = [g.name for g in groups]
         if len(set(names)) != len(names):
             raise ValueError(f"kv-canary: GroupSpec names must be unique, got {names}")
-        for name, value in (("max_requests", max_requests), ("max_context", max_context)):
+        for name, value in (("max_requests", max_requests), ("max_context", max_context),
+                            ("max_batch_tokens", max_batch_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"kv-canary: Canary {name} must be a positive integer, got {value!r}")
         self.config = config
@@ -113,20 +137,32 @@ class Canary:
             spec.name: CanaryGroup(spec, config=config, device=self.device) for spec in groups
         }
         self.launch_counters = LaunchCounters(self.device)
-        self.ledger = ViolationLedger(config)
+        self.rings = ViolationRings(
+            tags=[tag for g in self.groups.values() for tag in g.tags()], capacity=config.ring_capacity, device=self.device,
+        )
+        self.static = StaticBatch(
+            groups=tuple(self.groups), max_rows=max_requests, max_tokens=max_batch_tokens, device=self.device,
+        )
+        self.launches = ForwardLaunches(
+            self.groups, config=config, rings=self.rings, counters=self.launch_counters, static=self.static,
+            verify_capacity={n: _verify_capacity(g, max_requests, max_context) for n, g in self.groups.items()},
+            owner_span=OWNER_SPAN,
+        )
         self.drain = ViolationDrain(
-            tags=[tag for g in self.groups.values() for tag in g.tags()],
-            capacity=config.ring_capacity,
-            device=self.device,
-            ledger=self.ledger,
+            self.rings, synchronous=config.mode == "raise",
+            watch=(self.launch_counters.table, self.launches.plans_disabled),
         )
-        self.bracket = ForwardBracket(
-            self.groups, config=config, drain=self.drain, counters=self.launch_counters,
-            max_requests=max_requests, max_context=max_context,
-        )
+        self._plans_disabled_seen = [0] * len(self.groups)
         self.sweeper = Sweeper(
-            self.groups, config=config, drain=self.drain, counters=self.launch_counters, owners=self.bracket.owners
+            self.groups, config=config, rings=self.rings, counters=self.launch_counters, step=self.launches.step,
         )
+        self.step_log = StepLog()
+        self.attributor = Attributor(
+            log=self.step_log, owner_span=OWNER_SPAN,
+            rows_of_step=lambda step: device_rows(self.launches.row_history, lambda: self._step, step),
+            slot_owner=self._slot_owner,
+        )
+        self.ledger = ViolationLedger(config)
         self.health = HealthWatchdog(config)
         self.stats_reporter = StatsReporter(config.stats_interval)
         self._live_slots: Optional[LiveSlotsProvider] = None
@@ -134,6 +170,7 @@ class Canary:
         self._step = 0
         self._engine_forwards = 0
         self._closed = False
+        self._static_size = (self.static.max_rows, self.static.max_tokens)
         logger.info("kv-canary: attached (%s): %s", config.mode, self.memory_report())
 
     # ---- engine-facing -------------------------------------------------------------------
@@ -146,15 +183,15 @@ class Canary:
         self._group(group).set_kv_cache(layers, page_size=page_size)
 
     def set_live_slots_provider(self, provider: Optional[LiveSlotsProvider]) -> None:
-        """Callable returning ``{group name: live slot indices}`` for the periodic sweep."""
+        """Callable returning ``{group name: live slot indices}`` for the sweep (called once per pass)."""
         self._live_slots = provider
 
     @contextlib.contextmanager
     def forward(self, batch: BatchDescription) -> Iterator[None]:
-        """Bracket one engine forward: HEAD checks on entry, TAIL checks (and maybe a sweep) on exit.
+        """Bracket one engine forward: HEAD checks on entry, TAIL checks (and a sweep slice) on exit.
 
-        If the body raises, TAIL is skipped, the step's violations are still drained, and the
-        engine's exception propagates. Re-entrant use passes through.
+        If the body raises, TAIL is skipped, the step still ends, and the engine's exception
+        propagates. Re-entrant use passes through.
         """
         if self._depth:
             self._depth += 1
@@ -167,27 +204,32 @@ class Canary:
         try:
             yield
         except BaseException:
-            self._end_step(run_tail=False)
+            self._finish(run_checks=False)
             raise
         self.after_forward()
 
     def before_forward(self, batch: BatchDescription) -> None:
-        """Stage ``batch``, plan, HEAD verify + write. Pair with `after_forward`."""
+        """`begin_step` + `stage` + `launch_head`. Pair with `after_forward`."""
         self._check_open()
         if self._depth:
             self._depth += 1
             return
+        self._check_groups(batch)
+        rows = batch.req_pool_indices
+        self.begin_step(
+            request_ids=batch.request_ids, request_rows=rows if rows.device.type == "cpu" else None,
+            forward_kind=batch.forward_kind,
+        )
         self._depth = 1
-        self.drain.collect()  # the previous step's violations: one step late
-        self._step += 1
         try:
-            self.bracket.begin(batch, step=self._step)
+            self.stage(batch)
+            self.launch_head()
         except BaseException:
             self._depth = 0
             raise
 
     def after_forward(self) -> None:
-        """TAIL verify + write for the open forward, then the sweep if due, draining, reports.
+        """`launch_tail` + `end_step` for the open forward.
 
         In ``raise`` mode raises `CanaryViolationError` listing this step's violations.
         """
@@ -196,13 +238,58 @@ class Canary:
         if self._depth > 1:
             self._depth -= 1
             return
-        self._end_step(run_tail=True)
+        self._finish(run_checks=True)
+
+    def begin_step(self, *, request_ids: Optional[Sequence[Optional[str]]] = None,
+                   request_rows: Optional[Sequence[int]] = None, forward_kind: str = "mixed") -> int:
+        """Open the next step (host only, O(1)): log who it serves, set the device step number."""
+        self._check_open()
+        self._step += 1
+        self.step_log.add(self._step, StepEntry(request_ids=request_ids, request_rows=request_rows,
+                                                forward_kind=forward_kind))
+        self.launches.set_step(self._step)
+        return self._step
+
+    def stage(self, batch: BatchDescription) -> None:
+        """Copy ``batch`` into the static buffers (device copies only; capturable)."""
+        self.static.stage(batch)
+        size = (self.static.max_rows, self.static.max_tokens)
+        if size != self._static_size:
+            self._static_size = size
+            self.launches.resize()
+
+    def launch_head(self) -> None:
+        """Plan, HEAD verify + write, slot records (device only; capturable)."""
+        self.launches.head()
+
+    def launch_tail(self, *, run_checks: bool = True) -> None:
+        """TAIL verify + write, row stamps (device only; capturable). ``run_checks=False``: stamps only."""
+        self.launches.tail(run_checks=run_checks)
+
+    def end_step(self) -> None:
+        """Sweep slice, non-blocking drain, health, stats (host); raises in ``raise`` mode."""
+        try:
+            if self._live_slots is not None and self.sweeper.interval > 0:
+                if self.sweeper.pass_starts():
+                    self.sweeper.refresh_live(self._resolve_live(None))
+                self.sweeper.slice()
+            for harvest in self.drain.end_step():
+                self._report(harvest)
+            self._grow_disabled_plans()
+        finally:
+            self._depth = 0
+        self.health.observe(
+            engine_forwards=max(self._engine_forwards, self._step), canary_forwards=self._step,
+            launches=self._launches_seen(),
+        )
+        self.stats_reporter.maybe_report(self._step, self.stats)
+        self._raise_if_needed(self._step)
 
     def note_engine_forward(self, count: int = 1) -> None:
         """Count forwards the engine ran, from outside the bracket (feeds the health watchdog)."""
         self._engine_forwards += count
         self.health.observe(
-            engine_forwards=self._engine_forwards, canary_forwards=self._step, counters=self.launch_counters
+            engine_forwards=self._engine_forwards, canary_forwards=self._step, launches=self._launches_seen()
         )
 
     def sweep(self, live: Optional[Mapping[str, torch.Tensor]] = None) -> SweepReport:
@@ -210,37 +297,41 @@ class Canary:
         self._check_open()
         if self._depth:
             raise RuntimeError("kv-canary: sweep() inside an open forward; sweeps run between forwards")
-        self.drain.collect()
-        report = self.sweeper.run(self._resolve_live(live), step=self._step)
-        self.drain.snapshot()
-        self.drain.collect()
+        self._flush()
+        self.rings.mark()
+        report = self.sweeper.run(self._resolve_live(live))
+        self._flush()
         self._raise_if_needed(self._step)
         return report
 
     # ---- user-facing ---------------------------------------------------------------------
     def violations(self) -> list[Violation]:
         """Every violation drained so far (oldest first; bounded by the ledger's keep limit)."""
-        self.drain.collect()
+        self._flush()
         return self.ledger.violations()
 
     def counters(self) -> dict[str, object]:
-        """Exact counts: total, by reason label, by launch tag name, ring overflow."""
-        self.drain.collect()
-        return self.ledger.counters()
+        """Exact counts: total, by reason label, by launch tag name, ring overflow, checked forwards."""
+        self._flush()
+        out = self.ledger.counters()
+        out["checked_forwards"] = self.checked_forwards()
+        return out
+
+    def checked_forwards(self) -> int:
+        """Forwards whose HEAD checks ran on the device (graph replays included; a host read)."""
+        first = next(iter(self.groups.values()))
+        return self.launch_counters.snapshot().verify_kernels[int(first.tag("head"))]
 
     def stats(self) -> CanaryStats:
         """Forwards, slots verified / written, kernel launches, sweeps, violations, memory."""
-        self.drain.collect()
-        return CanaryStats.gather(
-            forwards=self._step, counters=self.launch_counters, ledger=self.ledger,
-            sweeper=self.sweeper, bracket=self.bracket, memory_bytes=self.memory_bytes(), health=self.health,
-        )
+        self._flush()
+        return self._gather_stats()
 
     def memory_bytes(self) -> int:
-        """Device bytes the canary allocated (buffers, slot records, plans, rings, counters)."""
+        """Device bytes the canary allocated (buffers, slot records, static batch, plans, rings, counters)."""
         return (
-            sum(g.memory_bytes() for g in self.groups.values())
-            + self.bracket.memory_bytes() + self.drain.memory_bytes() + self.launch_counters.memory_bytes()
+            sum(g.memory_bytes() for g in self.groups.values()) + self.static.memory_bytes()
+            + self.launches.memory_bytes() + self.rings.memory_bytes() + self.launch_counters.memory_bytes()
         )
 
     def memory_report(self) -> str:
@@ -248,19 +339,16 @@ class Canary:
         per_slot = sum(g.memory_bytes() for g in self.groups.values()) / max(slots, 1)
         return (
             f"{self.memory_bytes() / 2**20:.2f} MiB on {self.device} for {slots} slots in "
-            f"{len(self.groups)} group(s) ({per_slot:.0f} B/slot + plans and rings)"
+            f"{len(self.groups)} group(s) ({per_slot:.0f} B/slot + static buffers, plans and rings)"
         )
 
     def close(self) -> CanaryStats:
         """Drain what is left and return the final stats. Idempotent."""
         if not self._closed:
-            self.drain.collect()
+            self._flush()
             self.ledger.close()
             self._closed = True
-        return CanaryStats.gather(
-            forwards=self._step, counters=self.launch_counters, ledger=self.ledger,
-            sweeper=self.sweeper, bracket=self.bracket, memory_bytes=self.memory_bytes(), health=self.health,
-        )
+        return self._gather_stats()
 
     def __enter__(self) -> "Canary":
         return self
@@ -274,25 +362,47 @@ class Canary:
         return self._step
 
     # ---- internals -----------------------------------------------------------------------
-    def _end_step(self, *, run_tail: bool) -> None:
-        step = self._step
+    def _finish(self, *, run_checks: bool) -> None:
         try:
-            if run_tail:
-                self.bracket.finish()
-                if self.sweeper.due(step) and self._live_slots is not None:
-                    self.sweeper.run(self._resolve_live(None), step=step)
-            else:
-                self.bracket.abandon()
-            self.drain.snapshot()
-            if self.device.type != "cuda" or self.config.mode == "raise":
-                self.drain.collect()
-        finally:
+            self.launch_tail(run_checks=run_checks)
+        except BaseException:
             self._depth = 0
-        self.health.observe(
-            engine_forwards=max(self._engine_forwards, step), canary_forwards=step, counters=self.launch_counters
+            raise
+        self.end_step()
+
+    def _launches_seen(self) -> int:
+        """Kernel launches as last read back by the drain (verify + write kernel counters)."""
+        table = self.drain.watched[0]
+        return sum(table[LaunchCounters.ROW_WIDTH * r + t] for r in (1, 3) for t in range(LaunchCounters.ROW_WIDTH))
+
+    def _grow_disabled_plans(self) -> None:
+        """A verify plan that overflowed its capacity (seen a step or more late) grows 4x for later steps."""
+        disabled = self.drain.watched[1]
+        for (name, seen), now in zip(zip(self.groups, self._plans_disabled_seen), disabled):
+            if now > seen:
+                self.launches.grow_verify_plan(name)
+        self._plans_disabled_seen = list(disabled)
+
+    def _report(self, harvest: Harvest) -> None:
+        violations = self.attributor.attribute(harvest.rows)
+        self.ledger.record(counts=harvest.counts, dropped=harvest.dropped, violations=violations)
+
+    def _flush(self) -> None:
+        for harvest in self.drain.flush():
+            self._report(harvest)
+
+    def _slot_owner(self, group: str, slots: list[int]) -> tuple[list[int], list[int]]:
+        rec = self.groups[group].records
+        idx = torch.tensor(slots, dtype=torch.int64, device=rec.owner.device).clamp(0, rec.num_slots)
+        return rec.owner[idx].tolist(), rec.position[idx].tolist()
+
+    def _gather_stats(self) -> CanaryStats:
+        return CanaryStats.gather(
+            forwards=self._step, counters=self.launch_counters, ledger=self.ledger, sweeper=self.sweeper,
+            capacity_growths=self.static.growths + self.launches.plan_growths, write_assert_skipped=self.launches.write_assert_skipped,
+            plans_disabled=int(self.launches.plans_disabled.sum().item()),
+            memory_bytes=self.memory_bytes(), health=self.health,
         )
-        self.stats_reporter.maybe_report(step, self.stats)
-        self._raise_if_needed(step)
 
     def _raise_if_needed(self, step: int) -> None:
         if self.config.mode != "raise":
@@ -300,6 +410,13 @@ class Canary:
         found = self.ledger.take_unraised()
         if found:
             raise CanaryViolationError(found, step=step)
+
+    def _check_groups(self, batch: BatchDescription) -> None:
+        have, want = set(batch.groups), set(self.groups)
+        if have != want:
+            raise ValueError(
+                f"kv-canary: BatchDescription.groups has {sorted(have)}, the canary's groups are {sorted(want)}"
+            )
 
     def _resolve_live(self, live: Optional[Mapping[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
         if live is None:
@@ -320,3 +437,10 @@ class Canary:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("kv-canary: this Canary is closed")
+
+
+def _verify_capacity(g: CanaryGroup, max_requests: int, max_context: int) -> int:
+    """Verify entries one forward may need: every row's cached prefix (window), capped at 4 x the slots
+    (prefix sharing lets entries exceed the slot count; a plan beyond capacity is disabled and counted)."""
+    span = g.window if g.window else max_context
+    return max(1, min(max_requests * span, 4 * g.num_slots))

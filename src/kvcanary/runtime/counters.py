@@ -38,6 +38,7 @@ class LaunchCounters:
     """int64 [4, NUM_TAGS] on the device: rows verify-slots, verify-kernels, write-slots, write-kernels."""
 
     _ROWS = {("verify", "slots"): 0, ("verify", "kernels"): 1, ("write", "slots"): 2, ("write", "kernels"): 3}
+    ROW_WIDTH = NUM_TAGS
 
     def __init__(self, device: torch.device) -> None:
         self.table = torch.zeros(4, NUM_TAGS, dtype=torch.int64, device=device)

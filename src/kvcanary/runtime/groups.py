@@ -17,7 +17,6 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 
 from kvcanary.ops import CANARY_FIELDS_PER_SLOT, CanaryLaunchTag, RealKvHashMode, RealKvSource, VerifyOrWriteContext
-from kvcanary.ops.reference.common import last_occurrence_mask
 from kvcanary.runtime.batch import GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 
@@ -28,37 +27,43 @@ KvLayers = Union[Mapping[int, tuple[torch.Tensor, torch.Tensor]], Callable[[int]
 
 
 class SlotRecords:
-    """What the runtime last wrote into each slot: int64 [num_slots] each.
+    """What the runtime last wrote into each slot: int64 [num_slots + 1] each (the extra last
+    element is a trash row that absorbs skipped entries, so updates need no compaction).
 
     position / prev_slot: the written position and the slot the write chained from (-1 = chain
-    head); step: the forward that wrote it (-1 = never); owner: the writer's code in the ledger's
-    owner table (request id + row), -1 if unknown.
+    head); step: the forward that wrote it (-1 = never); owner: ``step * owner_span + batch row``
+    of the write (-1 = unknown), resolved to a request through the step log.
     """
 
     def __init__(self, num_slots: int, device: torch.device) -> None:
         def arr() -> torch.Tensor:
-            return torch.full((num_slots,), NEVER_WRITTEN, dtype=torch.int64, device=device)
+            return torch.full((num_slots + 1,), NEVER_WRITTEN, dtype=torch.int64, device=device)
 
+        self.num_slots = num_slots
         self.position = arr()
         self.prev_slot = arr()
         self.step = arr()
         self.owner = arr()
+        self._last = arr()  # scratch for the last-occurrence reduction
 
-    def record(self, *, slots: torch.Tensor, positions: torch.Tensor, prev_slots: torch.Tensor,
-               owners: torch.Tensor, step: int) -> None:
-        """Record one write launch's entries (int64 [n], in write order: a slot written twice
-        keeps its last entry, as the canary buffer does)."""
-        keep = slots >= 0
-        keep &= last_occurrence_mask(slots)  # index_put_ with repeated indices is unordered on CUDA
-        if not bool(keep.all()):
-            slots, positions, prev_slots, owners = slots[keep], positions[keep], prev_slots[keep], owners[keep]
-        self.position.index_put_((slots,), positions)
-        self.prev_slot.index_put_((slots,), prev_slots)
-        self.owner.index_put_((slots,), owners)
-        self.step.index_fill_(0, slots, step)
+    def record(self, *, slots: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, prev_slots: torch.Tensor,
+               owners: torch.Tensor, step: torch.Tensor) -> None:
+        """Record one write launch's entries (int64 [n], in write order; ``valid`` bool [n] marks the
+        entries the write stored). A slot written twice keeps its last entry, as the canary buffer
+        does. Device ops only, no host reads (capturable); ``step`` is an int64 [1] device tensor."""
+        trash = self.num_slots
+        idx = torch.where(valid & (slots >= 0) & (slots < trash), slots, trash)
+        order = torch.arange(idx.shape[0], dtype=torch.int64, device=idx.device)
+        self._last.index_fill_(0, idx, -1)
+        self._last.scatter_reduce_(0, idx, order, reduce="amax")
+        idx = torch.where(self._last.gather(0, idx) == order, idx, trash)  # index_put_ order is unspecified on CUDA
+        self.position.index_put_((idx,), positions)
+        self.prev_slot.index_put_((idx,), prev_slots)
+        self.owner.index_put_((idx,), owners)
+        self.step.index_put_((idx,), step.expand_as(idx))
 
     def memory_bytes(self) -> int:
-        return 4 * self.position.numel() * 8
+        return 5 * self.position.numel() * 8
 
 
 class CanaryGroup:
@@ -149,13 +154,13 @@ class CanaryGroup:
         return RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=per_token, read_bytes=per_token)
 
     # ---- launch contexts -------------------------------------------------------------------
-    def context(self, phase: str, side: str, op: str, *, drain, counters, chain_assert: torch.Tensor) -> VerifyOrWriteContext:
+    def context(self, phase: str, side: str, op: str, *, rings, counters, chain_assert: torch.Tensor) -> VerifyOrWriteContext:
         """The (cached) context for ``op`` (verify/write) on the ``phase``/``side`` buffer."""
         key = (phase, side, op, id(chain_assert))
         ctx = self._contexts.get(key)
         if ctx is None:
             tag = self.tag(phase, side)
-            ring, write_index = drain.ring_for(tag)
+            ring, write_index = rings.ring_for(tag)
             slot_counter, kernel_counter = counters.views(op, tag)
             ctx = VerifyOrWriteContext(
                 canary_buf=self.buffer(phase, side),

@@ -1,6 +1,7 @@
 """`HealthWatchdog`: notices a canary that stopped running.
 
-Every ``health_interval`` forwards it reads the device launch counters (one small copy). If
+Every ``health_interval`` forwards it looks at the device launch counters (as last read back by the
+drain's non-blocking snapshots — no wait on the forward path; they may trail by a step or two). If
 forwards happened since the last check but no canary kernel ran — the bracket is bypassed, a CUDA
 graph replays without the canary, a hook was removed — it says so once per stall: a warning in
 ``log`` mode, `CanaryHealthError` in ``raise`` mode. It re-arms when the counters move again.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import logging
 
 from kvcanary.runtime.config import CanaryConfig
-from kvcanary.runtime.counters import LaunchCounters
 
 logger = logging.getLogger("kvcanary")
 
@@ -29,12 +29,11 @@ class HealthWatchdog:
         self._next_check = self.interval
         self._stalled = False
 
-    def observe(self, *, engine_forwards: int, canary_forwards: int, counters: LaunchCounters) -> None:
-        """Check, if ``engine_forwards`` reached the next interval."""
+    def observe(self, *, engine_forwards: int, canary_forwards: int, launches: int) -> None:
+        """Check, if ``engine_forwards`` reached the next interval; ``launches``: kernel launches so far."""
         if self.interval <= 0 or engine_forwards < self._next_check:
             return
         self._next_check = engine_forwards + self.interval
-        launches = counters.snapshot().kernel_launches
         forwards_delta = engine_forwards - self._last_forwards
         moved = launches != self._last_launches
         self._last_forwards, self._last_launches = engine_forwards, launches

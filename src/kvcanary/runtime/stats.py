@@ -14,9 +14,11 @@ logger = logging.getLogger("kvcanary")
 class CanaryStats:
     """forwards: steps bracketed. slots_verified / slots_written: per phase (head, tail, sweep).
     kernel_launches: verify + write launches. violations: total and by reason label.
-    sweeps / last_sweep_*: sweeps run and the last one's live, verified and unrecorded slots.
-    capacity_growths: plans grown for batches beyond the configured limits.
-    write_assert_skipped: forwards whose write-input assert had no oracle."""
+    sweeps: explicit full sweeps plus completed rotating passes; last_sweep_*: the last explicit sweep's
+    live, verified and unrecorded slots. sweep_passes: rotating passes completed (live / verified slots of
+    the last pass per group in ``last_pass``). capacity_growths: static buffers grown for batches beyond
+    the configured limits. plans_disabled: verify plans that exceeded their capacity (those verifies did not
+    run). write_assert_skipped: forwards whose write-input assert had no oracle."""
 
     forwards: int
     slots_verified: dict[str, int]
@@ -29,13 +31,17 @@ class CanaryStats:
     last_sweep_live: dict[str, int] = field(default_factory=dict)
     last_sweep_verified: dict[str, int] = field(default_factory=dict)
     last_sweep_unrecorded: dict[str, int] = field(default_factory=dict)
+    sweep_passes: int = 0
+    last_pass: dict[str, dict[str, int]] = field(default_factory=dict)
     capacity_growths: int = 0
+    plans_disabled: int = 0
     write_assert_skipped: int = 0
     health_stalls: int = 0
     memory_bytes: int = 0
 
     @classmethod
-    def gather(cls, *, forwards, counters: LaunchCounters, ledger, sweeper, bracket, memory_bytes, health=None) -> "CanaryStats":
+    def gather(cls, *, forwards, counters: LaunchCounters, ledger, sweeper, capacity_growths: int,
+               write_assert_skipped: int, plans_disabled: int, memory_bytes: int, health=None) -> "CanaryStats":
         snap = counters.snapshot()
         last = sweeper.last
         return cls(
@@ -46,12 +52,15 @@ class CanaryStats:
             violations=ledger.total,
             violations_by_reason=dict(ledger.by_reason),
             ring_overflow=ledger.ring_overflow,
-            sweeps=sweeper.sweeps,
+            sweeps=sweeper.sweeps + sweeper.passes,
+            sweep_passes=sweeper.passes,
+            last_pass=sweeper.pass_report(),
             last_sweep_live=dict(last.live) if last else {},
             last_sweep_verified=dict(last.verified) if last else {},
             last_sweep_unrecorded=dict(last.unrecorded) if last else {},
-            capacity_growths=bracket.capacity_growths,
-            write_assert_skipped=bracket.write_assert_skipped,
+            capacity_growths=capacity_growths,
+            plans_disabled=plans_disabled,
+            write_assert_skipped=write_assert_skipped,
             health_stalls=health.stalls if health is not None else 0,
             memory_bytes=memory_bytes,
         )

@@ -1,24 +1,30 @@
-"""`Sweeper`: every N forwards, verify every live cached slot — also idle prefix-cache slots
-that no forward reads.
+"""`Sweeper`: verify every live cached slot — also idle prefix-cache slots no forward reads — at a
+bounded cost per forward.
 
-The engine adapter says which slots are live; the runtime knows, from its own slot records, the
-position each slot was written at and the slot it chained from. A predecessor that has been
-rewritten since (freed and reused — normal once a sliding window moves on or a prefix is evicted)
-is passed as unreachable (0), so only the slot's own record and real KV are judged. Live slots the
-canary never wrote (attached mid-run) are skipped and counted, never verified against garbage.
+Rotating slices: each forward verifies the next ``ceil(num_slots / sweep_interval)`` slots of each group
+(SWEEP_K / SWEEP_V over the TAIL buffers), so a full pass over the slot space takes ``sweep_interval``
+forwards and no forward pays for a stop-the-world pass. The slice's plan is built on the device from the
+runtime's slot records (the position each slot was written at and the slot it chained from; a slot
+outside the live set, or never written, becomes the padding slot 0, which verify skips), with a device
+cursor: the slice is capturable in a CUDA graph. The live set is refreshed from the adapter's provider at
+the start of each pass (host work once per pass).
+
+A predecessor rewritten since (freed and reused) is passed as unreachable (0), so only the slot's own
+record and real KV are judged. `run` is the explicit full sweep (`Canary.sweep`): all live slots at once.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
-from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, CanaryLaunchTag, VerifyPlan, launch_canary_verify_kernel
+from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, VerifyPlan, launch_canary_verify_kernel, launch_stamp_violation_rows
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
+from kvcanary.runtime.drain import ViolationRings
 from kvcanary.runtime.groups import NEVER_WRITTEN, CanaryGroup
-from kvcanary.runtime.violations import Attribution, ViolationDrain
 
 
 @dataclass(frozen=True)
@@ -32,50 +38,90 @@ class SweepReport:
 
     @property
     def complete(self) -> bool:
-        """True when every live slot was verified."""
-        return all(self.verified.get(g, 0) == n for g, n in self.live.items())
+        """True when every recorded live slot was verified."""
+        return all(self.verified.get(g, 0) + self.unrecorded.get(g, 0) == n for g, n in self.live.items())
 
 
-class _SweepRecord:
-    """Attributes SWEEP rows to the slot's last writer, from the runtime's slot records."""
+class _Slices:
+    """One group's rotating slice: plan buffers, live mask, device cursor and pass counters."""
 
-    def __init__(self, groups: dict[str, CanaryGroup], owners, step: int) -> None:
-        self.groups, self.owners, self.step = groups, owners, step
-
-    def attribute(self, *, tag: CanaryLaunchTag, op: str, rows: list[list[int]]) -> list[Attribution]:
-        rec = self.groups[tag.group].records
-        slots = torch.tensor([r[1] for r in rows], dtype=torch.int64, device=rec.owner.device)
-        owners = rec.owner[slots].tolist()
-        positions = rec.position[slots].tolist()
-        out = []
-        for code, pos in zip(owners, positions):
-            rid, row = self.owners.owner(code) if code >= 0 else (None, None)
-            out.append(Attribution(rid, row, pos, self.step, "sweep"))
-        return out
+    def __init__(self, g: CanaryGroup, interval: int) -> None:
+        dev = g.device
+        self.size = max(1, math.ceil(g.num_slots / interval))
+        self.span = self.size * interval  # cursor wraps here: one pass == interval slices
+        self.plan = VerifyPlan.allocate(self.size, dev)
+        self.plan.verify_num_valid.fill_(self.size)
+        self.plan.verify_expected_tokens.fill_(-1)
+        self.offsets = torch.arange(self.size, dtype=torch.int64, device=dev)
+        self.cursor = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.live = torch.zeros(g.num_slots + 1, dtype=torch.bool, device=dev)  # + trash row
+        self.live_count = torch.zeros(1, dtype=torch.int64, device=dev)  # at the current pass start
+        self.verified = torch.zeros(1, dtype=torch.int64, device=dev)  # in the current pass
+        self.last_pass = torch.zeros(2, dtype=torch.int64, device=dev)  # (live, verified) of the last full pass
 
 
 class Sweeper:
-    """Runs sweeps (SWEEP_K / SWEEP_V over each group's TAIL buffers)."""
+    """Runs the per-forward sweep slices and the explicit full sweep."""
 
     def __init__(
-        self, groups: dict[str, CanaryGroup], *, config: CanaryConfig, drain: ViolationDrain,
-        counters: LaunchCounters, owners,
+        self, groups: dict[str, CanaryGroup], *, config: CanaryConfig, rings: ViolationRings,
+        counters: LaunchCounters, step: torch.Tensor,
     ) -> None:
         self.groups = groups
         self.interval = config.sweep_interval
-        self.drain = drain
+        self.rings = rings
         self.counters = counters
-        self.owners = owners
-        self.sweeps = 0
-        self.last: SweepReport | None = None
+        self.step = step
+        self.sweeps = 0  # explicit full sweeps
+        self.passes = 0  # rotating passes completed
+        self.slices_run = 0
+        self.last: Optional[SweepReport] = None
         self._no_assert = torch.zeros(1, dtype=torch.int32, device=next(iter(groups.values())).device)
+        self._slices = {n: _Slices(g, self.interval) for n, g in groups.items()} if self.interval > 0 else {}
 
-    def due(self, step: int) -> bool:
-        return self.interval > 0 and step > 0 and step % self.interval == 0
+    # ---- per forward --------------------------------------------------------------------------------
+    def pass_starts(self) -> bool:
+        """True when the next slice starts a pass (the host refreshes the live set first)."""
+        return self.interval > 0 and self.slices_run % self.interval == 0
 
-    def run(self, live: Mapping[str, torch.Tensor], *, step: int) -> SweepReport:
-        """Verify the live slots of each group named in ``live``."""
-        report = SweepReport(step=step)
+    def refresh_live(self, live: Mapping[str, torch.Tensor]) -> None:
+        """New live set for the pass about to start (host: once per pass)."""
+        if self.slices_run:
+            self.passes += 1
+        for name, sl in self._slices.items():
+            if self.slices_run:
+                sl.last_pass.copy_(torch.cat([sl.live_count, sl.verified]))
+            sl.live.zero_()
+            slots = live.get(name)
+            if slots is not None and slots.numel():
+                g = self.groups[name]
+                slots = slots.to(g.device, torch.int64).flatten().clamp(0, g.num_slots)  # out of range -> trash
+                sl.live.index_fill_(0, slots, True)
+            sl.live[0] = False
+            sl.live[-1] = False
+            sl.live_count.copy_(sl.live.sum().view(1))
+            sl.verified.zero_()
+
+    def slice(self) -> None:
+        """Verify the next slice of every group (device work only: capturable)."""
+        for name, sl in self._slices.items():
+            g = self.groups[name]
+            rec = g.records
+            trash = g.num_slots
+            slots = sl.offsets + sl.cursor
+            slots = torch.where(slots < trash, slots, trash)
+            written_at = rec.step[slots]
+            live = sl.live[slots] & (written_at != NEVER_WRITTEN)
+            self._fill_plan(sl.plan, rec, slots, written_at, live)
+            sl.verified += live.sum()
+            sl.cursor.add_(sl.size).remainder_(sl.span)
+            self._launch(g, sl.plan)
+        self.slices_run += 1
+
+    # ---- explicit full sweep ------------------------------------------------------------------------
+    def run(self, live: Mapping[str, torch.Tensor]) -> SweepReport:
+        """Verify the live slots of each group named in ``live`` now (host reads allowed)."""
+        report = SweepReport(step=int(self.step.item()))
         for name, slots in live.items():
             g = self.groups[name]
             slots = slots.to(g.device, torch.int64).flatten()
@@ -85,47 +131,43 @@ class Sweeper:
                     f"kv-canary: live slots of group {name!r} must be in [1, {g.num_slots}), got "
                     f"[{int(slots.min())}, {int(slots.max())}]"
                 )
-            plan = self._plan(g, slots)
-            n = plan.capacity if plan is not None else 0
+            recorded = slots[g.records.step[slots] != NEVER_WRITTEN]
             report.live[name] = int(slots.numel())
-            report.verified[name] = n
-            report.unrecorded[name] = int(slots.numel()) - n
-            if plan is None:
+            report.verified[name] = int(recorded.numel())
+            report.unrecorded[name] = int(slots.numel()) - int(recorded.numel())
+            if recorded.numel() == 0:
                 continue
-            for side in g.tail_sides:
-                ctx = g.context(
-                    "sweep", side, "verify", drain=self.drain, counters=self.counters, chain_assert=self._no_assert
-                )
-                launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False)
-        self.drain.register(
-            [t for g in self.groups.values() for t in g.tags() if t.phase == "sweep"],
-            _SweepRecord(self.groups, self.owners, step),
-        )
+            n = int(recorded.numel())
+            plan = VerifyPlan.allocate(n, g.device)
+            plan.verify_num_valid.fill_(n)
+            plan.verify_expected_tokens.fill_(-1)
+            written_at = g.records.step[recorded]
+            self._fill_plan(plan, g.records, recorded, written_at, torch.ones_like(recorded, dtype=torch.bool))
+            self._launch(g, plan)
         self.sweeps += 1
         self.last = report
         return report
 
+    # ---- helpers ------------------------------------------------------------------------------------
     @staticmethod
-    def _plan(g: CanaryGroup, slots: torch.Tensor) -> VerifyPlan | None:
-        rec = g.records
-        written_at = rec.step[slots]
-        slots = slots[written_at != NEVER_WRITTEN]
-        if slots.numel() == 0:
-            return None
-        written_at = rec.step[slots]
+    def _fill_plan(plan: VerifyPlan, rec, slots: torch.Tensor, written_at: torch.Tensor, live: torch.Tensor) -> None:
         prev = rec.prev_slot[slots]
-        safe_prev = torch.clamp(prev, min=0)
-        intact = (prev >= 0) & (rec.step[safe_prev] <= written_at) & (rec.step[safe_prev] != NEVER_WRITTEN)
+        position = rec.position[slots]
+        safe_prev = prev.clamp(min=0)
+        prev_at = rec.step[safe_prev]
         # The link is checkable only while the predecessor still holds the previous position.
-        intact &= rec.position[safe_prev] == rec.position[slots] - 1
-        prev = torch.where(prev < 0, prev, torch.where(intact, prev, torch.zeros_like(prev)))
-        n = int(slots.numel())
-        dev = slots.device
-        return VerifyPlan(
-            verify_slot_indices=slots.contiguous(),
-            verify_expected_tokens=torch.full((n,), -1, dtype=torch.int64, device=dev),
-            verify_expected_positions=rec.position[slots].contiguous(),
-            verify_prev_slot_indices=prev.contiguous(),
-            verify_num_valid=torch.tensor([n], dtype=torch.int32, device=dev),
-            enable=torch.ones(1, dtype=torch.int32, device=dev),
-        )
+        intact = (prev >= 0) & (prev_at <= written_at) & (prev_at != NEVER_WRITTEN) & (rec.position[safe_prev] == position - 1)
+        prev = torch.where(prev < 0, prev, torch.where(intact, prev, 0))
+        plan.verify_slot_indices.copy_(torch.where(live, slots, TOKEN_TO_KV_SLOT_PADDING))
+        plan.verify_expected_positions.copy_(position)
+        plan.verify_prev_slot_indices.copy_(prev)
+
+    def _launch(self, g: CanaryGroup, plan: VerifyPlan) -> None:
+        for side in g.tail_sides:
+            ctx = g.context("sweep", side, "verify", rings=self.rings, counters=self.counters, chain_assert=self._no_assert)
+            launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False)
+            launch_stamp_violation_rows(**self.rings.stamp_args(g.tag("sweep", side)), step=self.step)
+
+    def pass_report(self) -> dict[str, dict[str, int]]:
+        """Per group: live slots and slots verified in the last complete rotating pass (a host read)."""
+        return {n: dict(zip(("live", "verified"), sl.last_pass.tolist())) for n, sl in self._slices.items()}

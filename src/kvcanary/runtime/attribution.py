@@ -1,0 +1,219 @@
+"""Attribution: decoded ring rows become `Violation`s that name the request they hit.
+
+* `StepLog` — a bounded host log of what each step ran (step -> request ids, request rows, forward kind),
+  filled in O(1) per forward (it keeps references to what the adapter built anyway).
+* `Attributor` — turns `RingRow`s into `Violation`s. HEAD/TAIL rows carry their step and batch row in
+  their stamp (the request that read or wrote the slot); SWEEP rows are charged to the slot's last writer,
+  from the runtime's slot records (owner code ``step * owner_span + batch row``). Attribution happens only
+  when rows exist, so its host reads are off the per-forward path.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from kvcanary.ops import CanaryLaunchTag, FailReason
+from kvcanary.runtime.drain import RingRow
+
+DEFAULT_STEP_LOG = 65536
+
+
+REASON_MEANING = {
+    FailReason.VERIFY_CHAIN_HASH_MISMATCH: "the slot's chain link does not match its predecessor's record "
+    "(the slot holds another sequence's KV, or its predecessor was overwritten)",
+    FailReason.VERIFY_POSITION_MISMATCH: "the slot holds KV for another position than the one the table maps to it",
+    FailReason.VERIFY_REAL_KV_HASH_MISMATCH: "the K/V bytes changed after they were written",
+    FailReason.WRITE_TOKEN_MISMATCH: "the engine wrote a token other than the oracle's",
+    FailReason.WRITE_POSITION_MISMATCH: "the engine wrote a position that does not continue its sequence",
+    FailReason.VERIFY_TOKEN_MISMATCH: "the slot's token differs from the request's token history",
+}
+
+
+def _hex(x: Optional[int]) -> str:
+    return "-" if x is None else f"0x{x & (2**64 - 1):016x}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Violation:
+    """One canary mismatch, decoded and attributed.
+
+    op: ``verify`` or ``write`` (which launch recorded it). stored_position: the slot's stored
+    position (verify) or the position being written (write); expected_position: what the table /
+    sequence called for (None when unknown). expected_token is None when no token was expected.
+    stored_hash: the stored prev_hash (verify) or the chain value written (write); expected_hash:
+    the predecessor's chain value (verify only). request_id / request_row: the request that read or
+    wrote the slot (HEAD/TAIL), or the slot's last writer (SWEEP); None when unknown.
+    """
+
+    launch_tag: CanaryLaunchTag
+    group: str
+    op: str
+    slot: int
+    stored_position: int
+    expected_position: Optional[int]
+    stored_token: int
+    expected_token: Optional[int]
+    stored_hash: int
+    expected_hash: Optional[int]
+    reasons: FailReason
+    request_id: Optional[str]
+    request_row: Optional[int]
+    step: int
+    forward_kind: str
+
+    @property
+    def position(self) -> int:
+        return self.stored_position
+
+    @property
+    def reason_label(self) -> str:
+        return self.reasons.label
+
+    @property
+    def phase(self) -> str:
+        return self.launch_tag.phase
+
+    def log_line(self) -> str:
+        """The stable one-line form (``kv_canary violation: launch_tag=... fail_reason=...``)."""
+        exp_tok = "-" if self.expected_token is None else self.expected_token
+        exp_pos = "-" if self.expected_position is None else self.expected_position
+        return (
+            f"kv_canary violation: launch_tag={self.launch_tag.name} fail_reason={self.reason_label} "
+            f"slot_idx={self.slot} position={self.position} expected_position={exp_pos} "
+            f"stored_token={self.stored_token} expected_token={exp_tok} "
+            f"stored_hash={_hex(self.stored_hash)} expected_hash={_hex(self.expected_hash)} "
+            f"group={self.group} op={self.op} request_id={self.request_id if self.request_id is not None else '-'} "
+            f"request_row={self.request_row if self.request_row is not None else '-'} "
+            f"step={self.step} forward_kind={self.forward_kind}"
+        )
+
+    def readable(self) -> str:
+        """A multi-line block for people."""
+        who = "unknown request" if self.request_id is None else f"request {self.request_id!r}"
+        if self.request_row is not None:
+            who += f" (row {self.request_row})"
+        lines = [
+            f"kv-canary: {self.reason_label} at step {self.step} ({self.forward_kind}), {who}",
+            f"  where:    group {self.group!r}, slot {self.slot}, {self.launch_tag.name} {self.op}",
+            f"  position: {self.position}" + ("" if self.expected_position is None else f", expected {self.expected_position}"),
+            f"  token:    {self.stored_token}" + ("" if self.expected_token is None else f", expected {self.expected_token}"),
+            f"  chain:    {_hex(self.stored_hash)}" + ("" if self.expected_hash is None else f", expected {_hex(self.expected_hash)}"),
+        ]
+        lines += [f"  meaning:  {REASON_MEANING[bit]}" for bit in FailReason if self.reasons & bit]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["launch_tag"] = self.launch_tag.name
+        d["reasons"] = int(self.reasons)
+        d["fail_reason"] = self.reason_label
+        d["stored_hash"] = _hex(self.stored_hash)
+        d["expected_hash"] = None if self.expected_hash is None else _hex(self.expected_hash)
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class StepEntry:
+    request_ids: Optional[Sequence[Optional[str]]]
+    request_rows: Optional[Sequence[int]]
+    forward_kind: str
+
+
+class StepLog:
+    """step -> `StepEntry` for the last ``capacity`` steps (older steps are forgotten, counted)."""
+
+    def __init__(self, capacity: int = DEFAULT_STEP_LOG) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[int, StepEntry] = OrderedDict()
+        self.forgotten = 0
+
+    def add(self, step: int, entry: StepEntry) -> None:
+        self._entries[step] = entry
+        if len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+            self.forgotten += 1
+
+    def get(self, step: int) -> Optional[StepEntry]:
+        return self._entries.get(step)
+
+
+class Attributor:
+    """`RingRow` -> `Violation` (see the module docstring).
+
+    ``rows_of_step(step)`` returns the request rows a step ran (batch order) when the log has none (the
+    runtime keeps a short device history of them); ``slot_owner(group, slots)`` returns the slot records'
+    ``(owner codes, positions)`` for SWEEP rows.
+    """
+
+    def __init__(
+        self, *, log: StepLog, owner_span: int,
+        rows_of_step: Callable[[int], Optional[Sequence[int]]],
+        slot_owner: Callable[[str, list[int]], tuple[list[int], list[int]]],
+    ) -> None:
+        self.log = log
+        self.owner_span = owner_span
+        self._rows_of_step = rows_of_step
+        self._slot_owner = slot_owner
+
+    def attribute(self, rows: list[RingRow]) -> list[Violation]:
+        sweep_rows = [r for r in rows if r.tag.phase == "sweep"]
+        owners: dict[tuple[str, int], tuple[int, int]] = {}
+        for group in {r.tag.group for r in sweep_rows}:
+            slots = sorted({r.slot for r in sweep_rows if r.tag.group == group})
+            codes, positions = self._slot_owner(group, slots)
+            owners.update({(group, s): (c, p) for s, c, p in zip(slots, codes, positions)})
+        out = []
+        for r in rows:
+            if r.tag.phase == "sweep":
+                code, pos = owners.get((r.tag.group, r.slot), (-1, -1))
+                rid, rrow = self._request(*divmod(code, self.owner_span)) if code >= 0 else (None, None)
+                out.append(self._violation(r, rid, rrow, None if pos < 0 else pos, "sweep"))
+                continue
+            entry = self.log.get(r.step)
+            rid, rrow = self._request(r.step, r.batch_row) if r.batch_row >= 0 else (None, None)
+            if r.is_write:
+                expected_pos: Optional[int] = r.expected_aux
+            else:
+                expected_pos = r.expected_position if r.expected_position >= 0 else None
+            out.append(self._violation(r, rid, rrow, expected_pos, entry.forward_kind if entry else "unknown"))
+        out.sort(key=lambda v: (v.step, v.phase != "head", v.phase == "sweep"))
+        return out
+
+    def _request(self, step: int, batch_row: int) -> tuple[Optional[str], Optional[int]]:
+        entry = self.log.get(step)
+        rid = None
+        if entry is not None and entry.request_ids is not None and batch_row < len(entry.request_ids):
+            rid = entry.request_ids[batch_row]
+        rows = entry.request_rows if entry is not None and entry.request_rows is not None else self._rows_of_step(step)
+        rrow = int(rows[batch_row]) if rows is not None and batch_row < len(rows) else None
+        return rid, rrow
+
+    @staticmethod
+    def _violation(r: RingRow, rid, rrow, expected_pos, kind: str) -> Violation:
+        return Violation(
+            launch_tag=r.tag,
+            group=r.tag.group,
+            op="write" if r.is_write else "verify",
+            slot=r.slot,
+            stored_position=r.position,
+            expected_position=expected_pos,
+            stored_token=r.stored_token,
+            expected_token=None if r.expected_token == -1 else r.expected_token,
+            stored_hash=r.stored_hash,
+            expected_hash=None if r.is_write else r.expected_aux & (2**64 - 1),
+            reasons=r.reasons,
+            request_id=rid,
+            request_row=rrow,
+            step=r.step,
+            forward_kind=kind,
+        )
+
+
+def device_rows(history: torch.Tensor, steps_kept: Callable[[], int], step: int) -> Optional[list[int]]:
+    """Request rows of ``step`` from the device history ``[H, max_rows]`` (row ``step % H``), if still kept."""
+    if step < 0 or steps_kept() - step >= history.shape[0]:
+        return None
+    return history[step % history.shape[0]].tolist()

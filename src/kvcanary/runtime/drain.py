@@ -1,0 +1,217 @@
+"""Draining: the device violation rings, and getting their rows to the host without stalling the forward.
+
+A violation is *born* in an op (a row appended to its launch tag's ring); right after the step's launches
+the stamp op writes, beside each new row, the step and batch row it belongs to (so rows stay meaningful
+after the step's plans are overwritten). Draining then works one step or more late:
+
+1. end of every step: a non-blocking copy of the write indices into pinned memory, an event recorded;
+2. a later step finds that copy complete (``event.query()``, never a wait); if it shows rows, the drain
+   enqueues a *harvest*: rings, stamps and indices copied (non-blocking) into pinned memory, then the
+   indices reset — stream-ordered, so no row appended before the reset is missed;
+3. a later step finds the harvest complete and decodes its rows once into `RingRow`s.
+
+On the CPU (no asynchrony) and in ``raise`` mode (which may wait) a step's rows are harvested at its end.
+Counts per tag come from the write indices, exact even when a ring is full (the first ``capacity`` rows
+since the last harvest are kept, SPEC §3.4).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from kvcanary.ops import (
+    VIOLATION_FIELD_EXPECTED_AUX,
+    VIOLATION_FIELD_EXPECTED_TOKEN,
+    VIOLATION_FIELD_FAIL_REASON_BITS,
+    VIOLATION_FIELD_POSITION,
+    VIOLATION_FIELD_SLOT_IDX,
+    VIOLATION_FIELD_STORED_CHAIN_HASH,
+    VIOLATION_FIELD_STORED_TOKEN,
+    VIOLATION_FIELDS,
+    CanaryLaunchTag,
+    FailReason,
+)
+
+STAMP_FIELDS = 3  # (step, batch row, expected position): see ops.launch_stamp_violation_rows
+WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
+_MASK64 = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RingRow:
+    """One ring row decoded, with its stamp. Hashes are unsigned; ``expected_token`` is -1 when none was
+    expected; ``batch_row`` / ``expected_position`` are -1 when the stamp could not tell."""
+
+    tag: CanaryLaunchTag
+    slot: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_hash: int
+    expected_aux: int
+    reasons: FailReason
+    step: int
+    batch_row: int
+    expected_position: int
+
+    @property
+    def is_write(self) -> bool:
+        return bool(self.reasons & WRITE_BITS)
+
+
+@dataclass(frozen=True)
+class Harvest:
+    """What one drain brought back: exact counts per tag, rows lost to full rings, the kept rows."""
+
+    counts: dict[CanaryLaunchTag, int]
+    dropped: int
+    rows: list[RingRow]
+
+
+class ViolationRings:
+    """Per-tag device rings (int64 [cap, 8]), write indices (int32), step marks and stamps."""
+
+    def __init__(self, *, tags: Sequence[CanaryLaunchTag], capacity: int, device: torch.device) -> None:
+        self.tags = sorted(set(tags))
+        self.index = {tag: i for i, tag in enumerate(self.tags)}
+        self.capacity = capacity
+        self.device = device
+        t = len(self.tags)
+        self.rings = torch.zeros(t, capacity, VIOLATION_FIELDS, dtype=torch.int64, device=device)
+        self.stamps = torch.full((t, capacity, STAMP_FIELDS), -1, dtype=torch.int64, device=device)
+        self.write_index = torch.zeros(t, dtype=torch.int32, device=device)
+        self.rows_from = torch.zeros(t, dtype=torch.int32, device=device)
+
+    def ring_for(self, tag: CanaryLaunchTag) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ring [capacity, 8], write_index [1])`` views for launches under ``tag``."""
+        i = self.index[tag]
+        return self.rings[i], self.write_index[i : i + 1]
+
+    def stamp_args(self, tag: CanaryLaunchTag) -> dict:
+        """The ring-side keyword arguments of the stamp op for ``tag``."""
+        i = self.index[tag]
+        return dict(
+            violation_ring=self.rings[i], violation_write_index=self.write_index[i : i + 1],
+            rows_from=self.rows_from[i : i + 1], stamps=self.stamps[i],
+        )
+
+    def mark(self) -> None:
+        """Remember where every ring stands before a step's launches (device copy, capturable)."""
+        self.rows_from.copy_(self.write_index)
+
+    def memory_bytes(self) -> int:
+        return self.rings.numel() * 8 + self.stamps.numel() * 8 + 2 * self.write_index.numel() * 4
+
+
+class ViolationDrain:
+    """Moves ring rows to the host without a wait on the per-forward path (see the module docstring)."""
+
+    def __init__(self, rings: ViolationRings, *, synchronous: bool, watch: Sequence[torch.Tensor] = ()) -> None:
+        self.rings = rings
+        self.asynchronous = rings.device.type == "cuda" and not synchronous
+        self.watch = tuple(watch)  # small int64 device tensors read back with every snapshot (counters)
+        self.watched: tuple[list[int], ...] = tuple([0] * t.numel() for t in self.watch)  # latest host values
+        self._epoch = 0  # harvests enqueued so far; a snapshot taken before the last one is stale
+        self._snapshots: deque = deque()
+        self._harvest: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]] = None
+        if self.asynchronous:
+            t, cap = len(rings.tags), rings.capacity
+            self._pinned_index = [torch.zeros(t, dtype=torch.int32).pin_memory() for _ in range(8)]
+            self._pinned_watch = [tuple(torch.zeros(w.numel(), dtype=w.dtype).pin_memory() for w in self.watch)
+                                  for _ in range(8)]
+            self._h_rings = torch.zeros(t, cap, VIOLATION_FIELDS, dtype=torch.int64).pin_memory()
+            self._h_stamps = torch.zeros(t, cap, STAMP_FIELDS, dtype=torch.int64).pin_memory()
+            self._h_index = torch.zeros(t, dtype=torch.int32).pin_memory()
+            self._next_pinned = 0
+
+    # ---- the per-step half (no waits in asynchronous mode) ---------------------------------------
+    def end_step(self) -> list[Harvest]:
+        """Call after a step's launches were enqueued. Returns harvests that completed (maybe none)."""
+        if not self.asynchronous:
+            self.watched = tuple(w.flatten().tolist() for w in self.watch)
+            return self.flush()
+        done = self._take_harvest(wait=False)
+        k = self._next_pinned
+        self._next_pinned = (k + 1) % len(self._pinned_index)
+        if len(self._snapshots) == len(self._pinned_index):  # the GPU is far behind: drop the oldest look
+            self._snapshots.popleft()
+        self._pinned_index[k].copy_(self.rings.write_index, non_blocking=True)
+        for host, dev in zip(self._pinned_watch[k], self.watch):
+            host.copy_(dev.flatten(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._snapshots.append((self._epoch, k, event))
+        while self._snapshots and self._snapshots[0][2].query():
+            epoch, k, _ = self._snapshots.popleft()
+            self.watched = tuple(h.tolist() for h in self._pinned_watch[k])
+            if epoch == self._epoch and self._harvest is None and bool(self._pinned_index[k].any()):
+                self._enqueue_harvest()
+        return [done] if done is not None else []
+
+    # ---- whenever the caller may wait (user queries, close, raise mode, CPU) -----------------------
+    def flush(self) -> list[Harvest]:
+        """Everything recorded so far, now (waits for the device)."""
+        out = []
+        if self.asynchronous:
+            pending = self._take_harvest(wait=True)
+            if pending is not None:
+                out.append(pending)
+            self._snapshots.clear()
+            self.watched = tuple(w.flatten().tolist() for w in self.watch)
+            self._enqueue_harvest()
+            out.append(self._take_harvest(wait=True))
+        else:
+            counts = self.rings.write_index.tolist() if self.rings.device.type == "cpu" else self.rings.write_index.cpu().tolist()
+            if any(counts):
+                rings = self.rings.rings.cpu() if self.rings.device.type != "cpu" else self.rings.rings.clone()
+                stamps = self.rings.stamps.cpu() if self.rings.device.type != "cpu" else self.rings.stamps.clone()
+                self.rings.write_index.zero_()
+                out.append(self._decode(torch.tensor(counts, dtype=torch.int32), rings, stamps))
+        return [h for h in out if h.counts]
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _enqueue_harvest(self) -> None:
+        r = self.rings
+        self._h_rings.copy_(r.rings, non_blocking=True)
+        self._h_stamps.copy_(r.stamps, non_blocking=True)
+        self._h_index.copy_(r.write_index, non_blocking=True)
+        r.write_index.zero_()
+        event = torch.cuda.Event()
+        event.record()
+        self._epoch += 1
+        self._harvest = (self._h_index, self._h_rings, self._h_stamps, event)
+
+    def _take_harvest(self, *, wait: bool) -> Optional[Harvest]:
+        if self._harvest is None:
+            return None
+        index, rings, stamps, event = self._harvest
+        if not wait and not event.query():
+            return None
+        event.synchronize()
+        self._harvest = None
+        return self._decode(index, rings, stamps)
+
+    def _decode(self, index: torch.Tensor, rings: torch.Tensor, stamps: torch.Tensor) -> Harvest:
+        cap = self.rings.capacity
+        counts = {tag: n for tag, n in zip(self.rings.tags, index.tolist()) if n}
+        rows: list[RingRow] = []
+        for tag, n in counts.items():
+            i = self.rings.index[tag]
+            kept = min(n, cap)
+            for f, s in zip(rings[i, :kept].tolist(), stamps[i, :kept].tolist()):
+                rows.append(RingRow(
+                    tag=tag,
+                    slot=f[VIOLATION_FIELD_SLOT_IDX],
+                    position=f[VIOLATION_FIELD_POSITION],
+                    stored_token=f[VIOLATION_FIELD_STORED_TOKEN],
+                    expected_token=f[VIOLATION_FIELD_EXPECTED_TOKEN],
+                    stored_hash=f[VIOLATION_FIELD_STORED_CHAIN_HASH] & _MASK64,
+                    expected_aux=f[VIOLATION_FIELD_EXPECTED_AUX],
+                    reasons=FailReason(f[VIOLATION_FIELD_FAIL_REASON_BITS]),
+                    step=s[0], batch_row=s[1], expected_position=s[2],
+                ))
+        dropped = sum(max(0, n - cap) for n in counts.values())
+        return Harvest(counts=counts, dropped=dropped, rows=rows)

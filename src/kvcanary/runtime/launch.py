@@ -1,0 +1,238 @@
+"""`ForwardLaunches`: the canary's device work around one engine forward, read from static buffers.
+
+::
+
+    head()   mark the rings -> per group: plan -> HEAD verify (prefix vs. the table)
+             -> HEAD write (new tokens) -> slot records (position, predecessor, step, owner)
+    ... engine forward: stores K/V into the staged out_loc slots ...
+    tail()   per group and hashed side: TAIL verify (prefix, real KV re-hashed)
+             -> TAIL write (fingerprints of the KV just stored); then stamp the step's ring rows
+
+Every launch reads the `StaticBatch` and device tensors only — no host reads — so both halves can be
+captured in a CUDA graph. Outside capture, the launches are sliced to the staged batch's size (host-known
+from its shape) so small batches cost little; inside capture they span the whole static capacity.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvcanary.ops import (
+    VerifyPlan,
+    WritePlan,
+    launch_canary_plan_kernels,
+    launch_canary_verify_kernel,
+    launch_canary_write_kernel,
+    launch_stamp_violation_rows,
+)
+from kvcanary.runtime.config import CanaryConfig
+from kvcanary.runtime.counters import LaunchCounters
+from kvcanary.runtime.drain import ViolationRings
+from kvcanary.runtime.groups import CanaryGroup
+from kvcanary.runtime.staging import StaticBatch, capturing
+
+logger = logging.getLogger("kvcanary")
+
+ROW_HISTORY = 1024  # steps whose request rows stay on the device for attribution
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Shape:
+    """How much of the static buffers one launch reads: rows and tokens."""
+
+    rows: int
+    tokens: int
+
+
+class ForwardLaunches:
+    """Plans and launches the HEAD and TAIL checks of each forward (see the module docstring)."""
+
+    def __init__(
+        self, groups: dict[str, CanaryGroup], *, config: CanaryConfig, rings: ViolationRings,
+        counters: LaunchCounters, static: StaticBatch, verify_capacity: dict[str, int], owner_span: int,
+    ) -> None:
+        self.groups = groups
+        self.config = config
+        self.rings = rings
+        self.counters = counters
+        self.static = static
+        self.owner_span = owner_span
+        dev = static.device
+        self.device = dev
+        self.step = torch.zeros(1, dtype=torch.int64, device=dev)  # set by the host per step (fill_)
+        self.chain_assert = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.no_chain_assert = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.verify_plans = {n: VerifyPlan.allocate(verify_capacity[n], dev) for n in groups}
+        self.write_plans = {n: WritePlan.allocate(static.max_rows, dev) for n in groups}
+        self.plans_disabled = torch.zeros(len(groups), dtype=torch.int64, device=dev)
+        self.row_history = torch.zeros(ROW_HISTORY, static.max_rows, dtype=torch.int64, device=dev)
+        self._identity_luts = {
+            n: torch.arange(g.num_slots, dtype=torch.int64, device=dev) for n, g in groups.items() if g.window
+        }
+        self.write_assert_skipped = 0
+        self.plan_growths = 0
+        self._warned: set[str] = set()
+        self._shape = _Shape(rows=0, tokens=0)
+
+    # ---- host-side setters (O(1), outside capture) -----------------------------------------------
+    def set_step(self, step: int) -> None:
+        self.step.fill_(step)
+        warmup = self.config.chain_position_warmup
+        if warmup >= 0 and step == warmup + 1:
+            self.chain_assert.fill_(1)
+
+    def grow_verify_plan(self, name: str) -> None:
+        """Quadruple ``name``'s verify capacity (between steps; a plan over capacity disables its verify)."""
+        old = self.verify_plans[name].capacity
+        if self.static.frozen:
+            self._warn_once(f"frozen:{name}", f"kv-canary: group {name!r} verify plan overflowed its capacity {old} "
+                            "while graphs are captured; those verifies are skipped (counted in stats.plans_disabled)")
+            return
+        logger.warning("kv-canary: group %r verify plan overflowed its capacity %d (that verify was skipped, counted); "
+                       "growing to %d", name, old, 4 * old)
+        self.verify_plans[name] = VerifyPlan.allocate(4 * old, self.device)
+        self.plan_growths += 1
+
+    def resize(self) -> None:
+        """Reallocate what is sized from the static buffers (after they grew)."""
+        dev = self.device
+        self.write_plans = {n: WritePlan.allocate(self.static.max_rows, dev) for n in self.groups}
+        self.row_history = torch.zeros(ROW_HISTORY, self.static.max_rows, dtype=torch.int64, device=dev)
+
+    # ---- the two halves ----------------------------------------------------------------------------
+    def head(self) -> None:
+        """Plan, HEAD verify + write, slot records, for every group."""
+        s = self.static
+        shape = self._shape = (
+            _Shape(rows=s.max_rows, tokens=s.max_tokens) if capturing() else _Shape(rows=s.num_rows, tokens=s.num_tokens)
+        )
+        self.rings.mark()
+        self.row_history.index_copy_(0, self.step.remainder(ROW_HISTORY), s.rows[None])
+        bs, n = shape.rows, shape.tokens
+        rows, prefix, extend = s.rows[:bs], s.prefix[:bs], s.extend[:bs]
+        token_table = s.token_table if self.config.verify_token else None
+        tokens_row = None
+        for gi, (name, g) in enumerate(self.groups.items()):
+            vplan, wplan = self.verify_plans[name], self.write_plans[name]
+            inputs = s.inputs[name]
+            lut = inputs.lut if inputs.lut is not None else self._identity_luts.get(name)
+            launch_canary_plan_kernels(
+                verify_plan_out=vplan, write_plan_out=wplan,
+                req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend,
+                req_to_token=inputs.req_to_token, swa_window_size=g.window, full_to_swa_index_mapping=lut,
+                verify_capacity=vplan.capacity,
+                req_to_verify_expected_tokens=token_table,
+                req_to_verify_expected_tokens_valid_lens=s.token_lens[:bs] if token_table is not None else None,
+                kv_token_id_vs_position_offset=0,
+            )
+            self.plans_disabled[gi : gi + 1] += 1 - vplan.enable
+            if tokens_row is None:  # rows and extends are shared by the groups: one token -> row map
+                tokens_row = self._token_rows(wplan, bs, n)
+            expected_tokens, expected_positions = self._oracle(tokens_row, bs, n)
+            out_loc = s.out_loc[name][:n]
+            launch_canary_verify_kernel(
+                context=self._context(g, "head", "k", "verify", self.no_chain_assert),
+                plan=vplan, check_verify_expected_token=token_table is not None,
+            )
+            launch_canary_write_kernel(
+                context=self._context(g, "head", "k", "write", self.chain_assert),
+                plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n], out_cache_loc=out_loc,
+                enable_write_input_assert=expected_tokens is not None,
+                expected_input_tokens=expected_tokens, expected_input_positions=expected_positions,
+            )
+            self._record_slots(g, wplan, tokens_row, out_loc, n)
+
+    def tail(self, *, run_checks: bool = True) -> None:
+        """TAIL verify + write per hashed side (skipped when the forward raised), then stamp the rows."""
+        s, shape = self.static, self._shape
+        bs, n = shape.rows, shape.tokens
+        for name, g in self.groups.items():
+            vplan, wplan = self.verify_plans[name], self.write_plans[name]
+            if run_checks:
+                self._warn_unhashed(g)
+                for side in g.tail_sides:
+                    launch_canary_verify_kernel(
+                        context=self._context(g, "tail", side, "verify", self.no_chain_assert),
+                        plan=vplan, check_verify_expected_token=False,
+                    )
+                    launch_canary_write_kernel(
+                        context=self._context(g, "tail", side, "write", self.no_chain_assert),
+                        plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n],
+                        out_cache_loc=s.out_loc[name][:n], enable_write_input_assert=False,
+                        expected_input_tokens=None, expected_input_positions=None,
+                    )
+            for tag in [g.tag("head")] + [g.tag("tail", side) for side in g.tail_sides]:
+                launch_stamp_violation_rows(
+                    **self.rings.stamp_args(tag), step=self.step, verify_plan=vplan, write_plan=wplan,
+                    out_cache_loc=s.out_loc[name][:n], positions=s.positions[:n],
+                    req_pool_indices=s.rows[:bs], prefix_lens=s.prefix[:bs], swa_window_size=g.window,
+                )
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _context(self, g: CanaryGroup, phase: str, side: str, op: str, chain_assert: torch.Tensor):
+        return g.context(phase, side, op, rings=self.rings, counters=self.counters, chain_assert=chain_assert)
+
+    def _token_rows(self, wplan: WritePlan, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(batch row of each staged token, its offset within the row, valid: inside the write range)."""
+        offsets = wplan.write_offsets[: bs + 1]
+        idx = self.static.token_arange[:n]
+        row = torch.searchsorted(offsets[1:], idx, right=True).clamp_(max=max(bs - 1, 0))
+        local = idx - offsets[row]
+        valid = idx < offsets[bs]
+        return row, local, valid
+
+    def _oracle(self, tokens_row, bs: int, n: int):
+        """Expected tokens / positions of the staged tokens for the write-input assert, or (None, None)."""
+        if not self.config.write_input_assert:
+            return None, None
+        s = self.static
+        row, local, _ = tokens_row
+        positions = s.prefix[row] + local
+        if s.has_oracle:
+            return s.expected_ids[:n], positions
+        table = s.token_table
+        if table is None:
+            self.write_assert_skipped += 1
+            self._warn_once(
+                "oracle",
+                "kv-canary: write_input_assert is on but the batch has neither expected_input_ids nor token_table; "
+                "the write-input assert is skipped (counted in stats.write_assert_skipped)",
+            )
+            return None, None
+        lens = s.token_lens[row]
+        known = (positions < lens) & (positions < table.shape[1])
+        col = positions.clamp(0, table.shape[1] - 1)
+        expected = torch.where(known, table[s.rows[row], col].to(torch.int64), s.input_ids[:n])
+        return expected, positions
+
+    def _record_slots(self, g: CanaryGroup, wplan: WritePlan, tokens_row, out_loc: torch.Tensor, n: int) -> None:
+        """Slot records of this write: position, predecessor (the seed for a row's first token), step, owner."""
+        row, local, valid = tokens_row
+        seeds = wplan.write_seed_slot_indices[row]
+        prev = torch.where(local == 0, seeds, out_loc.roll(1))
+        owners = self.step * self.owner_span + row
+        g.records.record(
+            slots=out_loc, valid=valid, positions=self.static.positions[:n], prev_slots=prev, owners=owners,
+            step=self.step,
+        )
+
+    def _warn_unhashed(self, g: CanaryGroup) -> None:
+        if g.hash_mode != 0 and not g.hashing:
+            self._warn_once(
+                f"unhashed:{g.name}",
+                f"kv-canary: real_kv_hash is on but group {g.name!r} has no KV tensors (call set_kv_cache); "
+                "TAIL checks run without fingerprints",
+            )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    def memory_bytes(self) -> int:
+        total = sum(4 * p.capacity * 8 + 8 for p in self.verify_plans.values())
+        total += sum((2 * p.capacity + 1) * 8 + 4 for p in self.write_plans.values())
+        total += self.row_history.numel() * 8
+        return total + sum(t.numel() * 8 for t in self._identity_luts.values())

@@ -1,0 +1,138 @@
+"""`StaticBatch`: the canary's fixed device buffers for one forward's inputs.
+
+Every per-forward launch reads these buffers and nothing else that changes shape, so the launches
+can be captured once in a CUDA graph and replayed for any batch that fits:
+
+* ``rows`` / ``prefix`` / ``extend`` / ``token_lens``: int64 ``[max_rows]`` — the batch rows, padded with
+  request row 0 (the padding row: inactive whatever its lengths say) and zero lengths;
+* ``input_ids`` / ``positions`` / ``expected_ids``: int64 ``[max_tokens]``;
+* ``out_loc[group]``: int64 ``[max_tokens]`` — slots written, padded with -1 (not stored);
+* per group, the engine's position -> slot table, LUT and token history are held *by reference*
+  (the engine owns them; keep the same tensor objects while a graph is captured).
+
+`stage` is device copies only (no host reads): O(1) Python per forward whatever the batch size.
+Buffers grow between steps when a batch exceeds them (logged, counted in ``growths``); a graph
+captured before a growth is stale, so growing while graphs are held is an error.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvcanary.runtime.batch import BatchDescription
+
+logger = logging.getLogger("kvcanary")
+
+NOT_STORED = -1  # out_loc padding: the write op skips negative slots
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupInputs:
+    """One group's by-reference inputs: req_to_token int32 [max_reqs, max_len]; lut int64 or None."""
+
+    req_to_token: torch.Tensor
+    lut: Optional[torch.Tensor]
+
+
+class StaticBatch:
+    """Static per-forward input buffers (see the module docstring)."""
+
+    def __init__(self, *, groups: tuple[str, ...], max_rows: int, max_tokens: int, device: torch.device) -> None:
+        self.groups = groups
+        self.device = device
+        self.growths = 0
+        self.frozen = False  # True while a captured graph reads these buffers
+        self.inputs: dict[str, GroupInputs] = {}
+        self.token_table: Optional[torch.Tensor] = None
+        self.has_oracle = False
+        self._allocate(max_rows, max_tokens)
+
+    def _allocate(self, max_rows: int, max_tokens: int) -> None:
+        dev = self.device
+
+        def zeros(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=dev)
+
+        self.max_rows, self.max_tokens = max_rows, max_tokens
+        self.rows, self.prefix, self.extend, self.token_lens = (zeros(max_rows) for _ in range(4))
+        self.input_ids, self.positions, self.expected_ids = (zeros(max_tokens) for _ in range(3))
+        self.out_loc = {g: torch.full((max_tokens,), NOT_STORED, dtype=torch.int64, device=dev) for g in self.groups}
+        self.token_arange = torch.arange(max_tokens, dtype=torch.int64, device=dev)
+        self._bs = max_rows  # rows / tokens filled by the last stage (everything, initially)
+        self._n = max_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the last staged batch (host-known from its shape)."""
+        return self._bs
+
+    @property
+    def num_tokens(self) -> int:
+        return self._n
+
+    def stage(self, batch: BatchDescription) -> None:
+        """Copy ``batch`` into the buffers and pad the rest. Device copies only."""
+        bs, n = batch.batch_size, batch.num_tokens
+        if bs > self.max_rows or n > self.max_tokens:
+            self._grow(bs, n)
+        self._fill_rows(self.rows, batch.req_pool_indices, bs)
+        self._fill_rows(self.prefix, batch.prefix_lens, bs)
+        self._fill_rows(self.extend, batch.extend_lens, bs)
+        self._fill_tokens(self.input_ids, batch.input_ids, n, 0)
+        self._fill_tokens(self.positions, batch.positions, n, 0)
+        self.has_oracle = batch.expected_input_ids is not None
+        if self.has_oracle:
+            self._fill_tokens(self.expected_ids, batch.expected_input_ids, n, 0)
+        for name in self.groups:
+            gb = batch.groups[name]
+            m = min(n, int(gb.out_cache_loc.shape[0]))
+            self._fill_tokens(self.out_loc[name], gb.out_cache_loc[:m], m, NOT_STORED, pad_to=max(n, self._n))
+            table = gb.req_to_token
+            if table.dtype != torch.int32:
+                table = table.to(torch.int32)  # a copy per forward: give int32 tables to avoid it
+            self.inputs[name] = GroupInputs(
+                req_to_token=table,
+                lut=None if gb.full_to_group_lut is None else gb.full_to_group_lut,
+            )
+        self.token_table = batch.token_table
+        if batch.token_table_lens is not None:
+            self._fill_rows(self.token_lens, batch.token_table_lens, bs)
+        self._bs, self._n = bs, n
+
+    def _fill_rows(self, buf: torch.Tensor, src: torch.Tensor, bs: int) -> None:
+        buf[:bs].copy_(src, non_blocking=True)
+        stale = self.max_rows if capturing() else self._bs  # a graph may replay after any other
+        if stale > bs:
+            buf[bs:stale].zero_()
+
+    def _fill_tokens(self, buf: torch.Tensor, src: torch.Tensor, n: int, pad: int, *, pad_to: Optional[int] = None) -> None:
+        buf[:n].copy_(src[:n], non_blocking=True)
+        stale = self.max_tokens if capturing() else (self._n if pad_to is None else pad_to)
+        if stale > n:
+            buf[n:stale].fill_(pad)
+
+    def _grow(self, bs: int, n: int) -> None:
+        if self.frozen:
+            raise ValueError(
+                f"kv-canary: batch of {bs} rows / {n} tokens exceeds the captured buffers "
+                f"({self.max_rows} rows / {self.max_tokens} tokens); raise max_requests / max_batch_tokens"
+            )
+        rows = max(self.max_rows, 1 << (bs - 1).bit_length())
+        tokens = max(self.max_tokens, 1 << (max(n, 1) - 1).bit_length())
+        logger.warning(
+            "kv-canary: batch of %d rows / %d tokens exceeds the static buffers (%d / %d); growing to %d / %d (counted)",
+            bs, n, self.max_rows, self.max_tokens, rows, tokens,
+        )
+        self.growths += 1
+        self._allocate(rows, tokens)
+
+    def memory_bytes(self) -> int:
+        return 8 * (4 * self.max_rows + (4 + len(self.groups)) * self.max_tokens)
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
