@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from kvcanary.runtime.counters import LaunchCounters
+from kvcanary.runtime.sweep import SweepReport
 
 logger = logging.getLogger("kvcanary")
 
@@ -15,7 +16,7 @@ class CanaryStats:
     """forwards: steps bracketed. slots_verified / slots_written: per phase (head, tail, sweep).
     kernel_launches: verify + write launches. violations: total and by reason label.
     sweeps: explicit full sweeps plus completed rotating passes; last_sweep_*: the last explicit sweep's
-    live, verified and unrecorded slots. sweep_passes: rotating passes completed (live / verified slots of
+    live, verified and unrecorded slots (else the last rotating pass's). sweep_passes: rotating passes completed (live / verified slots of
     the last pass per group in ``last_pass``). capacity_growths: static buffers grown for batches beyond
     the configured limits. plans_disabled: verify plans that exceeded their capacity (those verifies did not
     run). write_assert_skipped: forwards whose write-input assert had no oracle."""
@@ -44,6 +45,13 @@ class CanaryStats:
                write_assert_skipped: int, plans_disabled: int, memory_bytes: int, health=None) -> "CanaryStats":
         snap = counters.snapshot()
         last = sweeper.last
+        passes = sweeper.pass_report() if sweeper.passes else {}
+        if last is None and passes:  # no explicit sweep yet: the last rotating pass
+            last = SweepReport(
+                step=forwards, live={g: p["live"] for g, p in passes.items()},
+                verified={g: p["verified"] for g, p in passes.items()},
+                unrecorded={g: p["live"] - p["verified"] for g, p in passes.items()},
+            )
         return cls(
             forwards=forwards,
             slots_verified={p: snap.slots_verified(p) for p in ("head", "tail", "sweep")},
@@ -54,7 +62,7 @@ class CanaryStats:
             ring_overflow=ledger.ring_overflow,
             sweeps=sweeper.sweeps + sweeper.passes,
             sweep_passes=sweeper.passes,
-            last_pass=sweeper.pass_report(),
+            last_pass=passes,
             last_sweep_live=dict(last.live) if last else {},
             last_sweep_verified=dict(last.verified) if last else {},
             last_sweep_unrecorded=dict(last.unrecorded) if last else {},
