@@ -24,7 +24,7 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
 
 import kvcanary  # noqa: E402
 from kvcanary.cli.demo import SLIDING_WINDOW, FlipSharedBlockByte, RedirectRead, generate, tiny_model, workload  # noqa: E402
-from kvcanary.engines.transformers_cb import attach  # noqa: E402
+from kvcanary.engines.transformers_cb import attach, compat  # noqa: E402
 from kvcanary.engines.transformers_cb.attach import _refuse_unobservable_paths  # noqa: E402
 from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator  # noqa: E402
 from kvcanary.runtime import CanaryViolationError  # noqa: E402
@@ -88,19 +88,87 @@ class Probe:
         return full + swa
 
 
+# ---- an independent per-row reference of the translation ------------------------------------------
+def check_against_per_row_reference(translator, kwargs, batch) -> int:
+    """Compare what `describe` just produced with a plain per-row reading of the same kwargs (the
+    pre-vectorisation translation): the table entries the plan reads (and the write's seed) and the token
+    history of every batch row. Returns the number of rows checked."""
+    cu_q = kwargs["cu_seq_lens_q"].tolist()
+    ids = kwargs["input_ids"][0].tolist()
+    for g in translator.layouts:
+        table = translator.req_to_token[g.name]
+        read = kwargs["read_index"][g.index]
+        cu_k = kwargs["cu_seq_lens_k"][g.layer_type].tolist()
+        win = g.sliding_window
+        for i, fs in enumerate(batch):
+            e = fs.query_length
+            p = fs.state.position_offset - e
+            row = translator.rows.row_of[fs.state.request_id]
+            if win:
+                lo = max(0, p + e - win)
+                cached = min(p, win - 1)
+                expected = [0] * max(0, min(lo, p) - max(0, p - win))
+                if read.numel() and p > lo:
+                    seg = read[cu_k[i] : cu_k[i] + cached]
+                    expected += g.physical_to_slot(seg, for_write=False)[lo - (p - cached) :].tolist()
+                got = table[row, max(0, p - win) : p].tolist()
+            else:
+                expected = g.physical_to_slot(read[cu_k[i] : cu_k[i] + p], for_write=False).tolist() if p else []
+                got = table[row, :p].tolist()
+            assert got == expected, f"{g.name} table of {fs.state.request_id} (P={p}, E={e})"
+            if p and (not win or p + e - win <= p - 1):  # the write's seed slot
+                assert table[row, p - 1].item() == (expected[-1] if expected else 0)
+            history = (list(fs.state.initial_tokens) + list(fs.state.generated_tokens))[:p] + ids[cu_q[i] : cu_q[i + 1]]
+            assert translator.token_table[row, : p + e].tolist() == history
+    return len(batch)
+
+
 # ---- clean runs ------------------------------------------------------------------------------------
+def _explicit_sweeps(handle, model, every: int, reports: list):
+    """A forward hook after the canary's: a full explicit sweep (fresh live set) every ``every`` forwards."""
+    count = [0]
+
+    def post(module, args, kwargs, output):
+        count[0] += 1
+        if count[0] % every == 0 and handle._current is not None:
+            reports.append(handle.sweep())
+
+    return model.register_forward_hook(post, with_kwargs=True)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind, llama, qwen3, monkeypatch):
     model = llama if kind == "llama" else qwen3
     prompts = workload(seed=1)
     reference = generate(model, prompts)
-    batches = []
+    batches, checked_rows = [], []
     describe = ForwardTranslator.describe
-    monkeypatch.setattr(ForwardTranslator, "describe", lambda self, *a, **k: batches.append(describe(self, *a, **k)) or batches[-1])
+
+    def describe_and_check(self, kwargs):
+        out = describe(self, kwargs)
+        batch = list(compat.requests_in_batch(self.processor))
+        checked_rows.append(check_against_per_row_reference(self, kwargs, batch))
+        for g in self.layouts:
+            w = kwargs["write_index"][g.index]
+            assert out.groups[g.name].out_cache_loc.tolist() == g.physical_to_slot(w, for_write=True).tolist()
+        batches.append(out)
+        return out
+
+    monkeypatch.setattr(ForwardTranslator, "describe", describe_and_check)
     probe = Probe(model)
+    reports: list = []
+    # qwen3: explicit full sweeps — the rotating sweep's per-pass live set goes stale when transformers
+    # hands a sector freed by one allocator to the other (see test_rotating_sweep_with_a_shared_sector_pool)
+    sweep_interval = 4 if kind == "llama" else 0
     try:
-        with attach(model, mode="raise", sweep_interval=4) as handle:
-            checked = generate(model, prompts)
+        with attach(model, mode="raise", sweep_interval=sweep_interval) as handle:
+            sweeper = _explicit_sweeps(handle, model, 4, reports) if kind == "qwen3" else None
+            try:
+                checked = generate(model, prompts)
+            finally:
+                if sweeper is not None:
+                    sweeper.remove()
+            reports.append(handle.sweep())  # after the run: only the prefix cache's idle blocks are live
     finally:
         probe.remove()
 
@@ -108,18 +176,24 @@ def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind
     assert len(checked) == len(prompts)
     assert handle.violations() == [] and handle.counters().get("total", 0) == 0 and handle.errors == []
     (stats,) = handle.stats()
-    assert stats.forwards == len(probe.rows) == handle.forwards
+    assert stats.forwards == len(probe.rows) == handle.forwards == len(checked_rows)
+    assert sum(checked_rows) == sum(len(fwd) for fwd in probe.rows)
     window = SLIDING_WINDOW if kind == "qwen3" else 0
     expected = probe.expected_head_verifies(window)
     assert stats.slots_verified["head"] == expected
     assert stats.slots_verified["tail"] == 2 * expected  # K and V sides
-    assert stats.sweeps > 0 and sum(stats.last_sweep_verified.values()) > 0
-    assert len(batches) == stats.forwards
+    if kind == "llama":
+        assert stats.sweep_passes > 0 and sum(p["verified"] for p in stats.last_pass.values()) > 0
+    else:
+        assert len(reports) > 2 and sum(sum(r.verified.values()) for r in reports) > 0
+    counters = handle.counters()
+    assert counters["checked_forwards"] == counters["engine_forwards"] == stats.forwards
     for batch in batches:  # the canary never writes one slot twice in a launch (sliding-window trash is skipped)
         for group in batch.groups.values():
             stored = group.out_cache_loc[group.out_cache_loc >= 0]
             assert stored.unique().numel() == stored.numel()
-    assert sum(stats.last_sweep_unrecorded.values()) == 0
+    for report in reports:
+        assert sum(report.unrecorded.values()) == 0 and report.complete
     # the workload really exercised what the canary must survive
     first_seen: dict[str, int] = {}
     for fwd in probe.rows:
@@ -132,6 +206,40 @@ def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind
     else:
         assert max(p + e for fwd in probe.rows for _, p, e in fwd) > 2 * SLIDING_WINDOW, "window never wrapped"
         assert any(p > 0 and e >= SLIDING_WINDOW for fwd in probe.rows for _, p, e in fwd), "no chunk >= window"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "runtime: the rotating sweep verifies the live set taken at the start of its pass; transformers gives a "
+    "sector freed by one allocator to the other during the pass, so its slots are rewritten by the other "
+    "group's layers and fail verify_real_kv_hash (false positives; seen with kvcanary 081136b)"))
+def test_rotating_sweep_with_a_shared_sector_pool(qwen3):
+    with attach(qwen3, mode="log", sweep_interval=4) as handle:
+        generate(qwen3, workload(seed=1))
+    assert handle.violations() == []
+
+
+def test_graph_driver_on_eager_forwards(llama, monkeypatch):
+    """The graph-mode driver (the compute_batch wrapper: host half around the engine call, hooks doing
+    device work only) on an engine that runs eagerly: every forward checked, same tokens, wrapper removed."""
+    prompts = workload(seed=1, num_requests=6)
+    reference = generate(llama, prompts)
+    monkeypatch.setattr(compat, "graph_flags", lambda processor: (True, True))
+    runners = []
+    install = compat.install_compute_wrapper
+
+    def spy(processor, make):
+        runners.append(processor.model_runner)
+        return install(processor, make)
+
+    monkeypatch.setattr(compat, "install_compute_wrapper", spy)
+    with attach(llama, mode="raise", sweep_interval=4) as handle:
+        checked = generate(llama, prompts)
+        assert "compute_batch" in vars(runners[0])
+    assert checked == reference
+    assert handle.violations() == [] and handle.errors == []
+    counters = handle.counters()
+    assert counters["engine_forwards"] == counters["checked_forwards"] == handle.forwards > 0
+    assert len(runners) == 1 and "compute_batch" not in vars(runners[0])  # detach restored the class method
 
 
 # ---- faults ----------------------------------------------------------------------------------------
@@ -253,18 +361,17 @@ def test_other_transformers_versions_are_refused(llama, monkeypatch):
         attach(llama)
 
 
-def test_graphs_compile_and_async_batching_are_refused():
+def test_compile_and_async_batching_are_refused_graphs_are_not():
     def processor(graphs=(False, False), compiled=None, use_async=False):
         runner = types.SimpleNamespace(use_cuda_graph_varlen=graphs[0], use_cuda_graph_decode=graphs[1],
                                        _compiled_varlen=compiled, _compiled_decode=None)
         return types.SimpleNamespace(model_runner=runner, use_async_batching=use_async)
 
     _refuse_unobservable_paths(processor())
-    with pytest.raises(RuntimeError, match=r"^kv-canary: CUDA graphs are on .*use_cuda_graph=False"):
-        _refuse_unobservable_paths(processor(graphs=(False, True)))
+    _refuse_unobservable_paths(processor(graphs=(True, True)))  # checked: the hooks run during capture
     with pytest.raises(RuntimeError, match=r"^kv-canary: torch.compile is on"):
         _refuse_unobservable_paths(processor(compiled=object()))
-    with pytest.raises(RuntimeError, match=r"^kv-canary: async batching is on"):
+    with pytest.raises(RuntimeError, match=r"^kv-canary: async batching is on.*use_async_batching=False"):
         _refuse_unobservable_paths(processor(use_async=True))
 
 

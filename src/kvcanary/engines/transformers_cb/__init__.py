@@ -28,8 +28,41 @@ Notes on the engine (read from transformers 5.24.0, ``transformers/generation/co
   than ``W`` writes its first ``E - W`` tokens to the write trash. No block sharing for SWA models.
 * Chunked prefill: a prompt may be split across steps (``P > 0``, ``E > 1``). Decode: ``E = 1``.
 
-Module map: `layout` (physical row <-> canary slot, real-KV views), `forward_view` (kwargs ->
-`BatchDescription`, live slots), `attach` (the hooks and the handle).
+CUDA graphs (read from 5.24.0 ``model_runner.py`` / ``input_outputs.py`` / ``utils.py``):
+
+* ``ContinuousBatchProcessor.prepare_next_batch`` schedules, pads the sizes (``ModelRunner.maybe_pad_inputs``:
+  varlen Q to a multiple of ``q_padding_interval_size``, KV reads to ``kv_padding_interval_size``; decode
+  fast path Q to a power of two) and calls ``ContinuousBatchingIOs.prepare_batch_tensors``, which walks the
+  requests in Python (``position_offset += query_length``) and fills the *static* device buffers on the
+  caller's stream: ``_bulk_input_tensor`` rows (``input_ids``, ``position_ids``, ``cumulative_seqlens_q``,
+  ``logits_indices``, ``cumulative_seqlens_k`` per layer type), ``write_index_storage`` /
+  ``read_index_storage`` (reset to the trash rows first) or ``block_table``, and the attention masks.
+  ``get_model_kwargs(use_padding=True)`` hands the forward fixed-shape slices of them: ``B =
+  min(num_q_tokens, max_requests_per_batch)`` sequences whose ``cu_seq_lens`` plateau after the real ones.
+* ``ModelRunner.compute_batch`` picks the path (``use_block_table`` -> decode, else varlen) and looks the
+  graph up by key (decode: ``(num_q_tokens,)``; varlen: ``(num_q_tokens, max_kv_read, *max_length_k)``):
+  a hit is ``graph.replay()`` on the compute stream (no Python: no hooks); a miss is ``_capture_graph``:
+  one eager forward (hooks run, KV written), then ``torch.cuda.graph(..., capture_error_mode=
+  "thread_local")`` on the compute stream around a second call (hooks run once, device work recorded, not
+  executed). ``warmup`` captures the largest varlen key and every decode size up front with fake
+  ``__warmup_*`` requests over never-written KV (freed right after).
+
+So the adapter (`attach`): the hooks stay as in eager mode but do device work only inside graph mode —
+`forward_view.ForwardTranslator.describe` reads the engine's static buffers through the kwargs and the
+adapter's own static ``meta`` / tables with torch ops (captured), then ``stage`` + ``launch_head``;
+the post-hook ``launch_tail``. The host half (``host_step`` + ``begin_step`` / ``end_step``) needs a place
+that runs around a replay: no hook exists there, so the adapter shadows
+``processor.model_runner.compute_batch`` on the instance (`compat.install_compute_wrapper`; ``detach``
+deletes the attribute). Warmup forwards are skipped (their rows are all the padding row; the captured
+work is the same). Graphs that predate the session are dropped (they replay without the canary) and so
+are the canary's at ``detach``; the engine recaptures on demand. ``engine_forwards`` (counted by the
+adapter: eager forwards and replays with real requests) must equal the runtime's ``checked_forwards``
+(counted on the device). Refused: ``torch.compile``'d forwards and async batching (two IO pairs; batch
+N+1's inputs are carried over on the device from N's outputs).
+
+Module map: `compat` (every read of transformers internals, with its source), `layout` (physical row <->
+canary slot, real-KV views), `forward_view` (host half, device half, live slots), `attach` (the hooks,
+the graph-mode driver and the handle).
 """
 from kvcanary.engines.transformers_cb.attach import (
     SUPPORTED_TRANSFORMERS,

@@ -1,12 +1,26 @@
-"""`attach(model)` for transformers continuous batching: two documented module hooks, nothing patched.
+"""`attach(model)` for transformers continuous batching: two module hooks, plus one wrapper in graph mode.
 
-* ``model.register_forward_pre_hook(..., with_kwargs=True)`` — sees the forward's kwargs (input ids,
-  positions, per-group write / read indices, the ``PagedAttentionCache``) before any KV is written:
-  the adapter builds the `BatchDescription` and opens the canary's forward (plan, HEAD verify + write).
-* ``model.register_forward_hook(..., with_kwargs=True, always_call=True)`` — runs after the forward
-  stored its K/V in the cache tensor: TAIL verify (real K/V re-hashed from the cache's storage of the
-  configured layers) + write, sweep when due. ``always_call`` closes the bracket even when the
-  forward raises, so a failed forward never leaves the canary half-open.
+* ``model.register_forward_pre_hook(..., with_kwargs=True)`` — sees the forward's kwargs before any KV is
+  written: `ForwardTranslator.describe` (device ops on the engine's buffers), then the canary's
+  ``stage`` + ``launch_head`` (plan, HEAD verify + write).
+* ``model.register_forward_hook(..., with_kwargs=True, always_call=True)`` — runs after the forward stored
+  its K/V: ``launch_tail`` (TAIL verify with real K/V re-hashed + write). ``always_call`` closes the
+  bracket even when the forward raises (TAIL checks skipped, the step still ends).
+
+Eager forwards (``use_cuda_graph=False``) are driven by the hooks alone: the pre-hook also runs the host
+half (``host_step`` + ``begin_step``), the post-hook ``end_step``. Nothing is patched.
+
+CUDA graphs (``use_cuda_graph=True``, or the GPU default with a flash attention kernel): during capture
+the hooks run once and the canary's device work is captured with the forward; a replay runs no Python.
+So the host half must run around the replay, where no documented hook exists: the adapter shadows
+``processor.model_runner.compute_batch`` with an instance attribute (`compat.install_compute_wrapper`)
+that calls ``host_step`` + ``begin_step`` before the original and ``end_step`` after it, counts
+``engine_forwards``, and makes the compute stream wait for the host-side copies. `detach` deletes the
+attribute (the class method is visible again) and drops the graphs captured with the canary inside (the
+engine recaptures them on demand); graphs captured before attaching are dropped when the session opens,
+since their replays would skip the canary. The wrapper is installed by the first forward's pre-hook
+(the processor is created inside ``generate_batch``), so that first forward is hook-driven; the step it
+opens ends at the next ``compute_batch`` (a capture follows it in the same call).
 
 One canary *session* per ``PagedAttentionCache``: transformers builds a new cache for every
 ``generate_batch`` call (unless the manager is persistent), so the canary is rebuilt on the first
@@ -14,6 +28,7 @@ forward that carries a new cache; the handle keeps the violations and counts of 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -21,15 +36,19 @@ from typing import Optional
 
 import torch
 
-from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator
+from kvcanary.engines.transformers_cb import compat
+from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator, StepInfo
 from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_views
 from kvcanary.runtime import Canary, CanaryConfig, CanaryViolationError, GroupSpec, Violation
 
 logger = logging.getLogger("kvcanary")
 
-SUPPORTED_TRANSFORMERS = "5.24.0"
+SUPPORTED_TRANSFORMERS = compat.VERSION_READ
 DEFAULT_MAX_REQUESTS = 256
 DEFAULT_MAX_CONTEXT = 32768
+
+# where the current engine step stands (`_Session.phase`)
+IDLE, HOOK_STEP, WRAPPED_STEP, WARMUP_STEP, DEFERRED_END = "idle", "hook", "wrapped", "warmup", "deferred"
 
 
 def check_transformers_version() -> str:
@@ -52,16 +71,24 @@ def check_transformers_version() -> str:
 
 @dataclass
 class _Session:
-    """The canary of one PagedAttentionCache."""
+    """The canary of one PagedAttentionCache, and where the engine's current step stands."""
 
     cache: object
+    processor: object
     canary: Canary
     translator: ForwardTranslator
-    open_forward: Optional[object] = None
+    graphs: bool  # the processor captures CUDA graphs: the compute_batch wrapper drives the steps
+    phase: str = IDLE
+    head_open: bool = False  # launch_head ran (eagerly or into a capture) and launch_tail is due
+    step: Optional[StepInfo] = None
+    engine_forwards: int = 0  # forwards the engine ran with real requests (eager, captured-then-run, replayed)
+    warmup_forwards: int = 0  # the runner's warmup forwards (fake requests; KV freed; nothing to check)
+    graphs_captured: int = 0
+    graphs_dropped: int = 0
 
 
 @dataclass(frozen=True)
-class _ClosedSession:
+class _SessionResult:
     forwards: int
     stats: object
     violations: list
@@ -90,7 +117,7 @@ class TransformersCbHandle:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._current: Optional[_Session] = None
-        self._closed: list[_ClosedSession] = []
+        self._closed: list[_SessionResult] = []
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -103,31 +130,110 @@ class TransformersCbHandle:
         if cache is None or not hasattr(cache, "cache_allocators"):
             return None  # not a continuous-batching forward
         try:
-            session = self._session_for(cache)
-            batch = session.translator.describe(kwargs, step=session.canary.step + 1)
-            bracket = session.canary.forward(batch)
-            bracket.__enter__()
-            session.open_forward = bracket
+            s = self._session_for(cache)
+            if not _capturing():
+                if s.phase in (IDLE, DEFERRED_END):  # not inside a wrapped step: this hook drives it
+                    self._end_deferred(s)
+                    self._begin(s, HOOK_STEP)
+                if s.phase == WARMUP_STEP:
+                    return None  # fake requests: nothing to check, nothing counted
+            # eager, or captured once into the graph (the replays re-run these device ops)
+            s.canary.stage(s.translator.describe(kwargs))
+            s.canary.launch_head()
+            s.head_open = True
         except Exception as exc:
             self.errors.append(exc)
             raise
         return None
 
     def _post_forward(self, module, args, kwargs, output):
-        session = self._current
-        if session is None or session.open_forward is None:
+        s = self._current
+        if s is None or not s.head_open:
+            if s is not None and s.phase == WARMUP_STEP and not s.graphs and not _capturing():
+                s.phase = IDLE  # a hook-driven warmup step (eager mode) ends here
             return None
-        bracket, session.open_forward = session.open_forward, None
-        if output is None:  # the forward raised: close the bracket without TAIL checks
-            failure = RuntimeError("kv-canary: the engine forward raised; TAIL checks skipped")
-            bracket.__exit__(RuntimeError, failure, None)
-            return None
+        s.head_open = False
         try:
-            bracket.__exit__(None, None, None)
+            s.canary.launch_tail(run_checks=output is not None)  # output None: the forward raised
+            if s.phase == HOOK_STEP and not _capturing():
+                if s.graphs:
+                    s.phase = DEFERRED_END  # a capture may follow in this compute_batch call
+                else:
+                    s.phase = IDLE
+                    s.canary.end_step()
         except Exception as exc:
             self.errors.append(exc)
             raise
         return None
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def _begin(self, s: _Session, phase: str) -> None:
+        """Host half of one engine forward: bookkeeping, static inputs, ``begin_step``."""
+        s.step = s.translator.host_step()
+        if s.step.warmup:
+            s.warmup_forwards += 1
+            s.phase = WARMUP_STEP
+            return
+        s.canary.begin_step(request_ids=s.step.request_ids, request_rows=s.step.rows,
+                            forward_kind=s.step.forward_kind)
+        s.engine_forwards += 1
+        s.phase = phase
+
+    def _end_deferred(self, s: _Session) -> None:
+        if s.phase == DEFERRED_END:
+            s.phase = IDLE
+            s.canary.end_step()
+
+    def _wrap_compute_batch(self, s: _Session, original):
+        """The graph-mode driver around ``ModelRunner.compute_batch`` (see the module docstring)."""
+        stream = compat.compute_stream(s.processor)
+
+        def compute_batch(model, batch_data):
+            if self._current is not s:  # a stale session (detached or superseded): pass through
+                return original(model, batch_data)
+            on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            try:
+                with on_stream:
+                    self._end_deferred(s)
+                    self._begin(s, WRAPPED_STEP)
+                if stream is not None:  # the engine staged its inputs on the caller's stream
+                    stream.wait_stream(torch.cuda.current_stream())
+            except Exception as exc:
+                s.phase = IDLE
+                self.errors.append(exc)
+                raise
+            keys = len(compat.graph_store(s.processor))
+            try:
+                result = original(model, batch_data)
+            except BaseException:
+                with on_stream:
+                    self._abandon(s)
+                raise
+            s.graphs_captured += len(compat.graph_store(s.processor)) - keys
+            try:
+                with on_stream:
+                    phase, s.phase = s.phase, IDLE
+                    if phase == WRAPPED_STEP:
+                        s.canary.end_step()
+            except Exception as exc:
+                self.errors.append(exc)
+                raise
+            return result
+
+        return compute_batch
+
+    def _abandon(self, s: _Session) -> None:
+        """Close a step whose forward raised before the post-hook could (TAIL checks skipped)."""
+        try:
+            if s.head_open:
+                s.head_open = False
+                s.canary.launch_tail(run_checks=False)
+            if s.phase in (HOOK_STEP, WRAPPED_STEP, DEFERRED_END):
+                s.canary.end_step()
+        except CanaryViolationError as exc:
+            self.errors.append(exc)
+        finally:
+            s.phase = IDLE
 
     # ---- sessions ------------------------------------------------------------------------------
     def _session_for(self, cache) -> _Session:
@@ -141,22 +247,25 @@ class TransformersCbHandle:
             return self._current
 
     def _open_session(self, cache) -> _Session:
+        processor = compat.find_batch_processor(cache)
+        _refuse_unobservable_paths(processor)
         layouts = build_layouts(cache)
         device = self.device or cache.cache_tensor.device
+        max_batch_tokens, max_read = compat.cache_limits(cache)
+        max_rows = max(1, compat.max_requests_per_batch(processor))
         translator = ForwardTranslator(
-            cache=cache, layouts=layouts, max_requests=self.max_requests,
-            max_context=self.max_context or min(int(cache.max_tokens_read), DEFAULT_MAX_CONTEXT), device=device,
+            cache=cache, processor=processor, layouts=layouts, max_requests=self.max_requests,
+            max_context=self.max_context or min(max_read, DEFAULT_MAX_CONTEXT), max_rows=max_rows, device=device,
         )
-        _refuse_unobservable_paths(translator.processor)
         config = self.config
-        if any(g.sliding_window and cache.max_batch_tokens >= g.sliding_window for g in layouts) and (
+        if any(g.sliding_window and max_batch_tokens >= g.sliding_window for g in layouts) and (
             config.chain_position_warmup >= 0
         ):
             # A chunk of >= W tokens recycles every ring slot, including the one the write chains
             # from: the chain restarts from the padding slot there, which the chain-position assert
             # would flag. Positions are still checked by the write-input assert (prefix_len + i).
             logger.info("kv-canary: chain-position assert off (sliding window %s <= max_batch_tokens %s)",
-                        min(g.sliding_window for g in layouts if g.sliding_window), cache.max_batch_tokens)
+                        min(g.sliding_window for g in layouts if g.sliding_window), max_batch_tokens)
             config = config.with_options(chain_position_warmup=-1)
         canary = Canary(
             config,
@@ -164,40 +273,42 @@ class TransformersCbHandle:
                 GroupSpec(name=g.name, num_slots=g.num_slots, sliding_window=g.sliding_window, layer_ids=g.layer_ids)
                 for g in layouts
             ],
-            max_requests=self.max_requests,
+            max_requests=max_rows,
             max_context=translator.max_context,
+            max_batch_tokens=max_batch_tokens,
             device=device,
         )
         for g in layouts:
             canary.set_kv_cache(g.name, lambda layer, g=g: layer_kv_views(cache, g, layer)[:2], page_size=g.page_size)
         canary.set_live_slots_provider(translator.live_slots)
-        session = _Session(cache=cache, canary=canary, translator=translator)
+        graphs = any(compat.graph_flags(processor))
+        session = _Session(cache=cache, processor=processor, canary=canary, translator=translator, graphs=graphs)
+        if graphs:
+            # graphs captured before attaching replay without the canary: drop them (recaptured on demand)
+            session.graphs_dropped += compat.drop_graphs(processor, list(compat.graph_store(processor)))
+            compat.install_compute_wrapper(processor, lambda original: self._wrap_compute_batch(session, original))
         self._sessions.append(session)
         return session
 
     def _close_session(self, session: _Session) -> None:
-        """Close a session's canary and keep only its results (the engine cache and the canary's
-        buffers are released)."""
-        if session.open_forward is not None:
-            session.open_forward.__exit__(RuntimeError, RuntimeError("kv-canary: detached mid-forward"), None)
-            session.open_forward = None
+        """Close a session's canary and keep only its results. In graph mode the compute_batch wrapper is
+        removed and the graphs captured with the canary are dropped (their replays would write into the
+        closed canary's buffers)."""
         try:
-            session.canary.close()
+            self._abandon(session)
         finally:
-            canary = session.canary
-            self._closed.append(_ClosedSession(
-                forwards=canary.step, stats=canary.stats(), violations=canary.violations(), counters=canary.counters(),
-            ))
-            self._sessions.remove(session)
+            if session.graphs:
+                compat.restore_compute_batch(session.processor)
+                session.graphs_dropped += compat.drop_graphs(session.processor, list(compat.graph_store(session.processor)))
+            try:
+                session.canary.close()
+            finally:
+                self._closed.append(_result(session))
+                self._sessions.remove(session)
 
     # ---- user API ------------------------------------------------------------------------------
     def _results(self) -> list:
-        live = [
-            _ClosedSession(forwards=s.canary.step, stats=s.canary.stats(), violations=s.canary.violations(),
-                           counters=s.canary.counters())
-            for s in self._sessions
-        ]
-        return self._closed + live
+        return self._closed + [_result(s) for s in self._sessions]
 
     @property
     def sessions(self) -> int:
@@ -206,6 +317,7 @@ class TransformersCbHandle:
 
     @property
     def forwards(self) -> int:
+        """Steps the canary opened (engine forwards with real requests)."""
         return sum(r.forwards for r in self._results())
 
     def violations(self) -> list[Violation]:
@@ -213,7 +325,10 @@ class TransformersCbHandle:
         return [v for r in self._results() for v in r.violations]
 
     def counters(self) -> dict:
-        """Counts summed over sessions: ``total``, ``by_reason``, ``by_tag`` (and other numeric keys)."""
+        """Counts summed over sessions: ``total``, ``by_reason``, ``by_tag``, ``checked_forwards`` (HEAD
+        checks that ran on the device, graph replays included), ``engine_forwards`` (forwards the engine
+        ran with real requests, eager or replayed — equal to ``checked_forwards`` when nothing escaped),
+        ``warmup_forwards`` and graph counts."""
         return merge_counters([r.counters for r in self._results()])
 
     def stats(self) -> list:
@@ -234,8 +349,9 @@ class TransformersCbHandle:
             raise self.errors[0]
 
     def detach(self) -> None:
-        """Remove both hooks and close every canary. The model and the engine are left exactly as they
-        were (the hooks were the only change). Idempotent."""
+        """Remove both hooks (and, in graph mode, the compute_batch wrapper) and close every canary. The
+        model and the engine classes are left exactly as they were; graphs captured with the canary are
+        dropped and recaptured by the engine when needed. Idempotent."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -255,6 +371,14 @@ class TransformersCbHandle:
             self.raise_if_failed()
 
 
+def _result(s: _Session) -> _SessionResult:
+    counters = dict(s.canary.counters())
+    counters.update(engine_forwards=s.engine_forwards, warmup_forwards=s.warmup_forwards,
+                    graphs_captured=s.graphs_captured, graphs_dropped=s.graphs_dropped)
+    return _SessionResult(forwards=s.canary.step, stats=s.canary.stats(), violations=s.canary.violations(),
+                          counters=counters)
+
+
 def merge_counters(parts: list[dict]) -> dict:
     out: dict = {}
     for part in parts:
@@ -268,25 +392,24 @@ def merge_counters(parts: list[dict]) -> dict:
     return out
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _refuse_unobservable_paths(processor) -> None:
-    """CUDA-graph replays and torch.compile'd forwards skip Python hooks; async batching runs the
-    forward from a second IO pair. The canary refuses them rather than silently stop checking."""
-    runner = processor.model_runner
-    if runner.use_cuda_graph_varlen or runner.use_cuda_graph_decode:
-        raise RuntimeError(
-            "kv-canary: CUDA graphs are on for continuous batching (use_cuda_graph="
-            f"{(runner.use_cuda_graph_varlen, runner.use_cuda_graph_decode)}); graph replays skip the canary's "
-            "hooks. Pass ContinuousBatchingConfig(use_cuda_graph=False) to run checked"
-        )
-    if runner._compiled_varlen is not None or runner._compiled_decode is not None:
+    """torch.compile'd forwards do not run the hooks as Python (and the compiled graph would bake in the
+    canary's host-side choices); async batching prepares batch N+1 while N runs, from a second IO pair
+    whose inputs are carried over on the device. The canary refuses them rather than silently stop
+    checking. CUDA graphs are supported (see the module docstring)."""
+    if any(compat.compiled_paths(processor)):
         raise RuntimeError(
             "kv-canary: torch.compile is on for continuous batching (varlen/decode_compile_config); compiled "
             "forwards do not run the canary's hooks. Leave the compile configs unset to run checked"
         )
-    if getattr(processor, "use_async_batching", False):
+    if compat.uses_async_batching(processor):
         raise RuntimeError(
-            "kv-canary: async batching is on; the canary supports synchronous continuous batching. Pass "
-            "ContinuousBatchingConfig(use_async_batching=False)"
+            "kv-canary: async batching is on; the canary supports synchronous continuous batching (CUDA graphs "
+            "included). Pass ContinuousBatchingConfig(use_async_batching=False)"
         )
 
 
@@ -299,7 +422,8 @@ def attach(
     config: Optional[CanaryConfig] = None,
     **options: object,
 ) -> TransformersCbHandle:
-    """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager).
+    """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
+    CUDA-graphed.
 
     ``options`` are `CanaryConfig` fields (``mode="raise"``, ``sweep_interval=...``); unset ones come
     from ``KVCANARY_*`` environment variables. ``max_requests``: live requests tracked at once;

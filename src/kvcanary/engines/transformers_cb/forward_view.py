@@ -1,12 +1,19 @@
 """Translate one transformers continuous-batching forward into the runtime's `BatchDescription`.
 
-Everything here only *reads* the engine: the forward's keyword arguments (``input_ids``,
-``position_ids``, ``cu_seq_lens_q``, ``cu_seq_lens_k``, per-group ``write_index`` / ``read_index`` or
-``block_table``, ``cache``), the batch processor's ``requests_in_batch`` (request ids and token
-histories, batch order = the forward's sequence order), the allocators' block tables and ledgers
-(live slots for the sweep).
+Two halves, so the device half can be captured in a CUDA graph with the engine's forward:
 
-Per batch row ``i`` with ``P`` = first position and ``E`` = query length:
+* `ForwardTranslator.host_step` — host bookkeeping, once per engine forward (eager or replayed), after
+  the engine prepared the batch (``prepare_batch_tensors`` already walked the requests in Python): one
+  pass over ``requests_in_batch`` assigns request rows and reads each row's first position ``P`` and
+  query length ``E``; the results go to the adapter's static device tensor ``meta`` (rows, P, E, token
+  history length) in one non-blocking copy. Prompt tokens the canary has not seen yet (a prefix-cache
+  hit, a restored request) go to the token table in one scatter. No device reads.
+* `ForwardTranslator.describe` — device ops only, on the forward's keyword arguments (the engine's own
+  static buffers: ``input_ids``, ``position_ids``, ``cu_seq_lens_q/k``, ``write_index`` / ``read_index``
+  or ``block_table``) and ``meta``: no host reads, shapes fixed by the kwargs' shapes, so the ops are
+  captured once per graph key and replay with the values of each batch.
+
+Per batch row with ``P`` = first position and ``E`` = query length (padding rows: request row 0):
 
 * written slots (``out_cache_loc``) come from ``write_index`` (or, on the decode fast path, from the
   block table). Trash rows are not stored (-1): a sliding-window chunk longer than the window sends
@@ -15,37 +22,38 @@ Per batch row ``i`` with ``P`` = first position and ``E`` = query length:
   never judged because its predecessor is outside the window.
 * the position -> slot table row comes from what attention *reads*: ``read_index`` (full attention:
   positions ``[0, P + E)``; sliding window: the ``min(P, W - 1)`` newest cached positions, then sentinel
-  rows for the new tokens). A read redirected to a wrong slot therefore shows up in the canary.
-* sliding window: a ring slot is reused by position ``p + W``. Positions below ``P + E - W`` are
-  overwritten during this forward, so they are left out of the table (slot 0 = padding, never
-  verified, and the window head's chain link is not followed): nothing is ever checked against a
-  recycled slot.
+  rows for the new tokens) or the block table. A read redirected to a wrong slot therefore shows up in
+  the canary. Entries are scattered into the persistent table (rows of other requests are untouched).
+* sliding window: a ring slot is reused by position ``p + W``. Positions in ``[P - W, P + E - W)`` are
+  overwritten during this forward, so they are set to slot 0 (padding, never verified, and the window
+  head's chain link is not followed): nothing is ever checked against a recycled slot.
+* token history: the tokens of ``[P, P + E)`` are the forward's ``input_ids`` (scattered on the device);
+  positions below ``P`` the canary has not seen come from the request's prompt / generated tokens.
 """
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from kvcanary.engines.transformers_cb.layout import PADDING_SLOT, GroupLayout
+from kvcanary.engines.transformers_cb import compat
+from kvcanary.engines.transformers_cb.compat import find_batch_processor  # noqa: F401  (re-exported)
+from kvcanary.engines.transformers_cb.layout import NOT_STORED, PADDING_SLOT, GroupLayout
 from kvcanary.runtime.batch import BatchDescription, GroupBatch
 
+# rows of `ForwardTranslator.meta`
+META_ROWS, META_PREFIX, META_EXTEND, META_TOKEN_LENS = range(4)
 
-def find_batch_processor(cache):
-    """The ``ContinuousBatchProcessor`` that owns ``cache`` (read-only discovery, once per cache).
 
-    The forward's kwargs carry the cache but not the request states; the processor that built the
-    batch holds them in ``inputs_and_outputs.requests_in_batch``.
-    """
-    for ref in gc.get_referrers(cache):
-        if getattr(ref, "cache", None) is cache and hasattr(ref, "inputs_and_outputs") and hasattr(ref, "scheduler"):
-            return ref
-    raise RuntimeError(
-        "kv-canary: could not find the continuous-batching processor that owns this PagedAttentionCache; "
-        "kvcanary supports model.generate_batch / init_continuous_batching of transformers==5.24.0"
-    )
+@dataclass(frozen=True, kw_only=True)
+class StepInfo:
+    """What the host knows about one engine forward: batch rows in order, and whether it is a warmup."""
+
+    request_ids: tuple[Optional[str], ...]
+    rows: tuple[int, ...]
+    forward_kind: str
+    warmup: bool = False
 
 
 @dataclass
@@ -58,11 +66,7 @@ class RequestRows:
         self.row_of: dict[str, int] = {}
         self.free = list(range(self.max_requests, 0, -1))
 
-    def get(self, request_id: str) -> tuple[int, bool]:
-        """The request's row, and whether it was just assigned."""
-        row = self.row_of.get(request_id)
-        if row is not None:
-            return row, False
+    def assign(self, request_id: str) -> int:
         if not self.free:
             raise RuntimeError(
                 f"kv-canary: more than max_requests={self.max_requests} live requests; "
@@ -70,186 +74,272 @@ class RequestRows:
             )
         row = self.free.pop()
         self.row_of[request_id] = row
-        return row, True
+        return row
 
-    def release_missing(self, live_ids) -> list[int]:
-        gone = [rid for rid in self.row_of if rid not in live_ids]
+    def release_missing(self, live) -> list[int]:
+        gone = [rid for rid in self.row_of if rid not in live]
         rows = [self.row_of.pop(rid) for rid in gone]
         self.free.extend(rows)
         return rows
 
 
 class ForwardTranslator:
-    """Keeps the per-request tables on the canary's device and builds one `BatchDescription` per forward."""
+    """Static per-request tables and per-batch-row inputs on the canary's device, one forward at a time.
 
-    def __init__(self, *, cache, layouts: list[GroupLayout], max_requests: int, max_context: int, device) -> None:
+    Tables (by reference in every `BatchDescription`; the same tensor objects for the session's life, as
+    CUDA-graph capture needs): ``req_to_token[group]`` and ``token_table``, int32 ``[max_requests + 1,
+    max_context]``. ``meta``: int64 ``[4, max_rows]`` — request row, P, E, token-history length per batch
+    row (padding rows: zeros), refreshed by `host_step`.
+    """
+
+    def __init__(self, *, cache, processor, layouts: list[GroupLayout], max_requests: int, max_context: int,
+                 max_rows: int, device) -> None:
         self.cache = cache
+        self.processor = processor
         self.layouts = layouts
         self.device = torch.device(device)
         self.max_context = max_context
+        self.max_rows = max_rows
         self.rows = RequestRows(max_requests)
         shape = (max_requests + 1, max_context)
         self.req_to_token = {g.name: torch.zeros(shape, dtype=torch.int32, device=self.device) for g in layouts}
         self.token_table = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        self.token_filled = [0] * (max_requests + 1)
-        self.last_extend: dict[str, int] = {}  # request id -> query length of its latest forward
-        self.processor = find_batch_processor(cache)
+        self.filled = [0] * (max_requests + 1)  # host: history positions [0, filled) are in token_table
+        self.has_window = any(g.sliding_window for g in layouts)
+        self.last_extend: dict[str, int] = {}  # request id -> E of its latest forward (sliding-window sweep)
+        self.meta = torch.zeros((4, max_rows), dtype=torch.int64, device=self.device)
+        cuda = self.device.type == "cuda"
+        self._meta_host = torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=cuda) if cuda else self.meta
+        self._meta_copied = torch.cuda.Event() if cuda else None
+        self._meta_dirty = max_rows  # host rows of _meta_host that may be non-zero
+        max_tokens, max_read = compat.cache_limits(cache)
+        span = max(max_tokens, max_read + max_tokens, max_context, max_rows)
+        self._arange = torch.arange(span, dtype=torch.int64, device=self.device)
 
-    # ------------------------------------------------------------------------------------------------
-    def requests_in_batch(self) -> list:
-        return list(self.processor.inputs_and_outputs.requests_in_batch)
+    # ---- host half ---------------------------------------------------------------------------------
+    def host_step(self) -> StepInfo:
+        """Bookkeeping for the batch the engine just prepared; refreshes ``meta`` (non-blocking copy)."""
+        batch = compat.requests_in_batch(self.processor)
+        bs = len(batch)
+        if bs > self.max_rows:
+            raise RuntimeError(
+                f"kv-canary: batch of {bs} requests exceeds the engine's max_requests_per_batch={self.max_rows}; "
+                "unexpected transformers batch layout"
+            )
+        if compat.is_warmup(batch):  # fake requests over never-written KV: every row is the padding row
+            zeros = [0] * bs
+            self._write_meta(zeros, zeros, zeros, zeros)
+            return StepInfo(request_ids=(None,) * bs, rows=tuple(zeros), forward_kind="mixed", warmup=True)
 
-    def describe(self, kwargs: dict, step: int) -> BatchDescription:
-        """The `BatchDescription` of the forward about to run with ``kwargs``."""
-        future_states = self.requests_in_batch()
-        bs = len(future_states)
-        cu_q = kwargs["cu_seq_lens_q"][: bs + 1].to(torch.int64).cpu().tolist()
-        num_tokens = cu_q[-1]
-        positions_all = kwargs["position_ids"][0, :num_tokens]
-        first_pos = positions_all[torch.tensor(cu_q[:-1], dtype=torch.int64, device=positions_all.device)] if bs else positions_all[:0]
-        first_pos = first_pos.to(torch.int64).cpu().tolist()
-
-        live = self.processor.scheduler.active_requests
-        self.rows.release_missing(live)
-        for rid in [rid for rid in self.last_extend if rid not in live]:
-            del self.last_extend[rid]
-        rows, prefix, extend, ids = [], [], [], []
-        for i, fs in enumerate(future_states):
+        live = compat.active_requests(self.processor)
+        if len(self.rows.row_of) > len(live) or any(rid not in live for rid in self.rows.row_of):
+            self.rows.release_missing(live)
+            if self.has_window:
+                self.last_extend = {rid: e for rid, e in self.last_extend.items() if rid in live}
+        row_of, filled, ctx = self.rows.row_of, self.filled, self.max_context
+        rows, prefix, extend, ends, ids, history = [], [], [], [], [], []
+        for fs in batch:
             state = fs.state
-            p, e = int(first_pos[i]), cu_q[i + 1] - cu_q[i]
-            if e != fs.query_length:
+            rid = state.request_id
+            e = fs.query_length
+            p = state.position_offset - e
+            row = row_of.get(rid)
+            if row is None:
+                row = self.rows.assign(rid)
+                filled[row] = 0
+            if p + e > ctx:
                 raise RuntimeError(
-                    f"kv-canary: batch row {i} ({state.request_id}) has {e} query tokens in the forward but "
-                    f"{fs.query_length} in the scheduler; unexpected transformers batch layout"
+                    f"kv-canary: request {rid} reaches position {p + e - 1}, beyond max_context={ctx}; "
+                    "attach with a larger max_context"
                 )
-            if p + e > self.max_context:
-                raise RuntimeError(
-                    f"kv-canary: request {state.request_id} reaches position {p + e - 1}, beyond "
-                    f"max_context={self.max_context}; attach with a larger max_context"
-                )
-            row, fresh = self.rows.get(state.request_id)
-            if fresh:
-                self.token_filled[row] = 0
-            self.last_extend[state.request_id] = e
+            if filled[row] < p:
+                history.append((row, state, filled[row], p))
+            filled[row] = p + e
             rows.append(row)
             prefix.append(p)
             extend.append(e)
-            ids.append(state.request_id)
+            ends.append(p + e)
+            ids.append(rid)
+        if self.has_window:
+            self.last_extend.update(zip(ids, extend))
+        if history:
+            self._stage_history(history)
+        self._write_meta(rows, prefix, extend, ends)
+        return StepInfo(request_ids=tuple(ids), rows=tuple(rows), forward_kind=_forward_kind(prefix, extend))
 
-        dev = self.device
+    def _write_meta(self, rows: list, prefix: list, extend: list, token_lens: list) -> None:
+        bs = len(rows)
+        host = self._meta_host
+        if self._meta_copied is not None:
+            self._meta_copied.synchronize()  # the previous step's copy has left the pinned buffer
+        if bs:
+            host[:, :bs] = torch.tensor([rows, prefix, extend, token_lens], dtype=torch.int64)
+        if self._meta_dirty > bs:
+            host[:, bs : self._meta_dirty].zero_()
+        self._meta_dirty = bs
+        if host is not self.meta:
+            self.meta.copy_(host, non_blocking=True)
+            self._meta_copied.record()
+
+    def _stage_history(self, history: list) -> None:
+        """Token history positions ``[have, upto)`` of each listed row, from the request's own tokens."""
+        rows, cols, toks = [], [], []
+        for row, state, have, upto in history:
+            seq = state.initial_tokens
+            if upto > len(seq):
+                seq = list(seq) + list(state.generated_tokens)
+            part = seq[have:upto]
+            toks.extend(part)
+            cols.extend(range(have, have + len(part)))
+            rows.extend([row] * len(part))
+        if toks:
+            idx = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
+            vals = torch.tensor(toks, dtype=torch.int32).to(self.device, non_blocking=True)
+            self.token_table.index_put_((idx[0], idx[1]), vals)
+
+    # ---- device half -------------------------------------------------------------------------------
+    def describe(self, kwargs: dict) -> BatchDescription:
+        """The `BatchDescription` of the forward about to run with ``kwargs`` (device ops only).
+
+        Shapes come from the kwargs (``B`` sequences, ``T`` query tokens, padded under CUDA graphs); the
+        values from the engine's buffers and ``meta``. Also scatters the new tokens into the token table
+        and what attention reads / writes into ``req_to_token``.
+        """
+        cu_q = kwargs["cu_seq_lens_q"].to(torch.int64)
+        bsz = int(cu_q.shape[0]) - 1
+        input_ids = kwargs["input_ids"][0]
+        n = int(input_ids.shape[0])
+        positions = kwargs["position_ids"][0].to(torch.int64)
+        meta = self.meta[:, :bsz]
+        rows, prefix, extend, token_lens = meta[META_ROWS], meta[META_PREFIX], meta[META_EXTEND], meta[META_TOKEN_LENS]
+        ctx = self.max_context
+
+        tok = self._arange[:n]
+        tok_b = torch.searchsorted(cu_q[1:], tok, right=True)  # batch row of each token; bsz = padding
+        tok_valid = tok_b < bsz
+        tok_bc = tok_b.clamp(max=max(bsz - 1, 0))
+        tok_row = torch.where(tok_valid, rows[tok_bc], 0)  # request row (0 for padding tokens)
+        tok_pos = torch.where(tok_valid, positions, 0).clamp_(0, ctx - 1)
+        self.token_table.index_put_((tok_row, tok_pos), input_ids.to(torch.int32))
+
         groups = {}
+        block_table = kwargs.get("block_table")
         for g in self.layouts:
-            groups[g.name] = self._group_batch(g, kwargs, rows, prefix, extend, cu_q, future_states)
-        token_lens = self._fill_token_table(future_states, rows, prefix, extend)
-        kind = _forward_kind(prefix, extend)
+            table = self.req_to_token[g.name]
+            if block_table is not None:
+                out = self._paged(g, table, block_table[g.index], rows, tok_bc, tok_valid, tok_pos)
+            else:
+                out = self._indexed(g, table, kwargs, bsz, n, rows, prefix, extend, tok_row, tok_valid, tok_pos)
+            groups[g.name] = GroupBatch(req_to_token=table, out_cache_loc=out)
         return BatchDescription(
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=dev),
-            prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
-            extend_lens=torch.tensor(extend, dtype=torch.int64, device=dev),
-            input_ids=kwargs["input_ids"][0, :num_tokens].to(device=dev, dtype=torch.int64),
-            positions=positions_all.to(device=dev, dtype=torch.int64),
-            groups=groups,
-            request_ids=tuple(ids),
-            token_table=self.token_table,
-            token_table_lens=torch.tensor(token_lens, dtype=torch.int64, device=dev),
-            forward_kind=kind,
-            extra={"step": step},
+            req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend, input_ids=input_ids, positions=positions,
+            groups=groups, token_table=self.token_table, token_table_lens=token_lens,
         )
 
-    # ------------------------------------------------------------------------------------------------
-    def _group_batch(self, g: GroupLayout, kwargs, rows, prefix, extend, cu_q, future_states) -> GroupBatch:
-        dev = self.device
-        table = self.req_to_token[g.name]
-        block_table = kwargs.get("block_table")
-        writes = []
-        if block_table is not None:  # decode fast path: the attention kernel reads and writes via pages
-            bt = block_table[g.index]
-            for i, row in enumerate(rows):
-                p, e = prefix[i], extend[i]
-                pages = bt[i].to(torch.int64)
-                pages = pages[pages >= 0] // g.pages_stride
-                slots = g.block_slots(pages.tolist(), p + e, dev)
-                table[row].zero_()
-                table[row, : p + e] = slots.to(torch.int32)
-                writes.append(slots[p : p + e])
-            return GroupBatch(req_to_token=table, out_cache_loc=torch.cat(writes) if writes else _empty(dev))
-
-        write_index = kwargs["write_index"][g.index]
-        read_index = kwargs["read_index"][g.index]
-        cu_k = kwargs["cu_seq_lens_k"][g.layer_type][: len(rows) + 1].to(torch.int64).cpu().tolist()
-        has_reads = read_index.numel() > 0
-        for i, row in enumerate(rows):
-            p, e = prefix[i], extend[i]
-            w = g.physical_to_slot(write_index[cu_q[i] : cu_q[i + 1]], for_write=True).to(dev)
-            table[row].zero_()
-            if g.sliding_window:
-                win = g.sliding_window
-                lo = max(0, p + e - win)
-                if has_reads and p > lo:
-                    cached = min(p, win - 1)
-                    seg = read_index[cu_k[i] : cu_k[i] + cached]
-                    r = g.physical_to_slot(seg, for_write=False).to(dev)
-                    table[row, lo:p] = r[lo - (p - cached) :].to(torch.int32)
-                start = max(p, lo)
-                table[row, start : p + e] = w[start - p :].to(torch.int32)
+    def _indexed(self, g: GroupLayout, table, kwargs, bsz, n, rows, prefix, extend, tok_row, tok_valid, tok_pos):
+        """Index-based path (``write_index`` / ``read_index``): fill ``table``, return the written slots."""
+        ctx = self.max_context
+        written = g.physical_to_slot(kwargs["write_index"][g.index][:n], for_write=True)
+        if written.shape[0] < n:  # unpadded write index shorter than the tokens: nothing stored past it
+            written = torch.cat([written, written.new_full((n - written.shape[0],), NOT_STORED)])
+        out = torch.where(tok_valid, written, NOT_STORED)
+        stored = out >= 0
+        window = g.sliding_window
+        if window:  # positions [P - W, P + E - W) are recycled by this forward: padding, never verified
+            old = tok_pos - window
+            keep = tok_valid & (old >= 0)
+            table.index_put_((torch.where(keep, tok_row, 0), old.clamp_(min=0)), torch.zeros_like(old, dtype=torch.int32))
+        reads = kwargs["read_index"][g.index]
+        k = int(reads.shape[0])
+        if k:
+            cu_k = kwargs["cu_seq_lens_k"][g.layer_type].to(torch.int64)
+            j = self._arange[:k]
+            jb = torch.searchsorted(cu_k[1:], j, right=True)
+            jvalid = jb < bsz
+            jb = jb.clamp_(max=max(bsz - 1, 0))
+            local = j - cu_k[jb]
+            p = prefix[jb]
+            if window:
+                cached = p.clamp(max=window - 1)
+                pos = p - cached + local
+                low = (p + extend[jb] - window).clamp_(min=0)
+                keep = jvalid & (local < cached) & (pos >= low)
             else:
-                if has_reads and p > 0:
-                    seg = read_index[cu_k[i] : cu_k[i] + p]
-                    table[row, :p] = g.physical_to_slot(seg, for_write=False).to(dev, torch.int32)
-                table[row, p : p + e] = w.clamp_min(PADDING_SLOT).to(torch.int32)
-            writes.append(w)
-        return GroupBatch(req_to_token=table, out_cache_loc=torch.cat(writes) if writes else _empty(dev))
+                pos = local
+                keep = jvalid & (local < p)
+            slots = g.physical_to_slot(reads, for_write=False).to(torch.int32)
+            table.index_put_((torch.where(keep, rows[jb], 0), torch.where(keep, pos, 0).clamp_(0, ctx - 1)), slots)
+        keep = stored & (tok_row > 0)
+        table.index_put_((torch.where(keep, tok_row, 0), torch.where(keep, tok_pos, 0)),
+                         out.clamp(min=PADDING_SLOT).to(torch.int32))
+        return out
 
-    def _fill_token_table(self, future_states, rows, prefix, extend) -> list[int]:
-        """Token history (prompt + generated) per row, appended incrementally; valid length per batch row."""
-        lens = []
-        for fs, row, p, e in zip(future_states, rows, prefix, extend):
-            state = fs.state
-            init, gen = state.initial_tokens, state.generated_tokens
-            total = min(len(init) + len(gen), p + e, self.max_context)
-            have = min(self.token_filled[row], total)
-            if total > have:
-                hist = (init[have:total] if have < len(init) else []) + gen[max(0, have - len(init)) : total - len(init)]
-                self.token_table[row, have:total] = torch.tensor(hist, dtype=torch.int32, device=self.device)
-                self.token_filled[row] = total
-            lens.append(total)
-        return lens
+    def _paged(self, g: GroupLayout, table, pages, rows, tok_bc, tok_valid, tok_pos):
+        """Decode fast path (block table ``[B, nb]`` of ``block * pages_stride``): fill ``table`` for positions
+        ``[0, nb * page)`` of every batch row (entries past a row's blocks map to the padding slot), return
+        the written slots."""
+        page = g.page_size
+        nb = int(pages.shape[1])
+        width = min(nb * page, self.max_context)
+        if width:
+            col = self._arange[:width]
+            entries = pages[:, torch.div(col, page, rounding_mode="floor")]
+            table[rows, :width] = g.block_entries_to_slots(entries, col % page).to(torch.int32)
+        blk = torch.div(tok_pos, page, rounding_mode="floor").clamp_(max=max(nb - 1, 0))
+        written = g.block_entries_to_slots(pages[tok_bc, blk], tok_pos % page)
+        return torch.where(tok_valid & (written > PADDING_SLOT), written, NOT_STORED)
 
-    # ------------------------------------------------------------------------------------------------
-    def live_slots(self, *, exclude_batch_extend: Optional[dict] = None) -> dict[str, torch.Tensor]:
-        """Every slot holding live KV, per group: written positions of running requests and every slot
-        of the blocks kept cached for prefix sharing (sliding window: the window's positions, less a
-        window head whose predecessor slot the same forward recycled). ``exclude_batch_extend`` maps request id -> number
-        of tokens of this forward not stored yet (for a sweep taken before the forward)."""
-        active = self.processor.scheduler.active_requests
-        pending = exclude_batch_extend or {}
+    # ---- sweep ------------------------------------------------------------------------------------
+    def live_slots(self) -> dict[str, torch.Tensor]:
+        """Every slot holding live KV, per group: written positions of running requests and every slot of
+        the blocks kept cached for prefix sharing (sliding window: the window's positions, less a window
+        head whose predecessor slot the same forward recycled). Called between forwards."""
+        active = compat.active_requests(self.processor)
         out = {}
         for g in self.layouts:
-            alloc = self.cache.cache_allocators[g.layer_type]
-            parts = []
-            for rid, blocks in alloc.block_table.items():
+            alloc = compat.allocators(self.cache)[g.layer_type]
+            blocks_of, starts, counts = [], [], []
+            for rid, blocks in compat.request_blocks(alloc).items():
                 state = active.get(rid)
                 if state is None or not blocks:
                     continue
-                n = int(state.position_offset) - int(pending.get(rid, 0))
+                n = int(state.position_offset)
                 if g.sliding_window:
                     head = max(0, n - g.sliding_window)
                     if self.last_extend.get(rid, 0) >= g.sliding_window and head > 0:
                         # the window head's predecessor slot was recycled within the same forward
                         # (a chunk of >= W tokens): its chain link cannot be judged, skip it
                         head += 1
-                    pos = torch.arange(head, n, device=self.device)
-                    if pos.numel():
-                        parts.append(g.ring_slots(blocks, pos))
                 else:
-                    n = min(n, len(blocks) * g.page_size)
-                    parts.append(g.block_slots(blocks, n, self.device))
-            cached = list(alloc.ledger.cached_blocks)
+                    head, n = 0, min(n, len(blocks) * g.page_size)
+                if n > head:
+                    blocks_of.append(blocks)
+                    starts.append(head)
+                    counts.append(n - head)
+            parts = []
+            if blocks_of:
+                parts.append(self._slots_of_positions(g, blocks_of, starts, counts))
+            cached = compat.cached_blocks(alloc)
             if cached:
-                parts.append(g.block_slots(cached, len(cached) * g.page_size, self.device))
-            slots = torch.cat(parts).unique() if parts else _empty(self.device)
+                base = torch.tensor(cached, dtype=torch.int64, device=self.device)[:, None] * g.page_size
+                parts.append((base + self._arange[: g.page_size]).flatten())
+            slots = torch.cat(parts).unique() if parts else torch.zeros(0, dtype=torch.int64, device=self.device)
             out[g.name] = slots[slots > PADDING_SLOT]
         return out
+
+    def _slots_of_positions(self, g: GroupLayout, blocks_of: list, starts: list, counts: list) -> torch.Tensor:
+        """Slots of positions ``[start, start + count)`` of each request (ring positions for a window)."""
+        nb = max(len(b) for b in blocks_of)
+        dev = self.device
+        blocks = torch.tensor([b + [0] * (nb - len(b)) for b in blocks_of], dtype=torch.int64, device=dev)
+        lens = torch.tensor([starts, counts], dtype=torch.int64, device=dev)
+        col = self._arange[: max(counts)]
+        pos = lens[0][:, None] + col[None, :]
+        if g.sliding_window:
+            pos = pos % g.sliding_window
+        idx = torch.div(pos, g.page_size, rounding_mode="floor").clamp_(max=nb - 1)
+        slots = blocks.gather(1, idx) * g.page_size + pos % g.page_size
+        return slots[col[None, :] < lens[1][:, None]]
 
 
 def _forward_kind(prefix: list[int], extend: list[int]) -> str:
@@ -260,7 +350,3 @@ def _forward_kind(prefix: list[int], extend: list[int]) -> str:
     if all(e > 1 or p == 0 for p, e in zip(prefix, extend)):
         return "prefill"
     return "mixed"
-
-
-def _empty(device) -> torch.Tensor:
-    return torch.zeros(0, dtype=torch.int64, device=device)

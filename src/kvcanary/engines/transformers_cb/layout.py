@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcanary.engines.transformers_cb import compat
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 # transformers layer type -> runtime group name (GroupSpec.name)
@@ -63,45 +65,40 @@ class GroupLayout:
         fill = NOT_STORED if for_write else PADDING_SLOT
         return torch.where(valid, slot, torch.full_like(slot, fill))
 
-    def block_slots(self, block_ids: list[int], num_tokens: int, device: torch.device) -> torch.Tensor:
-        """Slots of logical positions ``[0, num_tokens)`` laid out on ``block_ids`` (full attention)."""
-        if num_tokens <= 0:
-            return torch.zeros(0, dtype=torch.int64, device=device)
-        pos = torch.arange(num_tokens, device=device)
-        blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
-        return blocks[pos // self.page_size] * self.page_size + pos % self.page_size
-
-    def ring_slots(self, block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """Slots of absolute positions in a sliding-window ring (position % window)."""
-        ring = positions.to(torch.int64) % self.sliding_window
-        blocks = torch.tensor(block_ids, dtype=torch.int64, device=positions.device)
-        return blocks[ring // self.page_size] * self.page_size + ring % self.page_size
+    def block_entries_to_slots(self, entries: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Decode fast path: block-table entries (``block_id * pages_stride``, -1 = none) and in-page offsets
+        (broadcastable) -> slots (int64); entries outside the data blocks -> 0 (the padding slot)."""
+        block = torch.div(entries.to(torch.int64), self.pages_stride, rounding_mode="floor")
+        valid = (entries >= 0) & (block >= self.first_data_block) & (block < self.total_blocks)
+        return torch.where(valid, block * self.page_size + offsets, torch.zeros_like(block))
 
 
 def build_layouts(cache) -> list[GroupLayout]:
     """The canary groups of a ``PagedAttentionCache`` (read only), ordered by allocator index."""
     layouts = []
     total_bytes = int(cache.cache_tensor.numel())  # uint8 storage
-    for layer_type, alloc in cache.cache_allocators.items():
+    for layer_type, alloc in compat.allocators(cache).items():
         if layer_type not in GROUP_NAMES:
             raise ValueError(f"kv-canary: unsupported transformers attention type {layer_type!r}")
-        if total_bytes % alloc.bytes_per_block:
+        geo = compat.allocator_geometry(alloc)
+        if total_bytes % geo["bytes_per_block"]:
             raise ValueError(
                 f"kv-canary: cache of {total_bytes} bytes is not a whole number of {layer_type} blocks "
-                f"({alloc.bytes_per_block} bytes); unexpected transformers cache layout"
+                f"({geo['bytes_per_block']} bytes); unexpected transformers cache layout"
             )
+        page, stride = geo["tokens_per_page"], geo["block_physical_stride"]
         layouts.append(
             GroupLayout(
                 name=GROUP_NAMES[layer_type],
                 layer_type=layer_type,
-                index=int(alloc.index),
-                layer_ids=tuple(int(i) for i in alloc.layer_indices),
-                page_size=int(alloc.tokens_per_page),
-                block_stride=int(alloc.block_physical_stride),
-                first_data_block=2 * int(alloc.blocks_per_sector),
-                total_blocks=total_bytes // int(alloc.bytes_per_block),
-                sliding_window=int(getattr(alloc, "sliding_window", 0) or 0) if layer_type == SLIDING_ATTENTION else 0,
-                pages_stride=int(alloc.block_physical_stride) // int(alloc.tokens_per_page),
+                index=geo["index"],
+                layer_ids=geo["layer_indices"],
+                page_size=page,
+                block_stride=stride,
+                first_data_block=2 * geo["blocks_per_sector"],
+                total_blocks=total_bytes // geo["bytes_per_block"],
+                sliding_window=geo["sliding_window"] if layer_type == SLIDING_ATTENTION else 0,
+                pages_stride=stride // page,
             )
         )
     layouts.sort(key=lambda g: g.index)
@@ -117,9 +114,7 @@ def layer_kv_views(cache, layout: GroupLayout, layer_id: int) -> tuple[torch.Ten
     Row ``b`` of the K view is page ``2 * i`` of block ``b`` (``i`` = the layer's rank in its group), so
     ``RealKvSource(view, page_size, bytes_per_token, ...)`` addresses compact slot ``b * page_size + o``.
     """
-    alloc = cache.layer_to_allocator[layer_id]
-    rank = list(alloc.layer_indices).index(layer_id)
-    kv = alloc.cache_tensor  # [total_tokens, 2, H, D] in the cache dtype, contiguous
+    kv, rank = compat.layer_cache_tensor(cache, layer_id)  # [total_tokens, 2, H, D] in the cache dtype
     per_token = int(kv.shape[-2]) * int(kv.shape[-1])
     per_page = layout.page_size * per_token
     blocks = kv.reshape(-1).view(layout.total_blocks, -1)

@@ -1,0 +1,184 @@
+"""Every read of transformers' continuous-batching internals, in one place, each with its source.
+
+All of it was read from ``transformers==5.24.0`` (``transformers/generation/continuous_batching/``); the
+adapter refuses any other version (`attach.check_transformers_version`). Nothing here writes engine
+state except `install_compute_wrapper` / `restore_compute_batch` and `drop_graphs`, which the handle's
+``detach()`` undoes or accounts for (see the package docstring). When transformers changes, this file
+and ``layout.py``'s arithmetic are what to re-read.
+
+Public, documented surfaces are used directly elsewhere: the forward's keyword arguments
+(``PagedAttentionArgs`` in ``input_outputs.py``) and ``nn.Module`` forward hooks.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Callable, Optional
+
+VERSION_READ = "5.24.0"
+
+# requests.py :: create_warmup_future_states — warmup requests are named f"__warmup_{status}_{i}__"
+WARMUP_PREFIX = "__warmup_"
+
+
+# ---- the processor that owns a cache ---------------------------------------------------------------
+def find_batch_processor(cache):
+    """The ``ContinuousBatchProcessor`` (continuous_api.py) that owns ``cache`` — found once per cache.
+
+    The forward's kwargs carry the cache but not the request states; the processor holds them. It has
+    ``cache``, ``inputs_and_outputs`` and ``scheduler`` attributes (5.24.0 ``__init__``).
+    """
+    for ref in gc.get_referrers(cache):
+        if getattr(ref, "cache", None) is cache and hasattr(ref, "inputs_and_outputs") and hasattr(ref, "scheduler"):
+            return ref
+    raise RuntimeError(
+        "kv-canary: could not find the continuous-batching processor that owns this PagedAttentionCache; "
+        "kvcanary supports model.generate_batch / init_continuous_batching of transformers==5.24.0"
+    )
+
+
+def batch_io(processor):
+    """``processor.inputs_and_outputs``: a ``ContinuousBatchingIOs`` (sync) or ``ContinuousBatchingAsyncIOs``."""
+    return processor.inputs_and_outputs
+
+
+def requests_in_batch(processor) -> list:
+    """The ``FutureRequestState`` list of the batch just prepared, in the forward's sequence order.
+
+    Set by ``ContinuousBatchingIOs.prepare_batch_tensors`` (input_outputs.py). After it ran,
+    ``fs.state.position_offset`` already includes the batch (``+= query_length``), so the first position
+    of row i is ``position_offset - query_length``.
+    """
+    return processor.inputs_and_outputs.requests_in_batch
+
+
+def uses_block_table(processor) -> bool:
+    """True when the prepared batch runs the decode fast path (``io.use_block_table``)."""
+    return bool(processor.inputs_and_outputs.use_block_table)
+
+
+def active_requests(processor) -> dict:
+    """``scheduler.active_requests``: request id -> ``RequestState`` of every running request (scheduler.py)."""
+    return processor.scheduler.active_requests
+
+
+def max_requests_per_batch(processor) -> int:
+    """``cb_config.max_requests_per_batch`` (resolved): the padded batch never has more sequences."""
+    return int(processor.cb_config.max_requests_per_batch)
+
+
+def compute_stream(processor):
+    """The stream the forward runs on (``io.compute_stream``; None on CPU)."""
+    return processor.inputs_and_outputs.compute_stream
+
+
+# ---- execution paths -----------------------------------------------------------------------------
+def graph_flags(processor) -> tuple[bool, bool]:
+    """(varlen, decode) CUDA-graph switches of the ``ModelRunner`` (model_runner.py ``__init__``)."""
+    runner = processor.model_runner
+    return bool(runner.use_cuda_graph_varlen), bool(runner.use_cuda_graph_decode)
+
+
+def compiled_paths(processor) -> tuple[bool, bool]:
+    """Whether the varlen / decode forwards are ``torch.compile``'d (``runner._compiled_varlen/_decode``)."""
+    runner = processor.model_runner
+    return runner._compiled_varlen is not None, runner._compiled_decode is not None
+
+
+def uses_async_batching(processor) -> bool:
+    """``processor.use_async_batching`` (two IO pairs; inputs of batch N+1 carried over on the device)."""
+    return bool(getattr(processor, "use_async_batching", False))
+
+
+def graph_store(processor) -> dict:
+    """The captured graphs, key -> graph (``io.graphs._storage`` of the ``CudaGraphBuffer``, utils.py)."""
+    return processor.inputs_and_outputs.graphs._storage
+
+
+def drop_graphs(processor, keys) -> int:
+    """Reset and forget the captured graphs under ``keys`` (the engine recaptures a missing key on its
+    next batch of that shape: ``ModelRunner.compute_batch`` -> ``_capture_graph``). Returns how many."""
+    store = graph_store(processor)
+    dropped = 0
+    for key in list(keys):
+        graph = store.pop(key, None)
+        if graph is not None:
+            graph.reset()
+            dropped += 1
+    return dropped
+
+
+# ---- the one wrapper (graph mode only) --------------------------------------------------------------
+def install_compute_wrapper(processor, make: Callable[[Callable], Callable]) -> Callable:
+    """Shadow ``processor.model_runner.compute_batch`` with an instance attribute ``make(original)``.
+
+    ``ModelRunner.compute_batch(model, batch_data)`` (model_runner.py) is called once per engine step by
+    ``ContinuousBatchProcessor._generation_step`` and once per warmup forward; it runs the eager forward,
+    replays the step's CUDA graph, or captures it. Returns the original bound method.
+    """
+    runner = processor.model_runner
+    if "compute_batch" in vars(runner):
+        raise RuntimeError("kv-canary: ModelRunner.compute_batch is already wrapped on this runner (attached twice?)")
+    original = runner.compute_batch
+    runner.compute_batch = make(original)
+    return original
+
+
+def restore_compute_batch(processor) -> None:
+    """Remove the instance attribute: the class method is visible again, exactly as before."""
+    vars(processor.model_runner).pop("compute_batch", None)
+
+
+def is_warmup(batch: list) -> bool:
+    """True for the runner's warmup batches (fake requests, KV freed right after; model_runner.py ``warmup``)."""
+    return bool(batch) and str(batch[0].state.request_id).startswith(WARMUP_PREFIX)
+
+
+# ---- cache geometry --------------------------------------------------------------------------------
+def allocators(cache) -> dict:
+    """``cache.cache_allocators``: layer type -> allocator, in allocator-index order (cache.py)."""
+    return cache.cache_allocators
+
+
+def allocator_geometry(alloc) -> dict:
+    """The allocator attributes the slot layout needs (cache_allocators/cache_allocator.py
+    ``_before_cache_tensor_init`` / ``_after_cache_tensor_init``; sliding_attention.py ``sliding_window``)."""
+    return {
+        "index": int(alloc.index),
+        "layer_indices": tuple(int(i) for i in alloc.layer_indices),
+        "tokens_per_page": int(alloc.tokens_per_page),
+        "block_physical_stride": int(alloc.block_physical_stride),
+        "blocks_per_sector": int(alloc.blocks_per_sector),
+        "bytes_per_block": int(alloc.bytes_per_block),
+        "sliding_window": int(getattr(alloc, "sliding_window", 0) or 0),
+    }
+
+
+def layer_cache_tensor(cache, layer_id: int):
+    """(allocator cache tensor ``[total_tokens, 2, H, D]``, the layer's rank within its allocator)."""
+    alloc = cache.layer_to_allocator[layer_id]
+    return alloc.cache_tensor, list(alloc.layer_indices).index(layer_id)
+
+
+def request_blocks(alloc) -> dict:
+    """``alloc.block_table``: request id -> its block ids, in logical order."""
+    return alloc.block_table
+
+
+def cached_blocks(alloc) -> list:
+    """Blocks no request references but kept for prefix sharing (``alloc.ledger.cached_blocks``)."""
+    return list(alloc.ledger.cached_blocks)
+
+
+def cache_limits(cache) -> tuple[int, int]:
+    """(``max_batch_tokens``, ``max_tokens_read``) of the cache."""
+    return int(cache.max_batch_tokens), int(cache.max_tokens_read)
+
+
+def max_blocks_per_request(cache) -> int:
+    """Width of the decode fast path's block table (0 when the path is off)."""
+    return int(getattr(cache, "max_blocks_per_request", 0) or 0)
+
+
+def persistent_manager(model) -> Optional[object]:
+    """The model's cached ``ContinuousBatchingManager`` (``persistent_manager=True``), if any."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
