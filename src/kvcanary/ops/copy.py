@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvcanary.ops.checks import INDEX_DTYPES, check_tensor
-from kvcanary.ops.copy_format import check_canary_records
+from kvcanary.ops.copy_format import canary_records_shape, check_canary_records
 from kvcanary.ops.dispatch import triton_backend
 from kvcanary.ops.reference.copy import (
     canary_copy_slots_torch_reference,
@@ -95,22 +95,32 @@ def launch_canary_copy_slots_kernel(
          slot_run_counter=slot_run_counter, kernel_run_counter=kernel_run_counter)
 
 
-def export_canary_records(*, canary_bufs: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+def export_canary_records(
+    *, canary_bufs: Sequence[torch.Tensor], slots: torch.Tensor, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The records of ``slots`` from every table, as int64 [1 + N, 4 * len(canary_bufs)] on the
     tables' device (layout: ``ops/copy_format.py``; padding slots give zero rows).
 
-    slots: int32 or int64 [N], contiguous. Reads only; move the result to the host with
-    ``.to("cpu", non_blocking=True)`` or ``canary_records_to_bytes``.
+    slots: int32 or int64 [N], contiguous. out: optional caller-owned int64 tensor of exactly
+    that shape, contiguous, on the tables' device (reusing one saves the page faults of a fresh
+    allocation, and keeps a captured graph's output in place); returned when given. Reads the
+    tables only; move the result to the host with ``.to("cpu", non_blocking=True)`` or
+    ``canary_records_to_bytes``.
     """
     dev, num_slots = _check_tables(_EXPORT, canary_bufs)
     s = check_tensor(_EXPORT, "slots", slots, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
     _check_entries(_EXPORT, s.shape[0])
+    if out is not None:
+        check_tensor(_EXPORT, "out", out, dtypes=(torch.int64,), ndim=2, device=dev, contiguous=True)
+        want = canary_records_shape(int(s.shape[0]), len(canary_bufs))
+        if tuple(out.shape) != want:
+            raise ValueError(f"kv-canary: {_EXPORT} out must have shape {want}, got {tuple(out.shape)}")
     if not _capturing(dev):
         _check_range(_EXPORT, "slots", s, num_slots)
     impl = export_canary_records_torch_reference
     if triton_backend(dev) is not None:
         from kvcanary.ops.triton.copy import launch_export_records as impl
-    return impl(canary_bufs=tuple(canary_bufs), slots=s)
+    return impl(canary_bufs=tuple(canary_bufs), slots=s, out=out)
 
 
 def import_canary_records(
@@ -170,13 +180,33 @@ def _check_tables(op: str, tables: object) -> tuple[torch.device, int]:
             dev, num_slots = t.device, int(t.shape[0])
         elif t.shape[0] != num_slots:
             raise ValueError(f"kv-canary: {op} {name} has {t.shape[0]} slots, canary_bufs[0] has {num_slots}")
-        size = ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * t.element_size() if t.numel() else 0
-        spans.append((t.data_ptr(), t.data_ptr() + size, i))
-    spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-        if start < end:
-            raise ValueError(f"kv-canary: {op} canary_bufs[{min(a, b)}] and canary_bufs[{max(a, b)}] overlap in memory")
+        spans.append(_byte_span(t))
+    for b in range(len(spans)):
+        for a in range(b):
+            if _overlap(spans[a], spans[b]):
+                raise ValueError(f"kv-canary: {op} canary_bufs[{a}] and canary_bufs[{b}] overlap in memory")
     return dev, num_slots
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(first byte, end byte, row stride, row width) of a row-strided 2-D table, in bytes."""
+    es = t.element_size()
+    start = t.data_ptr()
+    end = start + ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * es if t.numel() else start
+    return start, end, t.stride(0) * es, t.shape[1] * es
+
+
+def _overlap(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
+    """Whether two tables may share a byte. Exact for disjoint extents and for column slices of
+    one row-strided allocation (same stride: rows interleave, columns decide); else conservative."""
+    a0, a1, sa, wa = a
+    b0, b1, sb, wb = b
+    if a1 <= b0 or b1 <= a0 or a0 == a1 or b0 == b1:
+        return False
+    if sa != sb or wa > sa or wb > sb:
+        return True
+    lo = (b0 - a0) % sa  # b's columns, relative to a's row start, on a circle of one row
+    return lo < wa or lo + wb > sa
 
 
 def _check_entries(op: str, n: int) -> None:

@@ -100,10 +100,11 @@ def canary_records_from_bytes(data: bytes) -> torch.Tensor:
         raise ValueError(f"kv-canary: {op} needs a whole number of int64 words with a header, got {len(data)} bytes")
     words = np.frombuffer(data, dtype=_LE_INT64)
     magic, version, n, b = (int(v) for v in words[:_HEADER_WORDS])
-    if magic != CANARY_RECORDS_MAGIC or version != CANARY_RECORDS_VERSION or n < 0 or b < 1:
-        # Let the common check word the error (magic first, then version).
-        header = torch.tensor([[magic, version, n, max(b, 1)]], dtype=torch.int64)
-        check_canary_records(op, header, num_records=n, num_buffers=max(b, 1))
+    if magic != CANARY_RECORDS_MAGIC or version != CANARY_RECORDS_VERSION:
+        # The common check words the error (magic first, then version).
+        header = torch.tensor([[magic, version, n, b]], dtype=torch.int64)
+        check_canary_records(op, header, num_records=n, num_buffers=b)
+    if n < 0 or b < 1:
         raise ValueError(f"kv-canary: {op} header has n={n}, tables={b}; need n >= 0 and tables >= 1")
     shape = canary_records_shape(n, b)
     if words.size != shape[0] * shape[1]:

@@ -51,12 +51,22 @@ def entry_count(num_valid: Optional[torch.Tensor], capacity: int) -> int:
     return min(max(int(num_valid[0]), 0), capacity)
 
 
-def _unique_last(dst: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Keep, for each destination, only its last entry (strictly increasing: nothing to drop)."""
-    if dst.numel() < 2 or bool((dst[1:] > dst[:-1]).all()):
-        return (dst, *others)
-    keep = last_occurrence_mask(dst)
-    return (dst[keep], *(o[keep] for o in others))
+def _last_entries(dst: torch.Tensor, num_slots: int) -> Optional[torch.Tensor]:
+    """Bool mask of the entries that are the last to name their destination; None when every
+    entry is (no duplicates). Raises IndexError for a destination outside the tables."""
+    n = dst.numel()
+    if n and int(dst.max()) >= num_slots:
+        raise IndexError(f"kv-canary: destination slot {int(dst.max())} is outside tables of {num_slots} slots")
+    if n < 2 or bool((dst[1:] > dst[:-1]).all()):
+        return None
+    order = torch.arange(n, device=dst.device)
+    if 8 * n >= num_slots:  # dense: one pass over a slot-sized scratch beats a sort
+        winner = torch.full((num_slots,), -1, dtype=torch.int64, device=dst.device)
+        winner.scatter_reduce_(0, dst, order, reduce="amax")
+        keep = winner.index_select(0, dst) == order
+    else:
+        keep = last_occurrence_mask(dst)
+    return None if bool(keep.all()) else keep
 
 
 def _bump(counter: Optional[torch.Tensor], amount: int) -> None:
@@ -80,6 +90,7 @@ def canary_copy_slots_torch_reference(
     raise IndexError (after the kernel counter moved).
     """
     _bump(kernel_run_counter, 1)
+    tables = [record_fields(t, name=f"canary_bufs[{i}]")[:, :_F] for i, t in enumerate(canary_bufs)]
     n = entry_count(num_valid, int(dst_slots.shape[0]))
     src = src_slots[:n].to(torch.int64)
     dst = dst_slots[:n].to(torch.int64)
@@ -87,23 +98,24 @@ def canary_copy_slots_torch_reference(
     if not bool(live.all()):
         src, dst = src[live], dst[live]
     copied = int(dst.numel())
-    dst, src = _unique_last(dst, src)
+    keep = _last_entries(dst, int(tables[0].shape[0]))
+    if keep is not None:
+        src, dst = src[keep], dst[keep]
     if copied:
-        for i, table in enumerate(canary_bufs):
-            fields = record_fields(table, name=f"canary_bufs[{i}]")[:, :_F]
+        for fields in tables:
             fields.index_copy_(0, dst, fields.index_select(0, src))  # gather (a copy), then scatter
     _bump(slot_run_counter, copied)
 
 
 def export_canary_records_torch_reference(
-    *, canary_bufs: Sequence[torch.Tensor], slots: torch.Tensor
+    *, canary_bufs: Sequence[torch.Tensor], slots: torch.Tensor, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """Twin of ``export_canary_records``: int64 [1 + n, 4 * B] on the tables' device (layout:
-    ``ops/copy_format.py``). Reads only."""
+    ``ops/copy_format.py``), written into ``out`` when given. Reads the tables only."""
     tables = [record_fields(t, name=f"canary_bufs[{i}]")[:, :_F] for i, t in enumerate(canary_bufs)]
     n = int(slots.shape[0])
     device = tables[0].device
-    records = torch.empty(canary_records_shape(n, len(tables)), dtype=torch.int64, device=device)
+    records = out if out is not None else torch.empty(canary_records_shape(n, len(tables)), dtype=torch.int64, device=device)
     write_canary_records_header(records, num_records=n, num_buffers=len(tables))
     payload = records[CANARY_RECORDS_HEADER_ROWS:]
     s = slots.to(device=device, dtype=torch.int64)
@@ -138,14 +150,18 @@ def import_canary_records_torch_reference(
     device = tables[0].device
     payload = records[CANARY_RECORDS_HEADER_ROWS:].to(device)
     dst = slots.to(device=device, dtype=torch.int64)
-    rows = torch.arange(dst.numel(), device=device)
     live = dst > TOKEN_TO_KV_SLOT_PADDING
+    rows = None  # None: every payload row, in order
     if not bool(live.all()):
-        dst, rows = dst[live], rows[live]
+        rows = live.nonzero().squeeze(1)
+        dst = dst[rows]
     copied = int(dst.numel())
-    dst, rows = _unique_last(dst, rows)
+    keep = _last_entries(dst, int(tables[0].shape[0]))
+    if keep is not None:
+        rows = (rows if rows is not None else torch.arange(live.numel(), device=device))[keep]
+        dst = dst[keep]
     if copied:
-        picked = payload if rows.numel() == payload.shape[0] else payload.index_select(0, rows)
+        picked = payload if rows is None else payload.index_select(0, rows)
         for b, fields in enumerate(tables):
             fields.index_copy_(0, dst, picked[:, _F * b : _F * (b + 1)])
     _bump(slot_run_counter, copied)

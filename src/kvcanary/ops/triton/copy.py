@@ -227,12 +227,17 @@ def launch_copy_slots(
         )
 
 
-def launch_export_records(*, canary_bufs: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-    """Triton twin of ``export_canary_records_torch_reference`` (arguments already checked)."""
+def launch_export_records(
+    *, canary_bufs: Sequence[torch.Tensor], slots: torch.Tensor, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Triton twin of ``export_canary_records_torch_reference`` (arguments already checked;
+    ``out``, when given, is a contiguous int64 tensor of the export's shape on the device)."""
     fields = [record_fields(t, name=f"canary_bufs[{i}]") for i, t in enumerate(canary_bufs)]
     num_slots = int(fields[0].shape[0])
     n = int(slots.shape[0])
-    records = torch.empty(canary_records_shape(n, len(fields)), dtype=torch.int64, device=slots.device)
+    records = out if out is not None else torch.empty(
+        canary_records_shape(n, len(fields)), dtype=torch.int64, device=slots.device
+    )
     write_canary_records_header(records, num_records=n, num_buffers=len(fields))
     if n == 0:
         return records

@@ -1,0 +1,185 @@
+"""Moving canary records with a KV transfer: export + import (and the on-device slot copy) of
+10 k blocks of 16 slots, beside a plain copy of the KV bytes those blocks carry.
+
+Run alone: ``python bench/copy_records.py [--device cpu|cuda]`` (default: cuda when available).
+Target (issue 9): export + import of the records of 160 k slots at >= 1 GB/s on the CPU.
+Records: one group with a HEAD and two TAIL canary buffers (K, V), 32 bytes per slot each, so
+96 bytes per slot; the KV they accompany: 2 (K, V) x 16 layers x 16 tokens x 1 KiB per block.
+Every rate is the records' bytes (96 B per slot) over the time of the step, counted once.
+On the CPU the KV copy runs over a slice of the blocks (``--kv-blocks``) and is scaled per block.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from kvcanary.ops import (
+    canary_copy_slots_torch_reference,
+    canary_records_from_bytes,
+    canary_records_to_bytes,
+    export_canary_records,
+    export_canary_records_torch_reference,
+    import_canary_records,
+    import_canary_records_torch_reference,
+    launch_canary_copy_slots_kernel,
+)
+
+PAGE = 16
+BLOCKS = 10_000
+TABLES = 3  # HEAD, TAIL_K, TAIL_V
+RECORD_BYTES = 32
+KV_BYTES_PER_BLOCK = 2 * 16 * PAGE * 1024  # K and V x 16 layers x 16 tokens x 1 KiB
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__} (threads {torch.get_num_threads()})"
+
+
+def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up (Triton compile, allocator)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _paged_slots(num_blocks: int, pool_blocks: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Slots of ``num_blocks`` pages in random order from a pool (page 0 holds the padding slot)."""
+    pages = torch.randperm(pool_blocks - 1, generator=gen)[:num_blocks] + 1
+    return (pages[:, None] * PAGE + torch.arange(PAGE)).flatten().to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--blocks", type=int, default=BLOCKS)
+    parser.add_argument("--kv-blocks", type=int, default=None, help="blocks in the KV copy (default: all on cuda, 512 on cpu)")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    blocks = args.blocks
+    kv_blocks = args.kv_blocks or (blocks if device.type == "cuda" else 512)
+    gen = torch.Generator().manual_seed(0)
+
+    pool_blocks = 2 * blocks + 1
+    num_slots = pool_blocks * PAGE
+    tables = tuple(
+        torch.randint(0, 256, (num_slots, RECORD_BYTES), dtype=torch.uint8, generator=gen).to(device) for _ in range(TABLES)
+    )
+    src = _paged_slots(blocks, pool_blocks, gen, device)
+    dst = _paged_slots(blocks, pool_blocks, gen, device)
+    n = src.numel()
+    record_bytes = n * RECORD_BYTES * TABLES
+    counters = torch.zeros(2, dtype=torch.int64, device=device)
+
+    records = export_canary_records(canary_bufs=tables, slots=src)
+    host_records = records.cpu()
+    wire = canary_records_to_bytes(records)
+
+    staging = torch.empty_like(records)  # caller-owned export buffer, reused (no fresh pages)
+
+    def export():
+        export_canary_records(canary_bufs=tables, slots=src, out=staging)
+
+    def export_fresh():
+        export_canary_records(canary_bufs=tables, slots=src)
+
+    def import_():
+        import_canary_records(canary_bufs=tables, slots=dst, records=host_records,
+                              slot_run_counter=counters[0:1], kernel_run_counter=counters[1:2])
+
+    def export_import():
+        exported = export_canary_records(canary_bufs=tables, slots=src, out=staging)
+        import_canary_records(canary_bufs=tables, slots=dst, records=exported.cpu())
+
+    def copy_slots():
+        launch_canary_copy_slots_kernel(canary_bufs=tables, src_slots=src, dst_slots=dst,
+                                        slot_run_counter=counters[0:1], kernel_run_counter=counters[1:2])
+
+    rows = [
+        ("export (launcher, into a reused out)", export),
+        ("export (launcher, fresh result tensor)", export_fresh),
+        ("import from host memory (launcher)", import_),
+        ("export -> host -> import (launcher)", export_import),
+        ("copy_slots on the device (launcher)", copy_slots),
+        ("records -> bytes (wire)", lambda: canary_records_to_bytes(records)),
+        ("bytes -> records (wire)", lambda: canary_records_from_bytes(wire)),
+    ]
+    if device.type == "cuda":
+        from kvcanary.ops.triton.copy import launch_copy_slots, launch_export_records, launch_import_records
+
+        dev_records = records.clone()
+        rows += [
+            ("export (Triton kernels only)", lambda: launch_export_records(canary_bufs=tables, slots=src, out=staging)),
+            ("import from device memory (Triton kernels only)",
+             lambda: launch_import_records(canary_bufs=tables, slots=dst, records=dev_records)),
+            ("copy_slots (Triton kernels only)", lambda: launch_copy_slots(canary_bufs=tables, src_slots=src, dst_slots=dst)),
+        ]
+    else:
+        rows += [
+            ("export (torch twin)", lambda: export_canary_records_torch_reference(canary_bufs=tables, slots=src, out=staging)),
+            ("import (torch twin)", lambda: import_canary_records_torch_reference(canary_bufs=tables, slots=dst, records=host_records)),
+            ("copy_slots (torch twin)", lambda: canary_copy_slots_torch_reference(canary_bufs=tables, src_slots=src, dst_slots=dst)),
+        ]
+
+    kv_src = torch.empty(kv_blocks * KV_BYTES_PER_BLOCK, dtype=torch.uint8, device=device).fill_(7)
+    kv_dst = torch.empty_like(kv_src)
+
+    now = datetime.datetime.now().strftime("%Y-%m-%d")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"# bench/copy_records.py on {device.type}: {_machine(device)}; {now}; median of {args.repeats} runs after a warm-up")
+    print(f"# load average before the run: {load}")
+    print(f"# {blocks} blocks x {PAGE} slots = {n} slots, {TABLES} tables x {RECORD_BYTES} B = {record_bytes / 1e6:.2f} MB of "
+          f"records; pool of {num_slots} slots, pages in random order")
+    print(f"{'measurement':<50} {'time':>10} {'records':>11} {'per block':>10}")
+    results = {}
+    for name, fn in rows:
+        t = _median_seconds(fn, device, args.repeats)
+        results[name] = t
+        print(f"{name:<50} {t * 1e3:8.2f} ms {record_bytes / t / 1e9:7.2f} GB/s {t / blocks * 1e9:7.0f} ns")
+
+    t_kv = _median_seconds(lambda: kv_dst.copy_(kv_src), device, max(3, args.repeats // 3))
+    kv_per_block = t_kv / kv_blocks
+    print(f"{'plain KV copy (' + str(kv_blocks) + ' blocks x 512 KiB)':<50} {t_kv * 1e3:8.2f} ms "
+          f"{kv_blocks * KV_BYTES_PER_BLOCK / t_kv / 1e9:7.2f} GB/s {kv_per_block * 1e9:7.0f} ns   (KV bytes)")
+
+    both = results["export (launcher, into a reused out)"] + results["import from host memory (launcher)"]
+    rate = record_bytes / both / 1e9
+    print()
+    print(f"export + import of {n} slots' records: {both * 1e3:.2f} ms, {rate:.2f} GB/s of records "
+          f"(target >= 1 GB/s on the CPU: {'met' if rate >= 1.0 else 'NOT met'})")
+    print(f"records vs the KV they accompany: {both / blocks * 1e9:.0f} ns vs {kv_per_block * 1e9:.0f} ns per block "
+          f"= {100 * both / (kv_per_block * blocks):.2f} % of a plain copy of the KV bytes "
+          f"({TABLES * RECORD_BYTES * PAGE} B of records per {KV_BYTES_PER_BLOCK // 1024} KiB block)")
+
+
+if __name__ == "__main__":
+    main()
