@@ -153,6 +153,7 @@ class Canary:
             watch=(self.launch_counters.table, self.launches.plans_disabled),
         )
         self._plans_disabled_seen = [0] * len(self.groups)
+        self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
         self.sweeper = Sweeper(
             self.groups, config=config, rings=self.rings, counters=self.launch_counters, step=self.launches.step,
         )
@@ -384,8 +385,27 @@ class Canary:
         self._plans_disabled_seen = list(disabled)
 
     def _report(self, harvest: Harvest) -> None:
-        violations = self.attributor.attribute(harvest.rows)
-        self.ledger.record(counts=harvest.counts, dropped=harvest.dropped, violations=violations)
+        rows, counts = self._drop_stale_sweep_rows(harvest)
+        violations = self.attributor.attribute(rows)
+        self.ledger.record(counts=counts, dropped=harvest.dropped, violations=violations)
+
+    def _drop_stale_sweep_rows(self, harvest: Harvest):
+        """A rotating pass sweeps the slots live at its start; a slot freed since may have been scribbled
+        on by the engine (free memory is the engine's to use). Rows of slots that are no longer live are
+        discarded (counted in ``sweep_stale``); rows of live slots stand. Runs only when rows exist."""
+        sweep_rows = [r for r in harvest.rows if r.tag.phase == "sweep"]
+        if not sweep_rows or self._live_slots is None:
+            return harvest.rows, harvest.counts
+        live = {name: set(t.flatten().tolist()) for name, t in self._resolve_live(None).items()}
+        stale = [r for r in sweep_rows if r.slot not in live.get(r.tag.group, ())]
+        if not stale:
+            return harvest.rows, harvest.counts
+        self.sweep_stale += len(stale)
+        counts = dict(harvest.counts)
+        for r in stale:
+            counts[r.tag] -= 1
+        gone = {id(r) for r in stale}
+        return [r for r in harvest.rows if id(r) not in gone], {t: n for t, n in counts.items() if n}
 
     def _flush(self) -> None:
         for harvest in self.drain.flush():
