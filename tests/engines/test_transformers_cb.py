@@ -208,14 +208,13 @@ def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind
         assert any(p > 0 and e >= SLIDING_WINDOW for fwd in probe.rows for _, p, e in fwd), "no chunk >= window"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runtime: the rotating sweep verifies the live set taken at the start of its pass; transformers gives a "
-    "sector freed by one allocator to the other during the pass, so its slots are rewritten by the other "
-    "group's layers and fail verify_real_kv_hash (false positives; seen with kvcanary 081136b)"))
 def test_rotating_sweep_with_a_shared_sector_pool(qwen3):
+    """transformers hands a sector freed by one allocator to the other during a sweep pass: the slots it
+    rewrites left the live set, so their sweep rows are discarded (counted), never reported."""
     with attach(qwen3, mode="log", sweep_interval=4) as handle:
         generate(qwen3, workload(seed=1))
     assert handle.violations() == []
+    assert sum(s.sweep_stale for s in handle.stats()) > 0
 
 
 def test_graph_driver_on_eager_forwards(llama, monkeypatch):

@@ -421,7 +421,7 @@ class Canary:
             forwards=self._step, counters=self.launch_counters, ledger=self.ledger, sweeper=self.sweeper,
             capacity_growths=self.static.growths + self.launches.plan_growths, write_assert_skipped=self.launches.write_assert_skipped,
             plans_disabled=int(self.launches.plans_disabled.sum().item()),
-            memory_bytes=self.memory_bytes(), health=self.health,
+            memory_bytes=self.memory_bytes(), health=self.health, sweep_stale=self.sweep_stale,
         )
 
     def _raise_if_needed(self, step: int) -> None:

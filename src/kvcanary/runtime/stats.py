@@ -19,7 +19,8 @@ class CanaryStats:
     live, verified and unrecorded slots (else the last rotating pass's). sweep_passes: rotating passes completed (live / verified slots of
     the last pass per group in ``last_pass``). capacity_growths: static buffers grown for batches beyond
     the configured limits. plans_disabled: verify plans that exceeded their capacity (those verifies did not
-    run). write_assert_skipped: forwards whose write-input assert had no oracle."""
+    run). sweep_stale: sweep rows discarded because their slot left the live set during the pass.
+    write_assert_skipped: forwards whose write-input assert had no oracle."""
 
     forwards: int
     slots_verified: dict[str, int]
@@ -36,13 +37,15 @@ class CanaryStats:
     last_pass: dict[str, dict[str, int]] = field(default_factory=dict)
     capacity_growths: int = 0
     plans_disabled: int = 0
+    sweep_stale: int = 0
     write_assert_skipped: int = 0
     health_stalls: int = 0
     memory_bytes: int = 0
 
     @classmethod
     def gather(cls, *, forwards, counters: LaunchCounters, ledger, sweeper, capacity_growths: int,
-               write_assert_skipped: int, plans_disabled: int, memory_bytes: int, health=None) -> "CanaryStats":
+               write_assert_skipped: int, plans_disabled: int, memory_bytes: int, health=None,
+               sweep_stale: int = 0) -> "CanaryStats":
         snap = counters.snapshot()
         last = sweeper.last
         passes = sweeper.pass_report() if sweeper.passes else {}
@@ -68,6 +71,7 @@ class CanaryStats:
             last_sweep_unrecorded=dict(last.unrecorded) if last else {},
             capacity_growths=capacity_growths,
             plans_disabled=plans_disabled,
+            sweep_stale=sweep_stale,
             write_assert_skipped=write_assert_skipped,
             health_stalls=health.stalls if health is not None else 0,
             memory_bytes=memory_bytes,
