@@ -579,7 +579,10 @@ def test_gpu_triton_matches_twin(seed):
     assert torch.equal(ra, rb)
     ia, ib = [t.clone() for t in tables], [t.clone() for t in tables]
     import_canary_records_torch_reference(canary_bufs=tuple(ia), slots=dst, records=ra)
-    triton_copy.launch_import_records(canary_bufs=tuple(ib), slots=dst, records=ra.cpu())
+    triton_copy.launch_import_records(canary_bufs=tuple(ib), slots=dst, records=ra)
+    ic = [t.clone() for t in tables]
+    import_canary_records(canary_bufs=tuple(ic), slots=dst, records=ra.cpu())  # from host memory
+    assert all(torch.equal(x, y) for x, y in zip(ia, ic))
     assert all(torch.equal(x, y) for x, y in zip(ia, ib))
 
 

@@ -11,25 +11,29 @@ Contract (the twins in ``ops/reference/copy.py`` implement exactly this; the Tri
 
 * **Record tables.** ``canary_bufs`` is a tuple of one group's tables: canary buffers (uint8
   ``[num_slots, stride_bytes]``, SPEC §3.3) and, if the caller likes, any other slot-indexed
-  int64 ``[num_slots, >= 4]`` table (e.g. runtime slot records kept as one table). Only the first
-  four int64 words (32 bytes) of a row are read or written; bytes past them are never touched.
-  All tables of a launch have the same ``num_slots``, live on one device and do not overlap.
+  int64 ``[num_slots, >= 4]`` table (e.g. runtime slot records kept as one table; words that
+  name slots, such as a predecessor slot, move unchanged: remapping them is the caller's job).
+  Only the first four int64 words (32 bytes) of a row are read or written; bytes past them are
+  never touched. All tables of a launch have the same ``num_slots``, live on one device and do
+  not overlap (column slices of one row-strided allocation are fine).
 * **Padding.** An entry whose slot (either slot, for a copy) is ``<= 0`` is skipped: neither read,
   written nor counted. Slot 0 is the padding slot (``TOKEN_TO_KV_SLOT_PADDING``) and is never
-  written; an export row for a padding slot is all zeros.
+  written. An export row for a padding slot is all zeros; the import judges padding by its own
+  ``slots`` only, so a live receiver slot takes the row as sent (zeros included).
 * **Aliasing.** Gather all, then scatter: every source row is read as it stood before the launch,
   so in one launch ``a -> b, b -> c`` moves a's record to b and b's *old* record to c, and
   ``a -> b, b -> a`` swaps.
 * **Duplicate destinations.** The last entry naming a destination wins (also on the GPU).
 * **Out of range.** A slot ``>= num_slots`` among the entries read raises
   ``ValueError("kv-canary: {op} {name}[{i}]={slot} is out of range for tables of {num_slots} slots")``
-  from the public launcher before anything changes (a host read of the slot lists; skipped while
-  the current CUDA stream is capturing a graph, where the kernels treat such entries as padding).
-  The twins may raise IndexError instead.
+  from the public launcher before anything changes (a host read of the slot lists, which on CUDA
+  waits for the stream; skipped while the current stream is capturing a graph, where the kernels
+  treat such entries as padding and never store out of bounds). The twins may raise IndexError.
 * **Counts on the device.** ``num_valid`` (int32 [1], optional) caps the entries read at
   ``clamp(num_valid[0], 0, len)`` (CUDA-graph padding); entries past it are never read. Optional
-  counters (int64 [1]): ``kernel_run_counter += 1`` first, ``slot_run_counter +=`` the entries
-  copied (live entries, a destination named twice counted twice), at the end.
+  counters (int64 [1], may be views of larger arrays): ``kernel_run_counter += 1`` first,
+  ``slot_run_counter +=`` the entries copied (live entries; a destination named twice counts
+  twice). The import takes the same counters.
 * **Capture.** The copy and the export run inside CUDA-graph capture (no host reads on the Triton
   path; the export's result is allocated from the capture's pool). The import reads the records'
   header on the host, so it is not capturable.

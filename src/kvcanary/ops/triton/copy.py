@@ -10,6 +10,7 @@ barriers the contract needs:
 3. ``_gather_kernel``: every live entry's source rows -> a scratch table (or the export);
 4. ``_scatter_kernel``: winners store their scratch (or imported) row into the destination.
 
+The copy runs 1-4, the import 1, 2 and 4 (reading the records), the export 3 alone.
 Sources are all read (3) before any destination is stored (4), so an entry whose source is
 another entry's destination sees the state before the launch. ``winner`` is an int32
 [num_slots] scratch; only the cells of live destinations are ever read, so it is never cleared.
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcanary.ops.constants import CANARY_FIELDS_PER_SLOT
+from kvcanary.ops.constants import CANARY_FIELDS_PER_SLOT, TOKEN_TO_KV_SLOT_PADDING
 from kvcanary.ops.copy_format import CANARY_RECORDS_HEADER_ROWS, canary_records_shape, write_canary_records_header
 from kvcanary.ops.reference.copy import record_fields
 
@@ -35,6 +36,10 @@ BLOCK = 512
 """Entries per program (large blocks keep the CPU interpreter quick; 32-byte rows per entry)."""
 TABLES_PER_LAUNCH = 4
 _F = CANARY_FIELDS_PER_SLOT
+FIELDS = tl.constexpr(CANARY_FIELDS_PER_SLOT)
+"""int64 words of a record, as the kernels see it."""
+PADDING = tl.constexpr(TOKEN_TO_KV_SLOT_PADDING)
+"""Slots at or below this are padding entries (skipped)."""
 
 
 @triton.jit
@@ -52,10 +57,10 @@ def _live_entries(src_ptr, dst_ptr, num_valid_ptr, idx, capacity, num_slots,
     """(live, dst) of entries idx: live = read (idx < n) and both slots in [1, num_slots)."""
     inside = idx < _entry_count(num_valid_ptr, capacity, HAS_NUM_VALID)
     dst = tl.load(dst_ptr + idx, mask=inside, other=0).to(tl.int64)
-    live = inside & (dst > 0) & (dst < num_slots)
+    live = inside & (dst > PADDING) & (dst < num_slots)
     if HAS_SRC:
         src = tl.load(src_ptr + idx, mask=inside, other=0).to(tl.int64)
-        live = live & (src > 0) & (src < num_slots)
+        live = live & (src > PADDING) & (src < num_slots)
     return live, dst
 
 
@@ -93,7 +98,7 @@ def _elect_kernel(src_ptr, dst_ptr, num_valid_ptr, winner_ptr, capacity, num_slo
 @triton.jit
 def _gather_one(fields_ptr, words, slot, live, out_rows, out_mask):
     """out_rows[:, 0:4] = fields[slot, 0:4] where live, 0 elsewhere."""
-    cols = tl.arange(0, 4)
+    cols = tl.arange(0, FIELDS)
     rec = tl.load(fields_ptr + slot[:, None] * words + cols[None, :], mask=live[:, None], other=0)
     tl.store(out_rows + cols[None, :], rec, mask=out_mask[:, None])
 
@@ -109,21 +114,22 @@ def _gather_kernel(
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = idx < _entry_count(num_valid_ptr, capacity, HAS_NUM_VALID)
     slot = tl.load(slot_ptr + idx, mask=inside, other=0).to(tl.int64)
-    live = inside & (slot > 0) & (slot < num_slots)
+    live = inside & (slot > PADDING) & (slot < num_slots)
     rows = out_ptr + idx.to(tl.int64)[:, None] * out_words
     m = idx < capacity
     _gather_one(b0, w0, slot, live, rows, m)
     if NBUF > 1:
-        _gather_one(b1, w1, slot, live, rows + 4, m)
+        _gather_one(b1, w1, slot, live, rows + FIELDS, m)
     if NBUF > 2:
-        _gather_one(b2, w2, slot, live, rows + 8, m)
+        _gather_one(b2, w2, slot, live, rows + 2 * FIELDS, m)
     if NBUF > 3:
-        _gather_one(b3, w3, slot, live, rows + 12, m)
+        _gather_one(b3, w3, slot, live, rows + 3 * FIELDS, m)
 
 
 @triton.jit
 def _scatter_one(fields_ptr, words, dst, win, in_rows):
-    cols = tl.arange(0, 4)
+    """fields[dst, 0:4] = in_rows[:, 0:4] where win."""
+    cols = tl.arange(0, FIELDS)
     rec = tl.load(in_rows + cols[None, :], mask=win[:, None], other=0)
     tl.store(fields_ptr + dst[:, None] * words + cols[None, :], rec, mask=win[:, None])
 
@@ -141,11 +147,11 @@ def _scatter_kernel(
     rows = in_ptr + idx.to(tl.int64)[:, None] * in_words
     _scatter_one(b0, w0, dst, win, rows)
     if NBUF > 1:
-        _scatter_one(b1, w1, dst, win, rows + 4)
+        _scatter_one(b1, w1, dst, win, rows + FIELDS)
     if NBUF > 2:
-        _scatter_one(b2, w2, dst, win, rows + 8)
+        _scatter_one(b2, w2, dst, win, rows + 2 * FIELDS)
     if NBUF > 3:
-        _scatter_one(b3, w3, dst, win, rows + 12)
+        _scatter_one(b3, w3, dst, win, rows + 3 * FIELDS)
 
 
 # ----------------------------------------------------------------------------- host side
