@@ -145,7 +145,7 @@ def bench_plan(bs: int = 64, prefix: int = 4096) -> float:
 
 def main() -> None:
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__} "
-          f"(threads {torch.get_num_threads()}), numba scan: {chain_scan._compiled_scan() is not None}")
+          f"(threads {torch.get_num_threads()}), numba scan: {chain_scan.compiled_scan() is not None}")
     # Last column: SGLang's per-element torch reference on this machine kind, as quoted in SPEC §7
     # (verify 46 k/s NONE, 28 k/s PARTIAL 2 sources; write 62 k tokens/s; plan 218 k entries/s).
     rows = [

@@ -17,17 +17,17 @@ def _expected(start, lengths, tokens, positions):
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_scan_matches_definition(monkeypatch, compiled):
+def test_scan_matches_definition(compiled):
     if compiled:
         pytest.importorskip("numba")
-    monkeypatch.setattr(chain_scan, "USE_COMPILED", compiled)
+        assert chain_scan.compiled_scan() is not None
     gen = torch.Generator().manual_seed(7)
     lengths = torch.tensor([0, 1, 5, 0, 17, 3])
     n = int(lengths.sum())
     start = torch.randint(-(2**63), 2**63 - 1, (6,), generator=gen)
     tokens = torch.randint(-(2**40), 2**40, (n,), generator=gen)
     positions = torch.randint(-5, 1 << 20, (n,), generator=gen)
-    got = chain_scan.chain_scan(start, lengths, tokens, positions)
+    got = chain_scan.chain_scan(start, lengths, tokens, positions, compiled=compiled)
     assert got.tolist() == _expected(start.tolist(), lengths.tolist(), tokens.tolist(), positions.tolist())
 
 

@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from kvcanary.ops import (
     scatter_req_token_ids_torch_reference,
 )
 from kvcanary.ops.reference import chain_scan
+from kvcanary.ops.reference import write as reference_write
 
 from . import oracle
 from .oracle import H0, mix3, s64
@@ -167,12 +170,9 @@ def test_write_matches_oracle(data, make_context, make_source):
         expected_input_positions=torch.tensor(exp_pos, dtype=dtype) if input_assert else None,
     )
     op = launch_canary_write_kernel if use_launcher else launch_canary_write_kernel_torch_reference
-    old = chain_scan.USE_COMPILED
-    chain_scan.USE_COMPILED = not python_scan
-    try:
+    scan = functools.partial(chain_scan.chain_scan, compiled=not python_scan)
+    with mock.patch.object(reference_write, "chain_scan", scan):
         op(context=ctx, plan=plan, enable_write_input_assert=input_assert, **tensors)
-    finally:
-        chain_scan.USE_COMPILED = old
     oracle.assert_context_matches(ctx, want, buf_before)
     assert all(torch.equal(src.tensor.contiguous().view(torch.uint8), b)  # bytes: NaN patterns != themselves
                for src, b in zip(ctx.real_kv_sources, sources_before))

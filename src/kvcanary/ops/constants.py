@@ -30,6 +30,14 @@ VIOLATION_FIELD_FAIL_REASON_BITS = 7
 MAX_REAL_KV_SOURCES = 4
 PARTIAL_REAL_KV_READ_BYTES = 16
 
+STAMP_FIELDS = 3
+"""A violation row's stamp (``launch_stamp_violation_rows``): int64 [cap, 3] beside the ring."""
+STAMP_FIELD_STEP = 0
+STAMP_FIELD_BATCH_ROW = 1
+STAMP_FIELD_EXPECTED_POSITION = 2
+STAMP_UNKNOWN = -1
+"""Batch row / expected position of a stamp that could not be attributed."""
+
 
 class FailReason(enum.IntFlag):
     """Bits of a violation row's FAIL_REASON_BITS field."""
@@ -45,6 +53,10 @@ class FailReason(enum.IntFlag):
     def label(self) -> str:
         """Report label: e.g. ``verify_real_kv_hash``; several bits join with ``+``."""
         return reason_label(int(self))
+
+
+WRITE_FAIL_REASONS = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
+"""A ring row is a write row iff its FAIL_REASON_BITS field has one of these bits."""
 
 
 def reason_label(bits: int) -> str:

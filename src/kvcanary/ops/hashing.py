@@ -11,8 +11,11 @@ import torch
 from kvcanary.ops.constants import CANARY_CHAIN_ANCHOR
 
 MASK64 = (1 << 64) - 1
-_GAMMA_1 = 0xBF58476D1CE4E5B9
-_GAMMA_2 = 0x94D049BB133111EB
+SPLITMIX64_GAMMA_1 = 0xBF58476D1CE4E5B9
+SPLITMIX64_GAMMA_2 = 0x94D049BB133111EB
+SPLITMIX64_SHIFTS = (30, 27, 31)
+"""The finaliser's multipliers and xor-shift distances (SPEC §3.2): the one definition that the
+tensor code here, the numba scan and the Triton kernels all use."""
 
 
 def to_signed64(x: int) -> int:
@@ -23,10 +26,11 @@ def to_signed64(x: int) -> int:
 
 def splitmix64(x: int) -> int:
     """splitmix64 finaliser of ``x`` (any sign, reduced mod 2^64); returns ``[0, 2^64)``."""
+    s1, s2, s3 = SPLITMIX64_SHIFTS
     x &= MASK64
-    x = ((x ^ (x >> 30)) * _GAMMA_1) & MASK64
-    x = ((x ^ (x >> 27)) * _GAMMA_2) & MASK64
-    return x ^ (x >> 31)
+    x = ((x ^ (x >> s1)) * SPLITMIX64_GAMMA_1) & MASK64
+    x = ((x ^ (x >> s2)) * SPLITMIX64_GAMMA_2) & MASK64
+    return x ^ (x >> s3)
 
 
 def splitmix64_mix3(a: int, b: int, c: int) -> int:
@@ -39,8 +43,8 @@ def splitmix64_mix3(a: int, b: int, c: int) -> int:
 CHAIN_HEAD_HASH = splitmix64(CANARY_CHAIN_ANCHOR)
 """H0: the prev_hash stored in a sequence's first slot (0xDE7FAE23A9A1B716)."""
 
-_S_GAMMA_1 = to_signed64(_GAMMA_1)
-_S_GAMMA_2 = to_signed64(_GAMMA_2)
+_S_GAMMA_1 = to_signed64(SPLITMIX64_GAMMA_1)
+_S_GAMMA_2 = to_signed64(SPLITMIX64_GAMMA_2)
 
 
 def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -57,12 +61,13 @@ def _xor_lsr_(x: torch.Tensor, k: int, tmp: torch.Tensor) -> None:
 
 def _splitmix64_inplace(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 of an int64 tensor the caller owns, computed in place; returns it."""
+    s1, s2, s3 = SPLITMIX64_SHIFTS
     tmp = torch.empty_like(x)
-    _xor_lsr_(x, 30, tmp)
+    _xor_lsr_(x, s1, tmp)
     x.mul_(_S_GAMMA_1)
-    _xor_lsr_(x, 27, tmp)
+    _xor_lsr_(x, s2, tmp)
     x.mul_(_S_GAMMA_2)
-    _xor_lsr_(x, 31, tmp)
+    _xor_lsr_(x, s3, tmp)
     return x
 
 

@@ -2,31 +2,42 @@
 
 ``running[i]`` for the k-th entry of request r is ``mix3`` folded over that request's earlier
 entries, starting from ``start[r]``. Serial by nature (each step needs the previous hash);
-numba compiles the loop when installed, otherwise a pure-Python loop gives the same bits.
+numba compiles the loop when installed and asked for, otherwise a pure-Python loop gives the
+same bits.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
 
-from kvcanary.ops.hashing import MASK64, splitmix64_mix3, to_signed64
+from kvcanary.ops.hashing import (
+    MASK64,
+    SPLITMIX64_GAMMA_1,
+    SPLITMIX64_GAMMA_2,
+    SPLITMIX64_SHIFTS,
+    splitmix64_mix3,
+    to_signed64,
+)
 
-_compiled = None
-USE_COMPILED = True
-"""Set False (tests) to force the pure-Python loop."""
 
-
-def _build_compiled():
+@functools.lru_cache(maxsize=None)
+def compiled_scan():
+    """The numba-compiled scan, or None when numba is not installed (built once per process)."""
     try:
         import numba
     except ImportError:
         return None
 
+    g1, g2 = np.uint64(SPLITMIX64_GAMMA_1), np.uint64(SPLITMIX64_GAMMA_2)
+    s1, s2, s3 = (np.uint64(s) for s in SPLITMIX64_SHIFTS)
+
     @numba.njit(cache=True, nogil=True)
     def _mix(x):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        x = (x ^ (x >> s1)) * g1
+        x = (x ^ (x >> s2)) * g2
+        return x ^ (x >> s3)
 
     @numba.njit(cache=True, nogil=True)
     def _scan(start, lengths, tokens, positions, out):
@@ -41,13 +52,6 @@ def _build_compiled():
     return _scan
 
 
-def _compiled_scan():
-    global _compiled
-    if _compiled is None:
-        _compiled = _build_compiled() or False
-    return _compiled or None
-
-
 def _python_scan(start: list, lengths: list, tokens: list, positions: list) -> list:
     out = []
     i = 0
@@ -60,17 +64,20 @@ def _python_scan(start: list, lengths: list, tokens: list, positions: list) -> l
     return out
 
 
-def chain_scan(start: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def chain_scan(
+    start: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, compiled: bool = True
+) -> torch.Tensor:
     """Running hash before each entry: int64 [sum(lengths)] on ``tokens.device``.
 
     start: int64 [R] hash each request starts from; lengths: int64 [R] entries per request;
-    tokens, positions: int64 [sum(lengths)], request by request.
+    tokens, positions: int64 [sum(lengths)], request by request. ``compiled=False`` forces the
+    pure-Python loop (same bits; tests compare the two).
     """
     device = tokens.device
     n = int(tokens.shape[0])
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
-    scan = _compiled_scan() if USE_COMPILED else None
+    scan = compiled_scan() if compiled else None
     if scan is not None:
         as_u64 = lambda t: t.detach().to("cpu", torch.int64).contiguous().numpy().view(np.uint64)  # noqa: E731
         out = np.empty(n, dtype=np.uint64)

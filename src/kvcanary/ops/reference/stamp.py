@@ -1,7 +1,7 @@
-"""Torch twin of the stamp op: say which step, batch row and expected position each new ring row has.
+"""Torch twin of the stamp op: which step, batch row and expected position each new ring row has.
 
-Contract: `kvcanary.ops.stamp.launch_stamp_violation_rows`. Loops over violation *rows* (rare), each
-search vectorised over the plan's entries.
+A Python loop over the violation rows the step appended (rare), each vectorised over the plan's
+entries; the twin reads the two ring counts on the host. Contract: ``kvcanary.ops.stamp``.
 """
 from __future__ import annotations
 
@@ -11,22 +11,88 @@ import torch
 
 from kvcanary.ops.constants import (
     REQ_POOL_IDX_PADDING,
+    STAMP_UNKNOWN,
     VIOLATION_FIELD_EXPECTED_TOKEN,
     VIOLATION_FIELD_FAIL_REASON_BITS,
     VIOLATION_FIELD_POSITION,
     VIOLATION_FIELD_SLOT_IDX,
+    WRITE_FAIL_REASONS,
     FailReason,
 )
 from kvcanary.ops.records import VerifyPlan, WritePlan
 
-_WRITE_BITS = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
-_POSITION_BIT = int(FailReason.VERIFY_POSITION_MISMATCH)
+
+def _first(mask: torch.Tensor) -> int:
+    """Index of the first True in a 1-D bool tensor, or -1."""
+    hit = mask.nonzero()
+    return int(hit[0, 0]) if hit.numel() else -1
 
 
-def _first(mask: torch.Tensor, after: int) -> int:
-    """Index of the first True at or past ``after + 1``, else -1."""
-    hits = torch.nonzero(mask[after + 1 :]).flatten()
-    return int(hits[0]) + after + 1 if hits.numel() else -1
+def _pick_entry(cursor: int, *candidates: torch.Tensor) -> int:
+    """The first entry after ``cursor`` matching the first candidate mask that has one, trying
+    each mask in order; then the same from entry 0. -1 when no mask matches anywhere."""
+    n = candidates[0].shape[0]
+    later = torch.arange(n, device=candidates[0].device) > cursor
+    for mask in candidates:
+        i = _first(mask & later)
+        if i >= 0:
+            return i
+    for mask in candidates:
+        i = _first(mask)
+        if i >= 0:
+            return i
+    return -1
+
+
+class _VerifySide:
+    """Verify entries of the step and the batch row each belongs to."""
+
+    def __init__(self, plan: VerifyPlan, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, window: int):
+        capacity = int(plan.verify_slot_indices.shape[0])
+        n = min(max(int(plan.verify_num_valid[0]), 0), capacity) if int(plan.enable[0]) != 0 else 0
+        self.slots = plan.verify_slot_indices[:n].to(torch.int64)
+        self.tokens = plan.verify_expected_tokens[:n].to(torch.int64)
+        self.positions = plan.verify_expected_positions[:n].to(torch.int64)
+        rp = req_pool_indices.to(torch.int64)
+        p = prefix_lens.to(torch.int64)[: rp.shape[0]]
+        lo = torch.clamp(p - window, min=0) if window > 0 else torch.zeros_like(p)
+        count = torch.where(rp != REQ_POOL_IDX_PADDING, torch.clamp(p - lo, min=0), torch.zeros_like(p))
+        self.ends = torch.cumsum(count, 0)
+        self.cursor = -1
+
+    def stamp(self, slot: int, position: int, expected_token: int, bits: int) -> tuple[int, int]:
+        same_slot = self.slots == slot
+        token_fits = (self.tokens == expected_token) if expected_token != -1 else torch.ones_like(same_slot)
+        position_fits = (self.positions != position) == bool(bits & FailReason.VERIFY_POSITION_MISMATCH)
+        i = _pick_entry(self.cursor, same_slot & token_fits & position_fits, same_slot)
+        if i < 0:
+            return STAMP_UNKNOWN, STAMP_UNKNOWN
+        self.cursor = i
+        row = int(torch.searchsorted(self.ends, torch.tensor([i], device=self.ends.device), right=True)[0])
+        batch_row = row if row < self.ends.shape[0] else STAMP_UNKNOWN
+        return batch_row, int(self.positions[i])
+
+
+class _WriteSide:
+    """Write entries of the step and the batch row each belongs to."""
+
+    def __init__(self, plan: WritePlan, out_cache_loc: torch.Tensor, positions: torch.Tensor):
+        seeds = int(plan.write_seed_slot_indices.shape[0])
+        self.a = min(max(int(plan.write_num_valid_reqs[0]), 0), seeds)
+        m = int(plan.write_offsets[self.a])
+        m = min(max(m, 0), int(out_cache_loc.shape[0]), int(positions.shape[0]))
+        self.slots = out_cache_loc[:m].to(torch.int64)
+        self.positions = positions[:m].to(torch.int64)
+        self.offsets = plan.write_offsets[: self.a].to(torch.int64)
+        self.cursor = -1
+
+    def stamp(self, slot: int, position: int) -> tuple[int, int]:
+        i = _pick_entry(self.cursor, (self.slots == slot) & (self.positions == position))
+        if i < 0:
+            return STAMP_UNKNOWN, STAMP_UNKNOWN
+        self.cursor = i
+        rows = (self.offsets <= i).nonzero()
+        return (int(rows[-1, 0]) if rows.numel() else STAMP_UNKNOWN), STAMP_UNKNOWN
 
 
 def stamp_violation_rows_torch_reference(
@@ -44,63 +110,29 @@ def stamp_violation_rows_torch_reference(
     prefix_lens: Optional[torch.Tensor] = None,
     swa_window_size: int = 0,
 ) -> None:
-    """Write ``stamps[j] = (step, batch_row, expected_position)`` for ring rows ``[rows_from, write_index)``."""
+    """Stamp ring rows ``[clamp(rows_from), clamp(write_index))`` with (step, batch row,
+    expected position). Mutates only those rows of ``stamps``."""
     cap = int(violation_ring.shape[0])
     lo = min(max(int(rows_from[0]), 0), cap)
     hi = min(max(int(violation_write_index[0]), 0), cap)
     if hi <= lo:
         return
-    rows = violation_ring[lo:hi].to("cpu").tolist()
+    verify = write = None
+    if verify_plan is not None and req_pool_indices is not None and prefix_lens is not None:
+        verify = _VerifySide(verify_plan, req_pool_indices, prefix_lens, int(swa_window_size))
+    if write_plan is not None and out_cache_loc is not None and positions is not None:
+        write = _WriteSide(write_plan, out_cache_loc, positions)
+    rows = violation_ring[lo:hi].tolist()
     step_value = int(step[0])
-
-    v_ok = verify_plan is not None and req_pool_indices is not None and prefix_lens is not None
-    if v_ok:
-        n = min(max(int(verify_plan.verify_num_valid[0]), 0), int(verify_plan.verify_slot_indices.shape[0]))
-        if int(verify_plan.enable[0]) == 0:
-            n = 0
-        v_slots = verify_plan.verify_slot_indices[:n].to(torch.int64)
-        v_tok = verify_plan.verify_expected_tokens[:n].to(torch.int64)
-        v_pos = verify_plan.verify_expected_positions[:n].to(torch.int64)
-        rp = req_pool_indices.to(torch.int64)
-        p = prefix_lens.to(torch.int64)
-        w = int(swa_window_size)
-        lo_r = torch.clamp(p - w, min=0) if w > 0 else torch.zeros_like(p)
-        counts = torch.where(rp != REQ_POOL_IDX_PADDING, torch.clamp(p - lo_r, min=0), torch.zeros_like(p))
-        v_ends = torch.cumsum(counts, 0)
-    w_ok = write_plan is not None and out_cache_loc is not None and positions is not None
-    if w_ok:
-        a = min(max(int(write_plan.write_num_valid_reqs[0]), 0), int(write_plan.write_seed_slot_indices.shape[0]))
-        offsets = write_plan.write_offsets[: a + 1].to(torch.int64)
-        m = int(offsets[a]) if a > 0 else 0
-        w_loc = out_cache_loc[:m].to(torch.int64)
-        w_pos = positions[:m].to(torch.int64)
-
     out = []
-    v_cursor = w_cursor = -1
     for row in rows:
         slot, position = row[VIOLATION_FIELD_SLOT_IDX], row[VIOLATION_FIELD_POSITION]
-        entry = batch_row = expected = -1
-        if row[VIOLATION_FIELD_FAIL_REASON_BITS] & _WRITE_BITS:
-            if w_ok and m > 0:
-                match = (w_loc == slot) & (w_pos == position)
-                entry = _first(match, w_cursor)
-                if entry < 0:
-                    entry = _first(match, -1)
-                if entry >= 0:
-                    w_cursor = entry
-                    batch_row = int(torch.searchsorted(offsets[1:a], torch.tensor(entry), right=True))
-        elif v_ok and n > 0:
-            same = v_slots == slot
-            tok = row[VIOLATION_FIELD_EXPECTED_TOKEN]
-            pos_bad = bool(row[VIOLATION_FIELD_FAIL_REASON_BITS] & _POSITION_BIT)
-            fits = same & ((v_tok == tok) | (tok == -1)) & ((v_pos != position) == pos_bad)
-            for mask, after in ((fits, v_cursor), (same, v_cursor), (fits, -1), (same, -1)):
-                entry = _first(mask, after)
-                if entry >= 0:
-                    break
-            if entry >= 0:
-                v_cursor = entry
-                batch_row = int(torch.searchsorted(v_ends, torch.tensor(entry), right=True))
-                expected = int(v_pos[entry])
-        out.append([step_value, batch_row, expected])
-    stamps[lo:hi] = torch.tensor(out, dtype=torch.int64, device=stamps.device)
+        bits = row[VIOLATION_FIELD_FAIL_REASON_BITS]
+        if bits & WRITE_FAIL_REASONS:
+            batch_row, expected = write.stamp(slot, position) if write else (STAMP_UNKNOWN, STAMP_UNKNOWN)
+        elif verify is not None:
+            batch_row, expected = verify.stamp(slot, position, row[VIOLATION_FIELD_EXPECTED_TOKEN], bits)
+        else:
+            batch_row, expected = STAMP_UNKNOWN, STAMP_UNKNOWN
+        out.append((step_value, batch_row, expected))
+    stamps[lo:hi] = torch.tensor(out, dtype=stamps.dtype, device=stamps.device)

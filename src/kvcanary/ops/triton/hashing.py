@@ -1,12 +1,11 @@
-"""Triton device helpers shared by the kernels: splitmix64, mix3, real-KV fingerprints, launch
-helpers (SPEC §3.2, §3.3).
+"""Triton device helpers shared by the kernels: splitmix64, mix3, real-KV fingerprints, and the
+host side of the real-KV sources and lazy checks (SPEC §3.2, §3.3).
 
 Interpreter rules (SPEC §3.9): hash math runs on ``tl.uint64`` values bitcast from int64, never
 mixes signed and unsigned operands, and never applies ``~`` to unsigned values.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ import triton.language as tl
 from kvcanary.ops.constants import PARTIAL_REAL_KV_READ_BYTES, RealKvHashMode
 from kvcanary.ops.hashing import CHAIN_HEAD_HASH, to_signed64
 from kvcanary.ops.records import RealKvSource
+from kvcanary.ops.triton.constants import GAMMA_1, GAMMA_2, SHIFT_1, SHIFT_2, SHIFT_3
 
 H0_SIGNED = to_signed64(CHAIN_HEAD_HASH)
 """The chain head hash H0 as the int64 value kernels receive."""
@@ -24,11 +24,11 @@ H0_SIGNED = to_signed64(CHAIN_HEAD_HASH)
 @triton.jit
 def splitmix64(x):
     """splitmix64 finaliser of a tl.uint64 tensor."""
-    x = x ^ (x >> 30)
-    x = x * 0xBF58476D1CE4E5B9
-    x = x ^ (x >> 27)
-    x = x * 0x94D049BB133111EB
-    return x ^ (x >> 31)
+    x = x ^ (x >> SHIFT_1)
+    x = x * GAMMA_1
+    x = x ^ (x >> SHIFT_2)
+    x = x * GAMMA_2
+    return x ^ (x >> SHIFT_3)
 
 
 @triton.jit
@@ -174,20 +174,3 @@ def static_error(context, *, check_input_assert=None) -> Exception | None:
                     f"{src.num_bytes_per_token} needs {src.slot_layout_bytes}"
                 )
     return None
-
-
-def capturing(device: torch.device) -> bool:
-    """True while the current CUDA stream is being captured into a graph (never on CPU)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of the device (4 under the CPU interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

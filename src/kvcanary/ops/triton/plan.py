@@ -1,4 +1,9 @@
-"""Triton plan (SPEC §3.5): verify entries and write metadata in two or three launches.
+"""Triton plan (SPEC §3.5): verify entries and write metadata in one, two or three launches.
+
+Small batches (at most ``PlanLaunchConfig.small_rows`` rows, no LUT check pending) take one
+launch, ``_small_plan_kernel``: every program computes the row starts itself (exclusive sums
+over at most 64 rows, in registers) and finds an entry's row by comparing it with all starts.
+Larger batches:
 
 1. ``_row_block_sums_kernel`` (only when the batch spans several row blocks): per row block, the
    number of verify entries and of extend tokens.
@@ -16,6 +21,7 @@ stores -1 instead of reading past the LUT.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,13 +29,29 @@ import triton
 import triton.language as tl
 
 from kvcanary.ops.records import VerifyPlan, WritePlan
-from kvcanary.ops.triton.hashing import capturing, num_sms
+from kvcanary.ops.triton.constants import REQ_PADDING
+from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
 
 _ROW_BLOCK = 4096
-_ENTRY_BLOCK = 1024
-_PROGRAMS_PER_SM = 4
 _NO_ERROR = 2**62
 _NO_ERROR_K = tl.constexpr(_NO_ERROR)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanLaunchConfig:
+    """entry_block / programs_per_sm / num_warps: the gather's launch shape; small_rows: largest
+    batch planned in one launch (0: never; at most 64); small_block: entries per step there;
+    pdl: programmatic dependent launch."""
+
+    entry_block: int = 1024
+    programs_per_sm: int = 4
+    num_warps: int = 4
+    small_rows: int = 64
+    small_block: int = 128
+    pdl: bool = True
+
+
+DEFAULT_PLAN_CONFIG = PlanLaunchConfig()
 
 
 @triton.jit
@@ -39,7 +61,7 @@ def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window):
     rp = tl.load(rp_ptr + rows, mask=m, other=0).to(tl.int64)
     p = tl.load(prefix_ptr + rows, mask=m, other=0).to(tl.int64)
     e = tl.load(extend_ptr + rows, mask=m, other=0).to(tl.int64)
-    active = m & (rp != 0)
+    active = m & (rp != REQ_PADDING)
     if window > 0:
         lo = tl.maximum(p - window, 0)
     else:
@@ -50,7 +72,11 @@ def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window):
 
 
 @triton.jit
-def _row_block_sums_kernel(rp_ptr, prefix_ptr, extend_ptr, sums_ptr, bs, window, nblocks, BLOCK: tl.constexpr):
+def _row_block_sums_kernel(
+    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, bs, window, nblocks, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
     nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window)
@@ -61,9 +87,11 @@ def _row_block_sums_kernel(rp_ptr, prefix_ptr, extend_ptr, sums_ptr, bs, window,
 @triton.jit
 def _row_scan_kernel(
     rp_ptr, prefix_ptr, extend_ptr, sums_ptr, starts_ptr, bs, window, nblocks,
-    MULTI: tl.constexpr, BLOCK: tl.constexpr,
+    MULTI: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """starts[0:bs+1] = exclusive sums of verify entries; starts[bs+1:2bs+2] = of write tokens."""
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pid = tl.program_id(0)
     base_v = tl.zeros([], tl.int64)
     base_w = tl.zeros([], tl.int64)
@@ -99,11 +127,9 @@ def _entry_rows(starts_ptr, e, bs, NSTEPS: tl.constexpr):
 
 
 @triton.jit
-def _entry_fields(
-    e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, bs, window, NSTEPS: tl.constexpr,
-):
-    """(row, request row, position, raw slot, raw predecessor or -1) of entries e (mask m)."""
-    row = _entry_rows(starts_ptr, e, bs, NSTEPS)
+def _fields_in_row(e, m, row, row_start, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, window):
+    """(request row, position, raw slot, raw predecessor or -1, has predecessor) of entries e
+    (mask m) of batch rows ``row`` whose first entry is ``row_start``."""
     row = tl.where(m, row, 0)
     rp = tl.load(rp_ptr + row, mask=m, other=0).to(tl.int64)
     p = tl.load(prefix_ptr + row, mask=m, other=0).to(tl.int64)
@@ -111,20 +137,35 @@ def _entry_fields(
         lo = tl.maximum(p - window, 0)
     else:
         lo = p * 0
-    pos = lo + e - tl.load(starts_ptr + row, mask=m, other=0)
+    pos = lo + e - row_start
     line = rtt_ptr + rp * rtt_stride
     slot_raw = tl.load(line + pos, mask=m, other=0).to(tl.int64)
     has_prev = m & (pos > 0)
     prev_raw = tl.load(line + pos - 1, mask=has_prev, other=-1).to(tl.int64)
+    return rp, pos, slot_raw, prev_raw, has_prev
+
+
+@triton.jit
+def _entry_fields(
+    e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, bs, window, NSTEPS: tl.constexpr,
+):
+    """(row, request row, position, raw slot, raw predecessor or -1) of entries e (mask m)."""
+    row = _entry_rows(starts_ptr, e, bs, NSTEPS)
+    row = tl.where(m, row, 0)
+    row_start = tl.load(starts_ptr + row, mask=m, other=0)
+    rp, pos, slot_raw, prev_raw, has_prev = _fields_in_row(
+        e, m, row, row_start, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, window)
     return row, rp, pos, slot_raw, prev_raw, has_prev
 
 
 @triton.jit
 def _lut_check_kernel(
     starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, lut_len, first_bad_ptr, bs, window,
-    NSTEPS: tl.constexpr, BLOCK: tl.constexpr,
+    NSTEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """first_bad = min over offending lookups of (2 * entry + (0 slot | 1 predecessor))."""
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = tl.load(starts_ptr + bs)
@@ -152,6 +193,37 @@ def _translate(raw, lut_ptr, lut_len, HAS_LUT: tl.constexpr):
 
 
 @triton.jit
+def _store_entries(
+    e, m, row, rp, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr, table_stride, valid_ptr, token_offset,
+    v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr,
+):
+    """Write verify entries e (mask m): translated slot and predecessor, position, token."""
+    tl.store(v_slot_ptr + e, _translate(slot_raw, lut_ptr, lut_len, HAS_LUT), mask=m)
+    tl.store(v_prev_ptr + e, _translate(prev_raw, lut_ptr, lut_len, HAS_LUT), mask=m)
+    tl.store(v_pos_ptr + e, pos, mask=m)
+    if HAS_TABLE:
+        col = pos + token_offset
+        valid = tl.load(valid_ptr + row, mask=m, other=0).to(tl.int64)
+        readable = m & (col >= 0) & (col < valid)
+        tok = tl.load(table_ptr + rp * table_stride + col, mask=readable, other=-1).to(tl.int64)
+    else:
+        tok = tl.zeros(e.shape, tl.int64) - 1
+    tl.store(v_tok_ptr + e, tok, mask=m)
+
+
+@triton.jit
+def _store_seeds(i, sm, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, lut_ptr, lut_len, w_seed_ptr,
+                 HAS_LUT: tl.constexpr):
+    """Seeds of batch rows i (mask sm): T(req_to_token[rp, P - 1]) or -1."""
+    rp = tl.load(rp_ptr + i, mask=sm, other=0).to(tl.int64)
+    p = tl.load(prefix_ptr + i, mask=sm, other=0).to(tl.int64)
+    e = tl.load(extend_ptr + i, mask=sm, other=0).to(tl.int64)
+    seeded = sm & (rp != REQ_PADDING) & (e > 0) & (p > 0)
+    raw = tl.load(rtt_ptr + rp * rtt_stride + p - 1, mask=seeded, other=-1).to(tl.int64)
+    tl.store(w_seed_ptr + i, _translate(raw, lut_ptr, lut_len, HAS_LUT), mask=sm)
+
+
+@triton.jit
 def _gather_kernel(
     starts_ptr, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, bs, window,
     lut_ptr, lut_len,
@@ -159,8 +231,10 @@ def _gather_kernel(
     v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
     w_off_ptr, w_seed_ptr, w_num_ptr, w_cap,
     HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr, NSTEPS: tl.constexpr,
-    BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = tl.load(starts_ptr + bs)
@@ -174,13 +248,8 @@ def _gather_kernel(
         i = start + tl.arange(0, ROW_BLOCK)
         off = tl.load(starts_ptr + bs + 1 + i, mask=i <= bs, other=0)
         tl.store(w_off_ptr + i, off, mask=i <= w_cap)
-        sm = (i < bs) & (i < w_cap)
-        rp = tl.load(rp_ptr + i, mask=sm, other=0).to(tl.int64)
-        p = tl.load(prefix_ptr + i, mask=sm, other=0).to(tl.int64)
-        e = tl.load(extend_ptr + i, mask=sm, other=0).to(tl.int64)
-        seeded = sm & (rp != 0) & (e > 0) & (p > 0)
-        raw = tl.load(rtt_ptr + rp * rtt_stride + p - 1, mask=seeded, other=-1).to(tl.int64)
-        tl.store(w_seed_ptr + i, _translate(raw, lut_ptr, lut_len, HAS_LUT), mask=sm)
+        _store_seeds(i, (i < bs) & (i < w_cap), rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride,
+                     lut_ptr, lut_len, w_seed_ptr, HAS_LUT)
     # Verify entries, unless they overflow the capacity.
     n = tl.where(overflow, 0, total)
     for start in range(pid * BLOCK, n, nprog * BLOCK):
@@ -188,17 +257,57 @@ def _gather_kernel(
         m = e < n
         row, rp, pos, slot_raw, prev_raw, _hp = _entry_fields(
             e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, bs, window, NSTEPS)
-        tl.store(v_slot_ptr + e, _translate(slot_raw, lut_ptr, lut_len, HAS_LUT), mask=m)
-        tl.store(v_prev_ptr + e, _translate(prev_raw, lut_ptr, lut_len, HAS_LUT), mask=m)
-        tl.store(v_pos_ptr + e, pos, mask=m)
-        if HAS_TABLE:
-            col = pos + token_offset
-            valid = tl.load(valid_ptr + row, mask=m, other=0).to(tl.int64)
-            readable = m & (col >= 0) & (col < valid)
-            tok = tl.load(table_ptr + rp * table_stride + col, mask=readable, other=-1).to(tl.int64)
-        else:
-            tok = tl.full([BLOCK], -1, tl.int64)
-        tl.store(v_tok_ptr + e, tok, mask=m)
+        _store_entries(e, m, row, rp, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr, table_stride,
+                       valid_ptr, token_offset, v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, HAS_LUT, HAS_TABLE)
+
+
+@triton.jit
+def _small_plan_kernel(
+    rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, bs, window,
+    lut_ptr, lut_len,
+    table_ptr, table_stride, valid_ptr, token_offset,
+    v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
+    w_off_ptr, w_seed_ptr, w_num_ptr, w_cap,
+    HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ZBLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """The whole plan of a batch of at most ROWS rows in one launch (bs <= ROWS)."""
+    pdl_wait(PDL)
+    pdl_release(PDL)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)
+    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window)
+    starts = tl.cumsum(nv, 0) - nv
+    total = tl.sum(nv, 0)
+    overflow = total > v_cap
+    if pid == 0:
+        tl.store(v_num_ptr, tl.where(overflow, v_cap, total).to(tl.int32))
+        tl.store(v_enable_ptr, tl.where(overflow, 0, 1).to(tl.int32))
+        tl.store(w_num_ptr, (total * 0 + bs).to(tl.int32))
+        w_starts = tl.cumsum(nw, 0) - nw
+        tl.store(w_off_ptr + rows, w_starts, mask=(rows < bs) & (rows <= w_cap))
+        tl.store(w_off_ptr + bs + rows * 0, tl.zeros([ROWS], tl.int64) + tl.sum(nw, 0), mask=(rows == 0) & (bs <= w_cap))
+        _store_seeds(rows, (rows < bs) & (rows < w_cap), rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride,
+                     lut_ptr, lut_len, w_seed_ptr, HAS_LUT)
+    for start in range(bs + 1 + pid * ZBLOCK, w_cap + 1, nprog * ZBLOCK):  # offsets past the batch
+        i = start + tl.arange(0, ZBLOCK)
+        tl.store(w_off_ptr + i, tl.zeros([ZBLOCK], tl.int64), mask=i <= w_cap)
+    n = tl.where(overflow, 0, total)
+    # Without overflow every start is at most v_cap < 2**31 (checked by the launcher): int32.
+    starts32 = tl.minimum(starts, v_cap).to(tl.int32)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        e = start + tl.arange(0, BLOCK).to(tl.int64)
+        m = e < n
+        # The entry's row is the last row starting at or before it (zero-entry rows share the
+        # next row's start and rows past the batch start at the total, so they never win).
+        before = starts32[None, :] <= e.to(tl.int32)[:, None]
+        row = tl.sum(before.to(tl.int32), 1) - 1
+        row_start = tl.max(tl.where(before, starts32[None, :], 0), 1).to(tl.int64)
+        rp, pos, slot_raw, prev_raw, _hp = _fields_in_row(
+            e, m, row, row_start, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, window)
+        _store_entries(e, m, row, rp, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr, table_stride,
+                       valid_ptr, token_offset, v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, HAS_LUT, HAS_TABLE)
 
 
 def _nsteps(bs: int) -> int:
@@ -222,6 +331,7 @@ def launch_plan(
     req_to_verify_expected_tokens: Optional[torch.Tensor],
     req_to_verify_expected_tokens_valid_lens: Optional[torch.Tensor],
     kv_token_id_vs_position_offset: int,
+    config: PlanLaunchConfig = DEFAULT_PLAN_CONFIG,
 ) -> None:
     """Triton twin of ``launch_canary_plan_kernels_torch_reference`` (arguments already checked
     by the public launcher). With a LUT and outside graph capture, reads one int64 back to raise
@@ -242,6 +352,31 @@ def launch_plan(
         table = None
     v_cap = int(vp.verify_slot_indices.shape[0])
     w_cap = int(wp.write_seed_slot_indices.shape[0])
+    sms = num_sms(dev)
+    pdl = pdl_enabled(dev, config.pdl)
+    rtt_stride = req_to_token.stride(0)
+    lut_check = lut is not None and bs > 0 and not capturing(dev)
+    outputs = (
+        vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
+        vp.verify_prev_slot_indices, vp.verify_num_valid, vp.enable, v_cap,
+        wp.write_offsets, wp.write_seed_slot_indices, wp.write_num_valid_reqs, w_cap,
+    )
+    lut_args = (lut, lut.shape[0]) if lut is not None else (req_to_token, 0)
+    table_args = (
+        table if table is not None else req_to_token, table.stride(0) if table is not None else 0,
+        valid if valid is not None else req_pool_indices, int(kv_token_id_vs_position_offset),
+    )
+    if 0 < bs <= min(config.small_rows, 64) and not lut_check and v_cap < 2**31:
+        rows = max(16, triton.next_power_of_2(bs))
+        block = config.small_block
+        grid = (max(1, min(triton.cdiv(max(v_cap, w_cap + 1), block), sms * config.programs_per_sm * 4)),)
+        _small_plan_kernel[grid](
+            req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, bs, window,
+            *lut_args, *table_args, *outputs,
+            HAS_LUT=lut is not None, HAS_TABLE=table is not None, ROWS=rows, BLOCK=block, ZBLOCK=1024,
+            PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
+        )
+        return
     nblocks = max(1, triton.cdiv(bs, _ROW_BLOCK))
     starts = torch.empty(2 * bs + 2 + 2 * nblocks, dtype=torch.int64, device=dev)
     sums = starts[2 * bs + 2:]
@@ -251,34 +386,27 @@ def launch_plan(
         if nblocks > 1:
             _row_block_sums_kernel[(nblocks,)](
                 req_pool_indices, prefix_lens, extend_seq_lens, sums, bs, window, nblocks,
-                BLOCK=_ROW_BLOCK, num_warps=8)
+                BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
         _row_scan_kernel[(nblocks,)](
             req_pool_indices, prefix_lens, extend_seq_lens, sums, starts, bs, window, nblocks,
-            MULTI=nblocks > 1, BLOCK=_ROW_BLOCK, num_warps=8)
+            MULTI=nblocks > 1, BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
     nsteps = _nsteps(bs)
-    sms = num_sms(dev)
-    rtt_stride = req_to_token.stride(0)
-    if lut is not None and bs > 0 and not capturing(dev):
+    entry_block = config.entry_block
+    if lut_check:
         first_bad = torch.full((1,), _NO_ERROR, dtype=torch.int64, device=dev)
-        grid = (max(1, min(triton.cdiv(max(v_cap, 1), _ENTRY_BLOCK), sms * _PROGRAMS_PER_SM)),)
+        grid = (max(1, min(triton.cdiv(max(v_cap, 1), entry_block), sms * config.programs_per_sm)),)
         _lut_check_kernel[grid](
             starts, req_pool_indices, prefix_lens, req_to_token, rtt_stride, lut.shape[0], first_bad,
-            bs, window, NSTEPS=nsteps, BLOCK=_ENTRY_BLOCK, num_warps=4)
+            bs, window, NSTEPS=nsteps, BLOCK=entry_block, PDL=pdl, num_warps=4, launch_pdl=pdl)
         key = int(first_bad.item())
         if key != _NO_ERROR:
             _raise_lut_error(key, starts, req_pool_indices, prefix_lens, req_to_token, bs, window, int(lut.shape[0]))
-    dummy = starts
-    grid = (max(1, min(triton.cdiv(max(v_cap, w_cap + 1), _ENTRY_BLOCK), sms * _PROGRAMS_PER_SM)),)
+    grid = (max(1, min(triton.cdiv(max(v_cap, w_cap + 1), entry_block), sms * config.programs_per_sm)),)
     _gather_kernel[grid](
         starts, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, bs, window,
-        lut if lut is not None else dummy, lut.shape[0] if lut is not None else 0,
-        table if table is not None else dummy, table.stride(0) if table is not None else 0,
-        valid if valid is not None else dummy, int(kv_token_id_vs_position_offset),
-        vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
-        vp.verify_prev_slot_indices, vp.verify_num_valid, vp.enable, v_cap,
-        wp.write_offsets, wp.write_seed_slot_indices, wp.write_num_valid_reqs, w_cap,
+        *lut_args, *table_args, *outputs,
         HAS_LUT=lut is not None, HAS_TABLE=table is not None, NSTEPS=nsteps,
-        BLOCK=_ENTRY_BLOCK, ROW_BLOCK=_ENTRY_BLOCK, num_warps=4,
+        BLOCK=entry_block, ROW_BLOCK=entry_block, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )
 
 

@@ -7,24 +7,48 @@ any. Counters are updated on the device by program 0, so the launch never syncs 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from kvcanary.ops.constants import FailReason
 from kvcanary.ops.records import VerifyOrWriteContext, VerifyPlan
 from kvcanary.ops.reference.verify import launch_canary_verify_kernel_torch_reference
-from kvcanary.ops.triton.hashing import (
-    H0_SIGNED, as_i64, capturing, fingerprint, num_sms, slot_hash_of_fields, source_args, static_error,
+from kvcanary.ops.triton.constants import (
+    F_POSITION, F_PREV_HASH, F_REAL_KV, F_TOKEN, SLOT_PADDING, VERIFY_CHAIN, VERIFY_POSITION, VERIFY_REAL_KV,
+    VERIFY_TOKEN,
 )
+from kvcanary.ops.triton.hashing import H0_SIGNED, as_i64, fingerprint, slot_hash_of_fields, source_args, static_error
+from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
+from kvcanary.ops.triton.ring import reserve_rows, store_rows
 
-CONFIG = {"block": 128, "programs_per_sm": 32, "num_warps": 4}
-"""Launch shape: entries per block, resident programs per multiprocessor, warps per program."""
 
-_CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-_POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
-_REAL_KV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
-_TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
+@dataclass(frozen=True, kw_only=True)
+class VerifyLaunchConfig:
+    """Launch shape: entries per block, resident programs per multiprocessor, warps per program;
+    ``pdl``: launch with programmatic dependent launch where the device has it."""
+
+    block: int = 128
+    programs_per_sm: int = 32
+    num_warps: int = 4
+    pdl: bool = True
+
+
+DEFAULT_VERIFY_CONFIG = VerifyLaunchConfig()
+
+
+@triton.jit
+def _pick(c0, c1, c2, c3, K: tl.constexpr):
+    """Column K of a record tile split into its four columns (compile-time choice)."""
+    if K == 0:
+        return c0
+    elif K == 1:
+        return c1
+    elif K == 2:
+        return c2
+    else:
+        return c3
 
 
 @triton.jit
@@ -35,9 +59,10 @@ def _load_record(fields_ptr, slot, mask, stride_words, ALIGNED16: tl.constexpr):
         base = tl.multiple_of(base, 2)
     rec = tl.load(fields_ptr + base[:, None] + tl.arange(0, 4)[None, :], mask=mask[:, None], other=0)
     even, odd = tl.split(tl.reshape(rec, (rec.shape[0], 2, 2)))
-    token, prev_hash = tl.split(even)
-    position, real_kv = tl.split(odd)
-    return token, position, prev_hash, real_kv
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return (_pick(c0, c1, c2, c3, F_TOKEN), _pick(c0, c1, c2, c3, F_POSITION),
+            _pick(c0, c1, c2, c3, F_PREV_HASH), _pick(c0, c1, c2, c3, F_REAL_KV))
 
 
 @triton.jit
@@ -51,28 +76,30 @@ def _verify_kernel(
     capacity, kind, h0,
     s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
     NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-    CHECK_TOKEN: tl.constexpr, ALIGNED16: tl.constexpr, BLOCK: tl.constexpr,
+    CHECK_TOKEN: tl.constexpr, ALIGNED16: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     enable = tl.load(enable_ptr)
     active = tl.minimum(tl.maximum(tl.load(num_valid_ptr).to(tl.int64), 0), capacity)
     if pid == 0:
-        tl.store(kernel_counter_ptr, tl.load(kernel_counter_ptr) + 1)
+        tl.atomic_add(kernel_counter_ptr, 1)
         if enable != 0:
-            tl.store(slot_counter_ptr, tl.load(slot_counter_ptr) + active)
+            tl.atomic_add(slot_counter_ptr, active)
     if enable == 0:
         active = active * 0
     lanes = tl.arange(0, BLOCK)
     for start in range(pid * BLOCK, active, nprog * BLOCK):
         idx = start + lanes
         m = idx < active
-        slot = tl.load(slot_ptr + idx, mask=m, other=0)
-        prev = tl.load(prev_ptr + idx, mask=m, other=0)
+        slot = tl.load(slot_ptr + idx, mask=m, other=SLOT_PADDING)
+        prev = tl.load(prev_ptr + idx, mask=m, other=SLOT_PADDING)
         exp_pos = tl.load(pos_ptr + idx, mask=m, other=0)
-        live = m & (slot != 0)
+        live = m & (slot != SLOT_PADDING)
         token, position, chain, real_kv = _load_record(fields_ptr, slot, live, stride_words, ALIGNED16)
-        reachable = live & (prev != 0)
+        reachable = live & (prev != SLOT_PADDING)
         from_slot = reachable & (prev > 0)
         p_tok, p_pos, p_chain, _unused = _load_record(fields_ptr, prev, from_slot, stride_words, ALIGNED16)
         linked = as_i64(slot_hash_of_fields(p_chain, p_tok, p_pos))
@@ -83,29 +110,22 @@ def _verify_kernel(
             exp_tok = tl.full([BLOCK], -1, tl.int64)
         fp = as_i64(fingerprint(slot, live, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
                                 NSRC, W0, W1, W2, W3))
-        bits = tl.where(reachable & (chain != expected_chain), 1, 0)
-        bits += tl.where((exp_tok != -1) & (token != exp_tok), 32, 0)
-        bits += tl.where(position != exp_pos, 2, 0)
-        bits += tl.where(real_kv != fp, 4, 0)
+        bits = tl.where(reachable & (chain != expected_chain), VERIFY_CHAIN, 0)
+        bits += tl.where((exp_tok != -1) & (token != exp_tok), VERIFY_TOKEN, 0)
+        bits += tl.where(position != exp_pos, VERIFY_POSITION, 0)
+        bits += tl.where(real_kv != fp, VERIFY_REAL_KV, 0)
         bits = tl.where(live, bits, 0)
         bad = bits != 0
-        n_bad = tl.sum(bad.to(tl.int32), 0)
-        if n_bad > 0:
-            base = tl.atomic_add(widx_ptr, n_bad).to(tl.int64)
-            row = base + tl.cumsum(bad.to(tl.int64), 0) - 1
-            keep = bad & (row >= 0) & (row < ring_cap)
-            out = ring_ptr + row * 8
-            tl.store(out + 0, tl.full([BLOCK], 0, tl.int64) + kind, mask=keep)
-            tl.store(out + 1, slot, mask=keep)
-            tl.store(out + 2, position, mask=keep)
-            tl.store(out + 3, token, mask=keep)
-            tl.store(out + 4, exp_tok, mask=keep)
-            tl.store(out + 5, chain, mask=keep)
-            tl.store(out + 6, expected_chain, mask=keep)
-            tl.store(out + 7, bits.to(tl.int64), mask=keep)
+        if tl.sum(bad.to(tl.int32), 0) > 0:
+            row = reserve_rows(widx_ptr, bad.to(tl.int32))
+            store_rows(ring_ptr, ring_cap, row, bad, tl.full([BLOCK], 0, tl.int64) + kind, slot, position, token,
+                       exp_tok, chain, expected_chain, bits.to(tl.int64))
 
 
-def launch_verify(*, context: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expected_token: bool) -> None:
+def launch_verify(
+    *, context: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expected_token: bool,
+    config: VerifyLaunchConfig = DEFAULT_VERIFY_CONFIG,
+) -> None:
     """Triton twin of ``launch_canary_verify_kernel_torch_reference`` (same bytes; rows of
     different blocks may land in another order).
 
@@ -127,8 +147,9 @@ def launch_verify(*, context: VerifyOrWriteContext, plan: VerifyPlan, check_veri
         return
     capacity = plan.verify_slot_indices.shape[0]
     stride_words = buf.shape[1] // 8
-    block, per_sm, warps = CONFIG["block"], CONFIG["programs_per_sm"], CONFIG["num_warps"]
-    grid = (max(1, min(triton.cdiv(capacity, block), num_sms(buf.device) * per_sm)),)
+    block = config.block
+    grid = (max(1, min(triton.cdiv(capacity, block), num_sms(buf.device) * config.programs_per_sm)),)
+    pdl = pdl_enabled(buf.device, config.pdl)
     _verify_kernel[grid](
         buf.view(torch.int64), stride_words,
         plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
@@ -138,5 +159,5 @@ def launch_verify(*, context: VerifyOrWriteContext, plan: VerifyPlan, check_veri
         capacity, int(ctx.kernel_kind), H0_SIGNED,
         *srcs.args, **srcs.consts,
         CHECK_TOKEN=bool(check_verify_expected_token), ALIGNED16=(stride_words % 2 == 0 and buf.data_ptr() % 16 == 0),
-        BLOCK=block, num_warps=warps,
+        BLOCK=block, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )

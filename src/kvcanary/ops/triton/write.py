@@ -5,25 +5,33 @@ The chain recurrence is serial per request; everything else is parallel:
 1. ``_write_prepare_kernel`` (persistent, sized from the device) walks every entry once:
    fingerprints its slot's real KV and stores the REAL_KV field (a slot's fingerprint does not
    depend on which entry stores it, so duplicates store the same bytes), counts the entries, and
-   detects intra-launch aliasing — a slot stored twice, or a seed that some entry of the launch
-   stores — with one epoch-tagged atomic per entry and per seed on a per-device scratch table.
-   The last program to finish publishes "parallel" or "serial" for step 2 and bumps the epoch.
-2. ``_write_chain_kernel``: one single-warp program per request (parallel mode) or program 0
-   for all requests in batch order (serial mode, when aliasing was seen: every store lands
-   before the next request reads its seed, and within a chunk only a slot's last entry stores).
-   Each program walks its request in chunks of 32 entries: the running hash advances one entry
-   per step (the only serial work: its scalar inputs are read two steps ahead from lines that an
-   L1 prefetch asked for two chunks ahead), then the chunk's tiles are re-read (L1 hits) and its
-   token / position / prev_hash fields, the chain-position ``last_pos`` (a scan, only when rows
-   are possible) and its violation rows are done in parallel. No tile is carried across chunks:
-   ptxas sinks such loads past the serial loop and the back-edge copy then waits a full memory
-   round trip per chunk (bench/NOTES.md, run 6).
+   detects intra-launch aliasing — a slot stored twice, a seed that some entry of the launch
+   stores, offsets that go backwards — with one epoch-tagged atomic per entry and per seed on a
+   per-device scratch table. Counts and conflicts are added to scratch words; nothing waits for
+   the other programs (the launch boundary is the barrier).
+2. ``_write_chain_kernel`` reads the conflict words: none -> parallel mode, else serial mode.
+   Parallel: program p owns requests p, p + P, p + 2P, ... (P programs), 32 at a time in lanes.
+   A request of one entry (decode) is done in its lane: seed record, one chain step, store, rows.
+   A longer request runs the per-request path in the program's single warp: the running hash
+   advances one entry per step (the only serial work: its scalar inputs are read two steps ahead
+   from lines that an L1 prefetch asked for two chunks ahead), then the chunk's tiles are re-read
+   (L1 hits) and its token / position / prev_hash fields, the chain-position ``last_pos`` (a
+   scan, only when rows are possible) and its violation rows are done in parallel. No tile is
+   carried across chunks: ptxas sinks such loads past the serial loop and the back-edge copy
+   then waits a full memory round trip per chunk (bench/NOTES.md, run 6).
+   Serial (aliasing seen): program 0 runs every request in batch order on the per-request path;
+   every store lands before the next request reads its seed, and within a chunk only a slot's
+   last entry stores. Program 0 also closes the launch: slot counter (parallel mode), epoch.
 
-No host sync: counts are read on the device, grids come from capacities. Launches whose lazy
-checks would fail (known from shapes) run the torch twin, or raise at once under capture.
+Scratch words: the epoch (tags the table), the entry count, and two conflict counters used in
+turns (launch e adds to word e % 2 after zeroing word (e + 1) % 2, so the chain kernel reads
+their sum without knowing e). No host sync: counts are read on the device, grids come from
+capacities. Launches whose lazy checks would fail (known from shapes) run the torch twin, or
+raise at once under capture.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,21 +40,44 @@ import triton.language as tl
 
 from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
 from kvcanary.ops.reference.write import launch_canary_write_kernel_torch_reference
-from kvcanary.ops.triton.hashing import (
-    H0_SIGNED, as_i64, as_u64, capturing, fingerprint, mix3, num_sms, slot_hash_of_fields, source_args,
-    static_error,
+from kvcanary.ops.triton.constants import (
+    F_POSITION, F_PREV_HASH, F_REAL_KV, F_TOKEN, WRITE_POSITION, WRITE_TOKEN,
 )
+from kvcanary.ops.triton.hashing import (
+    H0_SIGNED, as_i64, as_u64, fingerprint, mix3, slot_hash_of_fields, source_args, static_error,
+)
+from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
+from kvcanary.ops.triton.ring import reserve_rows, store_rows
 
-CONFIG = dict(chunk=32, unroll=8, prefetch=True, prep_block=256, prep_warps=4)  # the bench sweeps it
-_PROGRAMS_PER_SM = 16
-_CHAIN_PROGRAMS_PER_SM = 32
 
-# Scratch state words (int64): epoch, arrivals, conflicts, entry count, serial flag.
+@dataclass(frozen=True, kw_only=True)
+class WriteLaunchConfig:
+    """Launch shape of the two write kernels.
+
+    chunk: entries per chunk of the per-request path (= lanes of the chain kernel's one warp);
+    unroll: unroll factor of the serial loop; prefetch: L1 prefetch two chunks ahead (GPU only);
+    prep_block / prep_warps / prep_programs_per_sm: the prepare kernel's block of entries, warps
+    and resident programs per multiprocessor; chain_programs_per_sm: chain programs per
+    multiprocessor (each owns every P-th request); pdl: programmatic dependent launch.
+    """
+
+    chunk: int = 32
+    unroll: int = 8
+    prefetch: bool = True
+    prep_block: int = 128
+    prep_warps: int = 4
+    prep_programs_per_sm: int = 16
+    chain_programs_per_sm: int = 8
+    pdl: bool = True
+
+
+DEFAULT_WRITE_CONFIG = WriteLaunchConfig()
+
+# Scratch state words (int64).
 _EPOCH = tl.constexpr(0)
-_ARRIVE = tl.constexpr(1)
-_CONFLICTS = tl.constexpr(2)
-_COUNT = tl.constexpr(3)
-_SERIAL = tl.constexpr(4)
+_COUNT = tl.constexpr(1)
+_CONFLICTS = tl.constexpr(2)  # two words: 2 + epoch % 2
+_STATE_WORDS = 8
 
 
 @triton.jit
@@ -55,16 +86,19 @@ def _write_prepare_kernel(
     slot_ptr, n_entries,                       # out_cache_loc, int32/int64 [n_entries]
     off_ptr, seed_ptr, num_reqs_ptr, seed_cap, # write plan
     table_ptr, state_ptr,                      # scratch: int64 [>= num_slots], int64 [8]
-    kernel_counter_ptr, slot_counter_ptr,
+    kernel_counter_ptr,
     s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
     NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    if pid == 0:
-        tl.store(kernel_counter_ptr, tl.load(kernel_counter_ptr) + 1)
     epoch = tl.load(state_ptr + _EPOCH)
+    if pid == 0:
+        tl.atomic_add(kernel_counter_ptr, 1)
+        tl.store(state_ptr + _CONFLICTS + (epoch + 1) % 2, 0)
     a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
     end = tl.load(off_ptr + a)
     begin = tl.load(off_ptr)
@@ -97,24 +131,14 @@ def _write_prepare_kernel(
         old_r = tl.atomic_max(table_ptr + sd, tl.zeros([BLOCK], tl.int64) + seed_tag, mask=reads)
         fp = fingerprint(s, inside, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
                          NSRC, W0, W1, W2, W3)
-        tl.store(fields_ptr + s * stride_words + 3, as_i64(fp), mask=inside)
+        tl.store(fields_ptr + s * stride_words + F_REAL_KV, as_i64(fp), mask=inside)
         conflicts += tl.sum((inside & (old_w >= seed_tag)).to(tl.int64), 0)
         conflicts += tl.sum((rm & (o1 < o0)).to(tl.int64), 0)
         conflicts += tl.sum((reads & (old_r == writer_tag)).to(tl.int64), 0)
     if conflicts > 0:
-        tl.atomic_add(state_ptr + _CONFLICTS, conflicts)
+        tl.atomic_add(state_ptr + _CONFLICTS + epoch % 2, conflicts)
     if count > 0:
         tl.atomic_add(state_ptr + _COUNT, count)
-    arrived = tl.atomic_add(state_ptr + _ARRIVE, 1)
-    if arrived == nprog - 1:  # last program: every other one has read the epoch and finished
-        total_conflicts = tl.atomic_xchg(state_ptr + _CONFLICTS, 0)
-        total_count = tl.atomic_xchg(state_ptr + _COUNT, 0)
-        serial = total_conflicts > 0
-        tl.store(state_ptr + _SERIAL, serial.to(tl.int64))
-        if not serial:
-            tl.store(slot_counter_ptr, tl.load(slot_counter_ptr) + total_count)
-        tl.store(state_ptr + _ARRIVE, 0)
-        tl.store(state_ptr + _EPOCH, epoch + 1)
 
 
 @triton.jit
@@ -132,6 +156,149 @@ def _later_max(i1, p1, i2, p2):
 
 
 @triton.jit
+def _seed_state(fields_ptr, stride_words, seed, h0):
+    """(running hash, seed's stored position) a request starts from: H0 and 0 without a seed."""
+    has_seed = seed >= 0
+    srec = fields_ptr + tl.where(has_seed, seed, 0) * stride_words
+    seed_tok = tl.load(srec + F_TOKEN, mask=has_seed, other=0)
+    seed_pos = tl.load(srec + F_POSITION, mask=has_seed, other=0)
+    seed_prev = tl.load(srec + F_PREV_HASH, mask=has_seed, other=0)
+    running = tl.where(has_seed, slot_hash_of_fields(seed_prev, seed_tok, seed_pos), as_u64(h0 + seed * 0))
+    return running, seed_pos
+
+
+@triton.jit
+def _entry_rows(
+    ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, lp, valid, chain_on,
+    INPUT_ASSERT: tl.constexpr,
+):
+    """Violation rows of write entries (one per lane): the input-assert row, then the chain row.
+
+    ``hs`` is the running hash each entry stores, ``lp`` the chain's ``last_pos`` before it;
+    ``chain_on`` says whether the entry's request has the chain-position assert active."""
+    chain_bad = valid & chain_on & (pos != lp + 1)
+    if INPUT_ASSERT:
+        in_bits = tl.where(tok != etok, WRITE_TOKEN, 0) + tl.where(pos != epos, WRITE_POSITION, 0)
+    else:
+        in_bits = tl.zeros(slot.shape, tl.int32)
+    in_bad = valid & (in_bits != 0)
+    nrows = in_bad.to(tl.int32) + chain_bad.to(tl.int32)
+    if tl.sum(nrows, 0) > 0:
+        row_in = reserve_rows(widx_ptr, nrows)
+        kinds = tl.zeros(slot.shape, tl.int64) + kind
+        if INPUT_ASSERT:
+            store_rows(ring_ptr, ring_cap, row_in, in_bad, kinds, slot, pos, tok, etok, hs, epos,
+                       in_bits.to(tl.int64))
+        store_rows(ring_ptr, ring_cap, row_in + in_bad.to(tl.int64), chain_bad, kinds, slot, pos, tok, tok, hs,
+                   lp + 1, tl.zeros(slot.shape, tl.int64) + WRITE_POSITION)
+
+
+@triton.jit
+def _chain_request(
+    fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+    o0, o1, end_all, seed, chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
+    INPUT_ASSERT: tl.constexpr, SERIAL: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """One request on the program's single warp: entries [o0, min(o1, end_all)). Returns the
+    number of entries written (int64)."""
+    lanes = tl.arange(0, CHUNK)
+    later = lanes[None, :] > lanes[:, None]
+    n = tl.maximum(tl.minimum(o1, end_all) - o0, 0)
+    # The first entries' scalars: masked by the unclamped end (never past the tensor).
+    lim = tl.minimum(o1, n_entries)
+    k0 = (o0 < lim) & (o0 >= 0)
+    k1 = (o0 + 1 < lim) & (o0 >= 0)
+    s_n = tl.load(slot_ptr + o0, mask=k0, other=-1).to(tl.int64)
+    t_n = tl.load(tok_ptr + o0, mask=k0, other=0).to(tl.int64)
+    p_n = tl.load(pos_ptr + o0, mask=k0, other=0).to(tl.int64)
+    s_nn = tl.load(slot_ptr + o0 + 1, mask=k1, other=-1).to(tl.int64)
+    t_nn = tl.load(tok_ptr + o0 + 1, mask=k1, other=0).to(tl.int64)
+    p_nn = tl.load(pos_ptr + o0 + 1, mask=k1, other=0).to(tl.int64)
+    running, last_pos = _seed_state(fields_ptr, stride_words, seed, h0)
+    chain_on = (seed >= 0) & chain_flag
+    check = chain_on | INPUT_ASSERT
+    count_v = tl.zeros([CHUNK], tl.int32)
+    if PREFETCH:
+        if CHUNK < n:
+            _prefetch_l1(slot_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
+            _prefetch_l1(tok_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
+            _prefetch_l1(pos_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
+    for c in range(0, n, CHUNK):
+        if PREFETCH:  # two chunks ahead: the serial loop's scalar loads then hit L1
+            if c + 2 * CHUNK < n:
+                pf = o0 + c + 2 * CHUNK + tl.minimum(lanes, n - c - 2 * CHUNK - 1)
+                _prefetch_l1(slot_ptr + pf)
+                _prefetch_l1(tok_ptr + pf)
+                _prefetch_l1(pos_ptr + pf)
+                if INPUT_ASSERT:
+                    _prefetch_l1(exp_tok_ptr + pf)
+                    _prefetch_l1(exp_pos_ptr + pf)
+        # Serial part, only the recurrence on the dependency path: the running hash before
+        # each entry (hs); the request's last entry needs no step after it.
+        cnt = tl.minimum(n - c, CHUNK).to(tl.int32)
+        last_chunk = c + CHUNK >= n
+        steps = tl.where(last_chunk, cnt - 1, cnt)
+        hs = tl.zeros([CHUNK], tl.int64)
+        base_k = o0 + c + 2
+        for j in tl.range(0, steps, loop_unroll_factor=UNROLL):
+            s_j = s_n
+            t_j = t_n
+            p_j = p_n
+            s_n = s_nn
+            t_n = t_nn
+            p_n = p_nn
+            k = base_k + j
+            km = c + j + 2 < n
+            s_nn = tl.load(slot_ptr + k, mask=km, other=-1).to(tl.int64)
+            t_nn = tl.load(tok_ptr + k, mask=km, other=0).to(tl.int64)
+            p_nn = tl.load(pos_ptr + k, mask=km, other=0).to(tl.int64)
+            hs = tl.where(lanes == j, as_i64(running), hs)
+            running = tl.where(s_j >= 0, mix3(running, as_u64(t_j), as_u64(p_j)), running)
+        hs = tl.where(last_chunk & (lanes == cnt - 1), as_i64(running), hs)
+        # Parallel part: the chunk's tiles (L1 hits), stores (a slot's last entry in the chunk
+        # wins) and violation rows.
+        idx = o0 + c + lanes
+        m_c = lanes < cnt
+        slot_c = tl.load(slot_ptr + idx, mask=m_c, other=-1).to(tl.int64)
+        tok_c = tl.load(tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
+        pos_c = tl.load(pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
+        valid = m_c & (slot_c >= 0)
+        count_v += valid.to(tl.int32)
+        if SERIAL:  # duplicates exist only in serial mode: keep a slot's last entry
+            dup = (slot_c[:, None] == slot_c[None, :]) & valid[None, :] & later
+            keep = valid & (tl.max(dup.to(tl.int32), 1) == 0)
+        else:
+            keep = valid
+        rec = fields_ptr + tl.where(keep, slot_c, 0) * stride_words
+        tl.store(rec + F_TOKEN, tok_c, mask=keep)
+        tl.store(rec + F_POSITION, pos_c, mask=keep)
+        tl.store(rec + F_PREV_HASH, hs, mask=keep)
+        if check:
+            # last_pos before each entry, in parallel: the latest stored entry before it in
+            # the chunk (a scan over the entries shifted by one), else the carried value.
+            pm = m_c & (lanes > 0)
+            slot_p = tl.load(slot_ptr + idx - 1, mask=pm, other=-1)
+            pos_p = tl.load(pos_ptr + idx - 1, mask=pm, other=0).to(tl.int64)
+            i_p = tl.where(pm & (slot_p >= 0), lanes - 1, -1)
+            i_s, p_s = tl.associative_scan((i_p, pos_p), 0, _later_max)
+            lp = tl.where(i_s >= 0, p_s, last_pos)
+            i_l, p_l = tl.reduce((tl.where(valid, lanes, -1), pos_c), 0, _later_max)
+            last_pos = tl.where(i_l >= 0, p_l, last_pos)
+            if INPUT_ASSERT:
+                etok_c = tl.load(exp_tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
+                epos_c = tl.load(exp_pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
+            else:
+                etok_c = tok_c
+                epos_c = pos_c
+            _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot_c, pos_c, tok_c, etok_c, epos_c, hs, lp, valid,
+                        (lanes >= 0) & chain_on, INPUT_ASSERT)
+        if SERIAL:
+            tl.debug_barrier()  # this chunk's stores land before later reads
+    return tl.sum(count_v.to(tl.int64), 0)
+
+
+@triton.jit
 def _write_chain_kernel(
     fields_ptr, stride_words,
     tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,  # flattened entries
@@ -140,171 +307,84 @@ def _write_chain_kernel(
     ring_ptr, widx_ptr, ring_cap, slot_counter_ptr,
     kind, h0,
     INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
+    pdl_release(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    # Speculative loads of this program's first request (pid < seed_cap: the grid is capped by
-    # the capacity); they are issued together with the num_reqs -> offsets[a] chain. In serial
-    # mode program 0 starts at request 0 = pid too, and the others run no request.
-    pm0 = pid < seed_cap
-    o0_n = tl.load(off_ptr + pid, mask=pm0, other=0).to(tl.int64)
-    o1_n = tl.load(off_ptr + pid + 1, mask=pm0, other=0).to(tl.int64)
-    seed_n = tl.load(seed_ptr + pid, mask=pm0, other=-1).to(tl.int64)
+    serial = (tl.load(state_ptr + _CONFLICTS) + tl.load(state_ptr + _CONFLICTS + 1)) != 0
     a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
-    serial = tl.load(state_ptr + _SERIAL) != 0
     chain_flag = tl.load(chain_assert_ptr) != 0
     end_all = tl.load(off_ptr + a)
     a = tl.where(end_all > 0, a, 0)  # work gate
-    r = tl.where(serial, tl.where(pid == 0, 0, a), pid).to(tl.int64)
-    step = tl.where(serial, 1, nprog)
-    lanes = tl.arange(0, CHUNK)
-    later = lanes[None, :] > lanes[:, None]
-    count_v = tl.zeros([CHUNK], tl.int32)
-    while r < a:
-        o0 = o0_n
-        n = tl.maximum(tl.minimum(o1_n, end_all) - o0, 0)
-        seed = seed_n
-        # The first entries' scalars: masked by the unclamped end (never past the tensor).
-        lim = tl.minimum(o1_n, n_entries)
-        k0 = o0 < lim
-        k1 = o0 + 1 < lim
-        s_n = tl.load(slot_ptr + o0, mask=k0 & (o0 >= 0), other=-1).to(tl.int64)
-        t_n = tl.load(tok_ptr + o0, mask=k0 & (o0 >= 0), other=0).to(tl.int64)
-        p_n = tl.load(pos_ptr + o0, mask=k0 & (o0 >= 0), other=0).to(tl.int64)
-        s_nn = tl.load(slot_ptr + o0 + 1, mask=k1 & (o0 >= 0), other=-1).to(tl.int64)
-        t_nn = tl.load(tok_ptr + o0 + 1, mask=k1 & (o0 >= 0), other=0).to(tl.int64)
-        p_nn = tl.load(pos_ptr + o0 + 1, mask=k1 & (o0 >= 0), other=0).to(tl.int64)
-        # The next request's scalars (parallel mode: pid + nprog), loaded one request ahead.
-        rn = r + step
-        rnm = rn < a
-        o0_n = tl.load(off_ptr + rn, mask=rnm, other=0).to(tl.int64)
-        o1_n = tl.load(off_ptr + rn + 1, mask=rnm, other=0).to(tl.int64)
-        seed_n = tl.load(seed_ptr + rn, mask=rnm, other=-1).to(tl.int64)
-        has_seed = seed >= 0
-        srec = fields_ptr + tl.where(has_seed, seed, 0) * stride_words
-        seed_tok = tl.load(srec + 0, mask=has_seed, other=0)
-        seed_pos = tl.load(srec + 1, mask=has_seed, other=0)
-        seed_prev = tl.load(srec + 2, mask=has_seed, other=0)
-        running = tl.where(has_seed, slot_hash_of_fields(seed_prev, seed_tok, seed_pos), as_u64(h0 + seed * 0))
-        last_pos = seed_pos
-        chain_on = has_seed & chain_flag
-        check = chain_on | INPUT_ASSERT
-        if PREFETCH:
-            if CHUNK < n:
-                _prefetch_l1(slot_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
-                _prefetch_l1(tok_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
-                _prefetch_l1(pos_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
-        for c in range(0, n, CHUNK):
-            if PREFETCH:  # two chunks ahead: the serial loop's scalar loads then hit L1
-                if c + 2 * CHUNK < n:
-                    pf = o0 + c + 2 * CHUNK + tl.minimum(lanes, n - c - 2 * CHUNK - 1)
-                    _prefetch_l1(slot_ptr + pf)
-                    _prefetch_l1(tok_ptr + pf)
-                    _prefetch_l1(pos_ptr + pf)
-                    if INPUT_ASSERT:
-                        _prefetch_l1(exp_tok_ptr + pf)
-                        _prefetch_l1(exp_pos_ptr + pf)
-            # Serial part, only the recurrence on the dependency path: the running hash before
-            # each entry (hs); the request's last entry needs no step after it.
-            cnt = tl.minimum(n - c, CHUNK).to(tl.int32)
-            last_chunk = c + CHUNK >= n
-            steps = tl.where(last_chunk, cnt - 1, cnt)
-            hs = tl.zeros([CHUNK], tl.int64)
-            base_k = o0 + c + 2
-            for j in tl.range(0, steps, loop_unroll_factor=UNROLL):
-                s_j = s_n
-                t_j = t_n
-                p_j = p_n
-                s_n = s_nn
-                t_n = t_nn
-                p_n = p_nn
-                k = base_k + j
-                km = c + j + 2 < n
-                s_nn = tl.load(slot_ptr + k, mask=km, other=-1).to(tl.int64)
-                t_nn = tl.load(tok_ptr + k, mask=km, other=0).to(tl.int64)
-                p_nn = tl.load(pos_ptr + k, mask=km, other=0).to(tl.int64)
-                hs = tl.where(lanes == j, as_i64(running), hs)
-                running = tl.where(s_j >= 0, mix3(running, as_u64(t_j), as_u64(p_j)), running)
-            hs = tl.where(last_chunk & (lanes == cnt - 1), as_i64(running), hs)
-            # Parallel part: the chunk's tiles (L1 hits), stores (a slot's last entry in the chunk
-            # wins) and violation rows.
-            idx = o0 + c + lanes
-            m_c = lanes < cnt
-            slot_c = tl.load(slot_ptr + idx, mask=m_c, other=-1).to(tl.int64)
-            tok_c = tl.load(tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
-            pos_c = tl.load(pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
-            valid = m_c & (slot_c >= 0)
-            count_v += valid.to(tl.int32)
-            if serial:  # duplicates exist only in serial mode: keep a slot's last entry
-                dup = (slot_c[:, None] == slot_c[None, :]) & valid[None, :] & later
-                keep = valid & (tl.max(dup.to(tl.int32), 1) == 0)
-            else:
-                keep = valid
-            rec = fields_ptr + tl.where(keep, slot_c, 0) * stride_words
-            tl.store(rec + 0, tok_c, mask=keep)
-            tl.store(rec + 1, pos_c, mask=keep)
-            tl.store(rec + 2, hs, mask=keep)
-            if check:
-                # last_pos before each entry, in parallel: the latest stored entry before it in
-                # the chunk (a scan over the entries shifted by one), else the carried value.
-                pm = m_c & (lanes > 0)
-                slot_p = tl.load(slot_ptr + idx - 1, mask=pm, other=-1)
-                pos_p = tl.load(pos_ptr + idx - 1, mask=pm, other=0).to(tl.int64)
-                i_p = tl.where(pm & (slot_p >= 0), lanes - 1, -1)
-                i_s, p_s = tl.associative_scan((i_p, pos_p), 0, _later_max)
-                lp = tl.where(i_s >= 0, p_s, last_pos)
-                i_l, p_l = tl.reduce((tl.where(valid, lanes, -1), pos_c), 0, _later_max)
-                last_pos = tl.where(i_l >= 0, p_l, last_pos)
-                chain_bad = valid & chain_on & (pos_c != lp + 1)
-                if INPUT_ASSERT:
-                    etok_c = tl.load(exp_tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
-                    epos_c = tl.load(exp_pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
-                    in_bits = tl.where(tok_c != etok_c, 8, 0) + tl.where(pos_c != epos_c, 16, 0)
-                    in_bad = valid & (in_bits != 0)
-                else:
-                    etok_c = tok_c
-                    epos_c = pos_c
-                    in_bits = tl.zeros([CHUNK], tl.int32)
-                    in_bad = valid & (in_bits != 0)
-                nrows = in_bad.to(tl.int32) + chain_bad.to(tl.int32)
-                total_rows = tl.sum(nrows, 0)
-                if total_rows > 0:
-                    base = tl.atomic_add(widx_ptr, total_rows).to(tl.int64)
-                    row_in = base + (tl.cumsum(nrows, 0) - nrows).to(tl.int64)
-                    row_ch = row_in + in_bad.to(tl.int64)
-                    kinds = tl.zeros([CHUNK], tl.int64) + kind
-                    if INPUT_ASSERT:
-                        ok = in_bad & (row_in >= 0) & (row_in < ring_cap)
-                        out = ring_ptr + row_in * 8
-                        tl.store(out + 0, kinds, mask=ok)
-                        tl.store(out + 1, slot_c, mask=ok)
-                        tl.store(out + 2, pos_c, mask=ok)
-                        tl.store(out + 3, tok_c, mask=ok)
-                        tl.store(out + 4, etok_c, mask=ok)
-                        tl.store(out + 5, hs, mask=ok)
-                        tl.store(out + 6, epos_c, mask=ok)
-                        tl.store(out + 7, in_bits.to(tl.int64), mask=ok)
-                    ok = chain_bad & (row_ch >= 0) & (row_ch < ring_cap)
-                    out = ring_ptr + row_ch * 8
-                    tl.store(out + 0, kinds, mask=ok)
-                    tl.store(out + 1, slot_c, mask=ok)
-                    tl.store(out + 2, pos_c, mask=ok)
-                    tl.store(out + 3, tok_c, mask=ok)
-                    tl.store(out + 4, tok_c, mask=ok)
-                    tl.store(out + 5, hs, mask=ok)
-                    tl.store(out + 6, lp + 1, mask=ok)
-                    tl.store(out + 7, tl.zeros([CHUNK], tl.int64) + 16, mask=ok)
-            if serial:
-                tl.debug_barrier()  # this chunk's stores land before later reads
-        r = rn
+    if pid == 0:  # close the launch (nobody else reads these words in this kernel)
+        tl.store(state_ptr + _EPOCH, tl.load(state_ptr + _EPOCH) + 1)
+        counted = tl.load(state_ptr + _COUNT)
+        tl.store(state_ptr + _COUNT, 0)
+        if not serial:
+            tl.atomic_add(slot_counter_ptr, counted)
     if serial:
         if pid == 0:
-            tl.store(slot_counter_ptr, tl.load(slot_counter_ptr) + tl.sum(count_v.to(tl.int64), 0))
+            total = tl.zeros([], tl.int64)
+            for r in range(0, a):
+                o0 = tl.load(off_ptr + r).to(tl.int64)
+                o1 = tl.load(off_ptr + r + 1).to(tl.int64)
+                seed = tl.load(seed_ptr + r).to(tl.int64)
+                total += _chain_request(
+                    fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                    o0, o1, end_all, seed, chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
+                    INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
+            tl.atomic_add(slot_counter_ptr, total)
+    else:
+        lanes = tl.arange(0, CHUNK)
+        owned = tl.maximum(a - pid + nprog - 1, 0) // nprog  # requests pid, pid + nprog, ... < a
+        for kc in range(0, owned, CHUNK):
+            rr = pid + (kc + lanes).to(tl.int64) * nprog
+            mr = rr < a
+            o0 = tl.load(off_ptr + rr, mask=mr, other=0).to(tl.int64)
+            o1 = tl.load(off_ptr + rr + 1, mask=mr, other=0).to(tl.int64)
+            seed = tl.load(seed_ptr + rr, mask=mr, other=-1).to(tl.int64)
+            n = tl.maximum(tl.minimum(o1, end_all) - o0, 0)
+            # One-entry requests, one per lane (no aliasing in parallel mode: order is free).
+            one = mr & (n == 1)
+            e = tl.where(one, o0, 0)
+            slot = tl.load(slot_ptr + e, mask=one, other=-1).to(tl.int64)
+            tok = tl.load(tok_ptr + e, mask=one, other=0).to(tl.int64)
+            pos = tl.load(pos_ptr + e, mask=one, other=0).to(tl.int64)
+            valid = one & (slot >= 0)
+            running, seed_pos = _seed_state(fields_ptr, stride_words, tl.where(valid, seed, -1), h0)
+            hs = as_i64(running)
+            rec = fields_ptr + tl.where(valid, slot, 0) * stride_words
+            tl.store(rec + F_TOKEN, tok, mask=valid)
+            tl.store(rec + F_POSITION, pos, mask=valid)
+            tl.store(rec + F_PREV_HASH, hs, mask=valid)
+            chain_on = (seed >= 0) & chain_flag
+            if INPUT_ASSERT:
+                etok = tl.load(exp_tok_ptr + e, mask=valid, other=0).to(tl.int64)
+                epos = tl.load(exp_pos_ptr + e, mask=valid, other=0).to(tl.int64)
+            else:
+                etok = tok
+                epos = pos
+            _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, seed_pos, valid,
+                        chain_on, INPUT_ASSERT)
+            # Longer requests, one at a time on the per-request path.
+            todo = mr & (n > 1)
+            for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
+                k = tl.min(tl.where(todo, lanes, CHUNK), 0)
+                todo = todo & (lanes != k)
+                pick = lanes == k
+                _chain_request(
+                    fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                    tl.sum(tl.where(pick, o0, 0), 0), tl.sum(tl.where(pick, o1, 0), 0), end_all,
+                    tl.sum(tl.where(pick, seed, 0), 0), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
+                    INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
 
 
 class _Scratch:
     """Per-device scratch of the aliasing detector: an epoch-tagged word per canary slot and
-    the state words. Allocated on first use (do it before graph capture) and grown on demand."""
+    the state words. Allocated on first use (do it before graph capture) and grown on demand;
+    launches on one device share it, so they must be ordered (one stream)."""
 
     _by_device: dict = {}
 
@@ -314,7 +394,7 @@ class _Scratch:
         entry = cls._by_device.get(key)
         if entry is None or entry[0].shape[0] < num_slots:
             table = torch.zeros(max(num_slots, 1), dtype=torch.int64, device=device)
-            state = torch.zeros(8, dtype=torch.int64, device=device)
+            state = torch.zeros(_STATE_WORDS, dtype=torch.int64, device=device)
             state[_EPOCH.value] = 1  # zeroed table words never match a live epoch
             entry = (table, state)
             cls._by_device[key] = entry
@@ -331,14 +411,14 @@ def launch_write(
     enable_write_input_assert: bool,
     expected_input_tokens: Optional[torch.Tensor],
     expected_input_positions: Optional[torch.Tensor],
+    config: WriteLaunchConfig = DEFAULT_WRITE_CONFIG,
 ) -> None:
     """Triton twin of ``launch_canary_write_kernel_torch_reference`` (same bytes; violation rows
     of different requests may land in another order in parallel mode).
 
-    Assumes non-decreasing ``write_offsets`` (what the plan makes). A launch whose lazy checks
-    would fail (canary stride, input-assert tensors, narrow rows: all known from shapes) runs the
-    torch twin, which bumps the kernel counter and raises only when there is work; under CUDA-graph
-    capture that needs a host read, so the error is raised at once.
+    A launch whose lazy checks would fail (canary stride, input-assert tensors, narrow rows: all
+    known from shapes) runs the torch twin, which bumps the kernel counter and raises only when
+    there is work; under CUDA-graph capture that needs a host read, so the error is raised at once.
     """
     ctx = context
     buf = ctx.canary_buf
@@ -362,16 +442,17 @@ def launch_write(
     seed_cap = plan.write_seed_slot_indices.shape[0]
     n_entries = out_cache_loc.shape[0]
     sms = num_sms(dev)
-    pb = CONFIG["prep_block"]
-    grid = (max(1, min(triton.cdiv(max(n_entries, seed_cap), pb), sms * _PROGRAMS_PER_SM)),)
+    pdl = pdl_enabled(dev, config.pdl)
+    pb = config.prep_block
+    grid = (max(1, min(triton.cdiv(max(n_entries, seed_cap), pb), sms * config.prep_programs_per_sm)),)
     _write_prepare_kernel[grid](
         fields, stride_words, num_slots, out_cache_loc, n_entries,
         plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
-        table, state, ctx.kernel_run_counter, ctx.slot_run_counter,
-        *srcs.args, **srcs.consts, BLOCK=pb, num_warps=CONFIG["prep_warps"],
+        table, state, ctx.kernel_run_counter,
+        *srcs.args, **srcs.consts, BLOCK=pb, PDL=pdl, num_warps=config.prep_warps, launch_pdl=pdl,
     )
     assert_on = bool(enable_write_input_assert)
-    grid = (max(1, min(seed_cap, sms * _CHAIN_PROGRAMS_PER_SM)),)
+    grid = (max(1, min(seed_cap, sms * config.chain_programs_per_sm)),)
     _write_chain_kernel[grid](
         fields, stride_words, input_ids, positions, out_cache_loc,
         expected_input_tokens if assert_on else input_ids, expected_input_positions if assert_on else positions,
@@ -379,6 +460,6 @@ def launch_write(
         state, ctx.enable_chain_position_assert,
         ctx.violation_ring, ctx.violation_write_index, ctx.violation_ring.shape[0], ctx.slot_run_counter,
         int(ctx.kernel_kind), H0_SIGNED,
-        INPUT_ASSERT=assert_on, CHUNK=CONFIG["chunk"], UNROLL=CONFIG["unroll"],
-        PREFETCH=CONFIG["prefetch"] and dev.type == "cuda", num_warps=1,
+        INPUT_ASSERT=assert_on, CHUNK=config.chunk, UNROLL=config.unroll,
+        PREFETCH=config.prefetch and dev.type == "cuda", PDL=pdl, num_warps=1, launch_pdl=pdl,
     )
