@@ -38,16 +38,22 @@ def _numpy_scalar_index_fix() -> None:
 
 _numpy_scalar_index_fix()
 
+import functools  # noqa: E402
+
 from kvcanary.ops import (  # noqa: E402
     RealKvHashMode,
     launch_canary_plan_kernels_torch_reference,
     launch_canary_verify_kernel_torch_reference,
     launch_canary_write_kernel_torch_reference,
     scatter_req_token_ids_torch_reference,
+    stamp_violation_rows_torch_reference,
 )
 from kvcanary.ops.records import VerifyPlan, WritePlan  # noqa: E402
-from kvcanary.ops.triton import launch_plan, launch_scatter, launch_verify, launch_write  # noqa: E402
+from kvcanary.ops.triton import launch_plan, launch_scatter, launch_stamp, launch_verify, launch_write  # noqa: E402
+from kvcanary.ops.triton.plan import PlanLaunchConfig  # noqa: E402
+from kvcanary.ops.triton.write import WriteLaunchConfig  # noqa: E402
 
+from .test_stamp import SCENARIOS as STAMP_SCENARIOS  # noqa: E402
 from .triton_cases import (  # noqa: E402
     assert_same_state,
     clone_context,
@@ -59,11 +65,12 @@ from .triton_cases import (  # noqa: E402
 )
 
 
-def _compare_write(ctx, wp, **kw):
+def _compare_write(ctx, wp, config=None, **kw):
     before = context_state(ctx)
     a, b = clone_context(ctx), clone_context(ctx)
     errs = []
-    for impl, c in ((launch_canary_write_kernel_torch_reference, a), (launch_write, b)):
+    fast = launch_write if config is None else functools.partial(launch_write, config=config)
+    for impl, c in ((launch_canary_write_kernel_torch_reference, a), (fast, b)):
         try:
             impl(context=c, plan=wp, **kw)
             errs.append(None)
@@ -152,6 +159,29 @@ def test_write_long_request_many_chunks_with_skips():
     _compare_write(ctx, _wplan([n], [199]), **_winputs(list(range(1000, 1000 + n)), list(range(n)), loc))
 
 
+@pytest.mark.parametrize("config", [
+    WriteLaunchConfig(chain_programs_per_sm=1),                 # 4 chain programs: many requests each
+    WriteLaunchConfig(chain_programs_per_sm=1, chunk=16, unroll=2, prep_block=64),
+])
+def test_write_many_requests_per_program(config):
+    """Over 32 one-token requests per chain program (the lane loop runs twice) mixed with long
+    requests and chain-position rows; then the same with an aliasing seed (serial mode)."""
+    ctx = _ctx(num_slots=512, ring_cap=1024)
+    lengths = [1] * 150
+    lengths[7], lengths[90] = 40, 3
+    lengths[33] = 0
+    seeds = [(-1 if r % 5 == 0 else 300 + r) for r in range(150)]
+    n = sum(lengths)
+    loc = list(range(1, n + 1))
+    pos = [(r * 3 + k) for r, ln in enumerate(lengths) for k in range(ln)]
+    pos[12] += 1  # a chain-position row
+    kw = _winputs(list(range(5000, 5000 + n)), pos, loc)
+    _compare_write(ctx, _wplan(lengths, seeds), config=config, **kw)
+    aliased = list(seeds)
+    aliased[120] = loc[3]  # request 120 seeds from a slot request 3 stores: serial mode
+    _compare_write(ctx, _wplan(lengths, aliased), config=config, **kw)
+
+
 def test_write_input_assert_and_ring_overflow():
     ctx = _ctx(ring_cap=3)
     kw = _winputs([1, 2, 3, 4], [5, 6, 8, 9], [1, 2, 3, 4])
@@ -218,6 +248,66 @@ def test_plan_lut_error_leaves_outputs_and_overflow():
         assert err_t == err_f
         for x, y in zip(twin, fast):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("config", [PlanLaunchConfig(small_rows=0), PlanLaunchConfig(check_lut=False)])
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_paths(seed, config):
+    """The multi-launch path for small batches too, and the one-launch path with a LUT (what runs
+    under graph capture: no host-read range check; the fuzz LUT values are in range)."""
+    case = make_case(seed, window=[0, 3][seed % 2])
+    if config.check_lut is False and case.plan_kwargs["full_to_swa_index_mapping"] is None:
+        case.plan_kwargs["full_to_swa_index_mapping"] = torch.randperm(256)[: 200] + 1
+    twin, err_t, _ = run_plan(launch_canary_plan_kernels_torch_reference, case)
+    fast, err_f, _ = run_plan(functools.partial(launch_plan, config=config), case)
+    assert err_t == err_f
+    for x, y in zip(twin, fast):
+        assert torch.equal(x, y), (x, y)
+
+
+def _compare_stamp(kw):
+    cap = kw["violation_ring"].shape[0]
+    a = torch.full((cap, 3), -55, dtype=torch.int64)
+    b = a.clone()
+    before = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    stamp_violation_rows_torch_reference(stamps=a, **kw)
+    launch_stamp(stamps=b, **kw)
+    assert torch.equal(a, b), (a, b)
+    for k, v in before.items():
+        assert torch.equal(kw[k], v), k
+    return a
+
+
+@pytest.mark.parametrize("name", sorted(STAMP_SCENARIOS))
+def test_stamp_scenarios(name):
+    kw, _want = STAMP_SCENARIOS[name]()
+    _compare_stamp(kw)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_fuzz_stamp(seed):
+    """Plan -> verify -> write on a fuzz case (random buffer: many rows, ring overflow at times),
+    then stamps; rows_from sometimes past the start; plans sometimes missing."""
+    case = make_case(seed, mode=seed % 3, nsrc=(seed // 3) % 3)
+    _, err, (vp, wp) = run_plan(launch_canary_plan_kernels_torch_reference, case)
+    if err is not None:
+        pytest.skip("plan raised for this case")
+    ctx = clone_context(case.ctx)
+    rows_from = ctx.violation_write_index.clone()
+    launch_canary_verify_kernel_torch_reference(context=ctx, plan=vp, check_verify_expected_token=True)
+    launch_canary_write_kernel_torch_reference(context=ctx, plan=wp, **case.write_kwargs)
+    if seed % 4 == 1:
+        rows_from += 2
+    kw = dict(violation_ring=ctx.violation_ring, violation_write_index=ctx.violation_write_index, rows_from=rows_from,
+              step=torch.tensor([1000 + seed]), verify_plan=vp, write_plan=wp,
+              out_cache_loc=case.write_kwargs["out_cache_loc"], positions=case.write_kwargs["positions"],
+              req_pool_indices=case.plan_kwargs["req_pool_indices"], prefix_lens=case.plan_kwargs["prefix_lens"],
+              swa_window_size=case.plan_kwargs["swa_window_size"])
+    if seed % 5 == 2:
+        kw.update(write_plan=None, out_cache_loc=None, positions=None)
+    if seed % 5 == 3:
+        kw.update(verify_plan=None, req_pool_indices=None, prefix_lens=None)
+    _compare_stamp(kw)
 
 
 def test_scatter_later_row_wins():

@@ -41,13 +41,15 @@ _NO_ERROR_K = tl.constexpr(_NO_ERROR)
 class PlanLaunchConfig:
     """entry_block / programs_per_sm / num_warps: the gather's launch shape; small_rows: largest
     batch planned in one launch (0: never; at most 64); small_block: entries per step there;
-    pdl: programmatic dependent launch."""
+    check_lut: run the host-read LUT range check (always skipped under graph capture, where an
+    out-of-range lookup stores -1); pdl: programmatic dependent launch."""
 
     entry_block: int = 1024
     programs_per_sm: int = 4
     num_warps: int = 4
     small_rows: int = 64
     small_block: int = 128
+    check_lut: bool = True
     pdl: bool = True
 
 
@@ -355,7 +357,7 @@ def launch_plan(
     sms = num_sms(dev)
     pdl = pdl_enabled(dev, config.pdl)
     rtt_stride = req_to_token.stride(0)
-    lut_check = lut is not None and bs > 0 and not capturing(dev)
+    lut_check = config.check_lut and lut is not None and bs > 0 and not capturing(dev)
     outputs = (
         vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
         vp.verify_prev_slot_indices, vp.verify_num_valid, vp.enable, v_cap,
