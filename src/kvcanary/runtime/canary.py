@@ -67,11 +67,12 @@ from kvcanary.runtime.batch import BatchDescription, GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
 from kvcanary.runtime.drain import Harvest, ViolationDrain, ViolationRings
+from kvcanary.runtime.graphs import CanaryGraphs
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
 from kvcanary.runtime.report import CanaryViolationError, ViolationLedger
-from kvcanary.runtime.staging import StaticBatch
+from kvcanary.runtime.staging import StaticBatch, capturing
 from kvcanary.runtime.stats import CanaryStats, StatsReporter
 from kvcanary.runtime.sweep import SweepReport, Sweeper
 
@@ -153,7 +154,8 @@ class Canary:
             watch=(self.launch_counters.table, self.launches.plans_disabled),
         )
         self._plans_disabled_seen = [0] * len(self.groups)
-        self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
+        self.sweep_stale = 0
+        self._graphs: Optional[CanaryGraphs] = None  # sweep rows discarded: their slot left the live set during the pass
         self.sweeper = Sweeper(
             self.groups, config=config, rings=self.rings, counters=self.launch_counters, step=self.launches.step,
         )
@@ -253,6 +255,8 @@ class Canary:
 
     def stage(self, batch: BatchDescription) -> None:
         """Copy ``batch`` into the static buffers (device copies only; capturable)."""
+        if capturing():
+            self.static.frozen = True  # an engine graph now reads the buffers: they must not move
         self.static.stage(batch)
         size = (self.static.max_rows, self.static.max_tokens)
         if size != self._static_size:
@@ -261,11 +265,32 @@ class Canary:
 
     def launch_head(self) -> None:
         """Plan, HEAD verify + write, slot records (device only; capturable)."""
-        self.launches.head()
+        if self._graphs is not None:
+            self._graphs.head.replay()
+        else:
+            self.launches.head()
 
     def launch_tail(self, *, run_checks: bool = True) -> None:
         """TAIL verify + write, row stamps (device only; capturable). ``run_checks=False``: stamps only."""
-        self.launches.tail(run_checks=run_checks)
+        if self._graphs is not None:
+            (self._graphs.tail if run_checks else self._graphs.stamps).replay()
+        else:
+            self.launches.tail(run_checks=run_checks)
+
+    def capture_graphs(self) -> None:
+        """Capture the canary's own per-forward device work into CUDA graphs (CUDA only), replayed by
+        `launch_head`, `launch_tail` and the sweep slice from now on: a few host calls per forward whatever
+        the batch. Call it after at least one forward (the by-reference tables must be known) and outside
+        any open forward; the static buffers no longer grow afterwards."""
+        self._check_open()
+        if self._depth:
+            raise RuntimeError("kv-canary: capture_graphs() inside an open forward")
+        if not self.static.inputs:
+            raise RuntimeError("kv-canary: capture_graphs() needs one forward first (it reads the engine's tables)")
+        self._flush()
+        self._graphs = CanaryGraphs(
+            launches=self.launches, sweeper=self.sweeper, static=self.static, counters=self.launch_counters,
+        )
 
     def end_step(self) -> None:
         """Sweep slice, non-blocking drain, health, stats (host); raises in ``raise`` mode."""
@@ -273,7 +298,11 @@ class Canary:
             if self._live_slots is not None and self.sweeper.interval > 0:
                 if self.sweeper.pass_starts():
                     self.sweeper.refresh_live(self._resolve_live(None))
-                self.sweeper.slice()
+                if self._graphs is not None:
+                    self._graphs.sweep.replay()
+                    self.sweeper.slices_run += 1
+                else:
+                    self.sweeper.slice()
             for harvest in self.drain.end_step():
                 self._report(harvest)
             self._grow_disabled_plans()

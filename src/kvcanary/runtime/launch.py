@@ -102,11 +102,13 @@ class ForwardLaunches:
         self.row_history = torch.zeros(ROW_HISTORY, self.static.max_rows, dtype=torch.int64, device=dev)
 
     # ---- the two halves ----------------------------------------------------------------------------
-    def head(self) -> None:
-        """Plan, HEAD verify + write, slot records, for every group."""
+    def head(self, *, full: bool = False) -> None:
+        """Plan, HEAD verify + write, slot records, for every group. ``full``: span the whole static
+        capacity (always while capturing), else the staged batch's size."""
         s = self.static
         shape = self._shape = (
-            _Shape(rows=s.max_rows, tokens=s.max_tokens) if capturing() else _Shape(rows=s.num_rows, tokens=s.num_tokens)
+            _Shape(rows=s.max_rows, tokens=s.max_tokens) if full or capturing()
+            else _Shape(rows=s.num_rows, tokens=s.num_tokens)
         )
         self.rings.mark()
         self.row_history.index_copy_(0, self.step.remainder(ROW_HISTORY), s.rows[None])

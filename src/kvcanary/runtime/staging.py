@@ -83,8 +83,9 @@ class StaticBatch:
         self._fill_rows(self.extend, batch.extend_lens, bs)
         self._fill_tokens(self.input_ids, batch.input_ids, n, 0)
         self._fill_tokens(self.positions, batch.positions, n, 0)
-        self.has_oracle = batch.expected_input_ids is not None
-        if self.has_oracle:
+        if not self.frozen:
+            self.has_oracle = batch.expected_input_ids is not None
+        if batch.expected_input_ids is not None:
             self._fill_tokens(self.expected_ids, batch.expected_input_ids, n, 0)
         for name in self.groups:
             gb = batch.groups[name]
@@ -93,14 +94,31 @@ class StaticBatch:
             table = gb.req_to_token
             if table.dtype != torch.int32:
                 table = table.to(torch.int32)  # a copy per forward: give int32 tables to avoid it
-            self.inputs[name] = GroupInputs(
-                req_to_token=table,
-                lut=None if gb.full_to_group_lut is None else gb.full_to_group_lut,
+            inputs = GroupInputs(req_to_token=table, lut=gb.full_to_group_lut)
+            if self.frozen and name in self.inputs and not _same_inputs(self.inputs[name], inputs):
+                raise ValueError(
+                    f"kv-canary: group {name!r} req_to_token / full_to_group_lut are not the tensors the canary's graphs "
+                    "were captured with; keep the same (int32) tensor objects while graphs are held"
+                )
+            self.inputs[name] = inputs
+        if self.frozen and (batch.token_table is not self.token_table or
+                            (batch.expected_input_ids is not None) != self.has_oracle):
+            raise ValueError(
+                "kv-canary: token_table / expected_input_ids changed since the canary's graphs were captured; "
+                "keep the same token_table object and oracle setting while graphs are held"
             )
         self.token_table = batch.token_table
         if batch.token_table_lens is not None:
             self._fill_rows(self.token_lens, batch.token_table_lens, bs)
         self._bs, self._n = bs, n
+
+    def clear(self) -> None:
+        """Pad everything (an empty batch: no active row, no stored token). Keeps the by-reference inputs."""
+        for buf in (self.rows, self.prefix, self.extend, self.token_lens):
+            buf.zero_()
+        for buf in self.out_loc.values():
+            buf.fill_(NOT_STORED)
+        self._bs = self._n = 0
 
     def _fill_rows(self, buf: torch.Tensor, src: torch.Tensor, bs: int) -> None:
         buf[:bs].copy_(src, non_blocking=True)
@@ -131,6 +149,10 @@ class StaticBatch:
 
     def memory_bytes(self) -> int:
         return 8 * (4 * self.max_rows + (4 + len(self.groups)) * self.max_tokens)
+
+
+def _same_inputs(a: GroupInputs, b: GroupInputs) -> bool:
+    return a.req_to_token is b.req_to_token and a.lut is b.lut
 
 
 def capturing() -> bool:

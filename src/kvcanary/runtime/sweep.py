@@ -103,7 +103,12 @@ class Sweeper:
             sl.verified.zero_()
 
     def slice(self) -> None:
-        """Verify the next slice of every group (device work only: capturable)."""
+        """Verify the next slice of every group."""
+        self.slice_device()
+        self.slices_run += 1
+
+    def slice_device(self) -> None:
+        """The device half of `slice` (capturable; the caller counts ``slices_run``)."""
         for name, sl in self._slices.items():
             g = self.groups[name]
             rec = g.records
@@ -116,7 +121,6 @@ class Sweeper:
             sl.verified += live.sum()
             sl.cursor.add_(sl.size).remainder_(sl.span)
             self._launch(g, sl.plan)
-        self.slices_run += 1
 
     # ---- explicit full sweep ------------------------------------------------------------------------
     def run(self, live: Mapping[str, torch.Tensor]) -> SweepReport:
@@ -167,6 +171,10 @@ class Sweeper:
             ctx = g.context("sweep", side, "verify", rings=self.rings, counters=self.counters, chain_assert=self._no_assert)
             launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False)
             launch_stamp_violation_rows(**self.rings.stamp_args(g.tag("sweep", side)), step=self.step)
+
+    def cursor_state(self) -> list[torch.Tensor]:
+        """Device state a warm-up run must restore (cursors and pass counters)."""
+        return [t for sl in self._slices.values() for t in (sl.cursor, sl.verified)]
 
     def pass_report(self) -> dict[str, dict[str, int]]:
         """Per group: live slots and slots verified in the last complete rotating pass (a host read)."""

@@ -31,7 +31,8 @@ BatchHook = Callable[[BatchDescription], BatchDescription]
 
 @dataclass(frozen=True, kw_only=True)
 class SimConfig:
-    """Pool sizes and scheduling limits. kv_bytes: bytes per token per layer and side."""
+    """Pool sizes and scheduling limits. kv_bytes: bytes per token per layer and side. device: where the
+    KV pools and tables live (the scheduler is host Python; per-forward index arrays are built on the host)."""
 
     num_slots: int = 2048
     swa_num_slots: int = 512
@@ -45,6 +46,7 @@ class SimConfig:
     max_batch_tokens: int = 192
     max_running: int = 12
     seed: int = 0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.kv_bytes % 16 or self.kv_bytes <= 0:
@@ -98,13 +100,14 @@ class SimEngine:
     def __init__(self, config: SimConfig, canary=None) -> None:
         self.config = c = config
         self.rng = random.Random(c.seed)
-        self.table = RequestTable(c.max_requests, c.max_context)
+        self.device = dev = torch.device(c.device)
+        self.table = RequestTable(c.max_requests, c.max_context, device=dev)
         self.full_alloc = SlotAllocator(c.num_slots)
         self.swa_alloc = SlotAllocator(c.swa_num_slots) if c.sliding_window else None
-        self.full_to_swa = torch.zeros(c.num_slots, dtype=torch.int64)
+        self.full_to_swa = torch.zeros(c.num_slots, dtype=torch.int64, device=dev)
         self.cache = RadixCache(c.block_size)
         self.kv = {  # (group, layer) -> (k, v), uint8 [group slots, kv_bytes]
-            (g, layer): tuple(torch.zeros(n, c.kv_bytes, dtype=torch.uint8) for _ in "kv")
+            (g, layer): tuple(torch.zeros(n, c.kv_bytes, dtype=torch.uint8, device=dev) for _ in "kv")
             for g, layers, n in (("full", c.full_layers, c.num_slots), ("swa", c.swa_layers, c.swa_num_slots))
             for layer in layers
         }
@@ -260,9 +263,9 @@ class SimEngine:
             p = req.num_computed
             req.full_slots += full
             req.swa_slots += swa
-            self.table.req_to_token[req.row, p : p + e] = torch.tensor(full, dtype=torch.int32)
+            self.table.req_to_token[req.row, p : p + e] = torch.tensor(full, dtype=torch.int32).to(self.device)
             if self.swa_alloc:
-                self.full_to_swa[full] = torch.tensor(swa, dtype=torch.int64)
+                self.full_to_swa[full] = torch.tensor(swa, dtype=torch.int64).to(self.device)
             plan.append((req, e, full, swa))
             budget -= e
         if not plan:
@@ -312,11 +315,16 @@ class SimEngine:
 
     def _model(self, batch: BatchDescription) -> None:
         """Store every layer's K and V for the batch's tokens at the batch's slots."""
+        dev = self.device
+        stored = {}
+        for group, gb in batch.groups.items():
+            loc = gb.out_cache_loc
+            keep = loc >= 0  # host tensors: no device read
+            stored[group] = (loc[keep].to(dev), batch.input_ids[keep].to(dev), batch.positions[keep].to(dev))
         for (group, layer), (k, v) in self.kv.items():
-            loc = batch.groups[group].out_cache_loc
-            keep = loc >= 0
+            loc, ids, pos = stored[group]
             for side, t in enumerate((k, v)):
-                t[loc[keep]] = kv_bytes(batch.input_ids[keep], batch.positions[keep], layer, side, self.config.kv_bytes)
+                t[loc] = kv_bytes(ids, pos, layer, side, self.config.kv_bytes)
 
     def _advance(self, plan) -> None:
         c = self.config

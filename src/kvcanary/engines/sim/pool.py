@@ -59,9 +59,9 @@ class RequestTable:
     """``req_to_token`` (int32 [max_requests, max_context], full slots) and the token history
     (int32 [max_requests, max_context]) per request row."""
 
-    def __init__(self, max_requests: int, max_context: int) -> None:
-        self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int32)
-        self.tokens = torch.zeros(max_requests, max_context, dtype=torch.int32)
+    def __init__(self, max_requests: int, max_context: int, device: torch.device = torch.device("cpu")) -> None:
+        self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(max_requests, max_context, dtype=torch.int32, device=device)
         self._free_rows = list(range(max_requests - 1, PADDING_ROW, -1))
 
     def alloc_row(self) -> Optional[int]:
