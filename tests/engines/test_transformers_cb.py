@@ -24,6 +24,7 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
 
 import kvcanary  # noqa: E402
 from kvcanary.cli.demo import SLIDING_WINDOW, FlipSharedBlockByte, RedirectRead, generate, tiny_model, workload  # noqa: E402
+from engines.cb_support import BetweenSteps, padded_like_graphs  # noqa: E402
 from kvcanary.engines.transformers_cb import attach, compat  # noqa: E402
 from kvcanary.engines.transformers_cb.attach import _refuse_unobservable_paths  # noqa: E402
 from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator  # noqa: E402
@@ -124,18 +125,6 @@ def check_against_per_row_reference(translator, kwargs, batch) -> int:
 
 
 # ---- clean runs ------------------------------------------------------------------------------------
-def _explicit_sweeps(handle, model, every: int, reports: list):
-    """A forward hook after the canary's: a full explicit sweep (fresh live set) every ``every`` forwards."""
-    count = [0]
-
-    def post(module, args, kwargs, output):
-        count[0] += 1
-        if count[0] % every == 0 and handle._current is not None:
-            reports.append(handle.sweep())
-
-    return model.register_forward_hook(post, with_kwargs=True)
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind, llama, qwen3, monkeypatch):
     model = llama if kind == "llama" else qwen3
@@ -157,17 +146,9 @@ def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind
     monkeypatch.setattr(ForwardTranslator, "describe", describe_and_check)
     probe = Probe(model)
     reports: list = []
-    # qwen3: explicit full sweeps — the rotating sweep's per-pass live set goes stale when transformers
-    # hands a sector freed by one allocator to the other (see test_rotating_sweep_with_a_shared_sector_pool)
-    sweep_interval = 4 if kind == "llama" else 0
     try:
-        with attach(model, mode="raise", sweep_interval=sweep_interval) as handle:
-            sweeper = _explicit_sweeps(handle, model, 4, reports) if kind == "qwen3" else None
-            try:
-                checked = generate(model, prompts)
-            finally:
-                if sweeper is not None:
-                    sweeper.remove()
+        with attach(model, mode="raise", sweep_interval=4) as handle:
+            checked = generate(model, prompts)
             reports.append(handle.sweep())  # after the run: only the prefix cache's idle blocks are live
     finally:
         probe.remove()
@@ -182,10 +163,7 @@ def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind
     expected = probe.expected_head_verifies(window)
     assert stats.slots_verified["head"] == expected
     assert stats.slots_verified["tail"] == 2 * expected  # K and V sides
-    if kind == "llama":
-        assert stats.sweep_passes > 0 and sum(p["verified"] for p in stats.last_pass.values()) > 0
-    else:
-        assert len(reports) > 2 and sum(sum(r.verified.values()) for r in reports) > 0
+    assert stats.sweep_passes > 0 and sum(p["verified"] for p in stats.last_pass.values()) > 0
     counters = handle.counters()
     assert counters["checked_forwards"] == counters["engine_forwards"] == stats.forwards
     for batch in batches:  # the canary never writes one slot twice in a launch (sliding-window trash is skipped)
@@ -239,6 +217,50 @@ def test_graph_driver_on_eager_forwards(llama, monkeypatch):
     counters = handle.counters()
     assert counters["engine_forwards"] == counters["checked_forwards"] == handle.forwards > 0
     assert len(runners) == 1 and "compute_batch" not in vars(runners[0])  # detach restored the class method
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_padded_batches_and_warmup_as_in_graph_mode(kind, llama, qwen3, monkeypatch):
+    """Graph mode without the capture: padded static batches (padding sequences and tokens, padded read
+    indices), the runner's warmup forwards, steps driven by the compute_batch wrapper. Every engine
+    forward with real requests is checked, warmup forwards are not counted, tokens are unchanged."""
+    model = llama if kind == "llama" else qwen3
+    padded_like_graphs(monkeypatch)
+    prompts = workload(seed=1, num_requests=8)
+    reference = generate(model, prompts)  # padded too
+    batches = []
+    describe = ForwardTranslator.describe
+
+    def keep(self, kwargs):
+        out = describe(self, kwargs)
+        batches.append((out.batch_size, out.num_tokens, len(compat.requests_in_batch(self.processor))))
+        return out
+
+    monkeypatch.setattr(ForwardTranslator, "describe", keep)
+    with attach(model, mode="raise", sweep_interval=4) as handle:
+        checked = generate(model, prompts)
+    assert checked == reference
+    assert handle.violations() == [] and handle.errors == []
+    counters = handle.counters()
+    assert counters["engine_forwards"] == counters["checked_forwards"] == handle.forwards > 0
+    assert counters["warmup_forwards"] > 0
+    assert any(rows > real for rows, _, real in batches), "no padding sequence"
+    assert {tokens for _, tokens, _ in batches} == {64}, "the padded batches have max_batch_tokens tokens"
+
+
+def test_redirected_read_between_steps_with_padded_batches(llama, monkeypatch):
+    """The fault lands in the engine's static read index after batch preparation (where a graph replay
+    would read it), and is charged to the reading request at its step."""
+    padded_like_graphs(monkeypatch)
+    injector = RedirectRead(group="full", seed=4, after_step=2)
+    handle = attach(llama, mode="log", sweep_interval=0)
+    BetweenSteps(injector, handle).install(monkeypatch)
+    with handle:
+        generate(llama, workload(seed=1))
+    (inj,) = injector.ledger
+    at_step = [v for v in handle.violations() if v.step == inj.step]
+    assert at_step and all(v.request_id == inj.request_id for v in at_step)
+    assert any(v.slot == inj.slot and "verify_position" in v.reason_label for v in at_step)
 
 
 # ---- faults ----------------------------------------------------------------------------------------

@@ -153,9 +153,12 @@ class TransformersCbHandle:
                 s.phase = IDLE  # a hook-driven warmup step (eager mode) ends here
             return None
         s.head_open = False
+        capturing = _capturing()
         try:
             s.canary.launch_tail(run_checks=output is not None)  # output None: the forward raised
-            if s.phase == HOOK_STEP and not _capturing():
+            if capturing:
+                s.graphs_captured += 1
+            elif s.phase == HOOK_STEP:
                 if s.graphs:
                     s.phase = DEFERRED_END  # a capture may follow in this compute_batch call
                 else:
@@ -202,14 +205,12 @@ class TransformersCbHandle:
                 s.phase = IDLE
                 self.errors.append(exc)
                 raise
-            keys = len(compat.graph_store(s.processor))
             try:
                 result = original(model, batch_data)
             except BaseException:
                 with on_stream:
                     self._abandon(s)
                 raise
-            s.graphs_captured += len(compat.graph_store(s.processor)) - keys
             try:
                 with on_stream:
                     phase, s.phase = s.phase, IDLE

@@ -1,0 +1,327 @@
+"""End-to-end canary overhead on transformers continuous batching: decode step and prefill, graphs off/on.
+
+One randomly initialised Llama-shaped model (default: the 1B shape — 16 layers, hidden 2048, 32 heads,
+8 KV heads, bf16), one workload (default: 64 requests of 2-3 k random prompt tokens, 32 new tokens,
+pages of 32), run back to back in one process under each configuration:
+
+    baseline            no canary
+    canary/partial      kvcanary.attach(mode="log", real_kv_hash="partial")   (the default config)
+    canary/none         kvcanary.attach(mode="log", real_kv_hash="none")      (no real-KV fingerprints)
+
+each with CUDA graphs off and on (on: ``ContinuousBatchingConfig(use_cuda_graph=True)``; CUDA only).
+Per configuration: the median decode-step time (an engine step whose requests all decode one token:
+scheduling + input preparation + forward + sampling + the host copy of the outputs — what a user waits
+for), the prefill time per prompt token (every other step, summed, over their query tokens), overhead
+against the baseline of the same graph mode, whether the generated tokens equal the baseline's, and the
+canary's own host time per step (time inside the adapter's and runtime's entry points; with graphs off it
+includes enqueueing the canary's kernels, with graphs on only the host half — the device half replays
+inside the engine's graph). Steps are timed with ``time.perf_counter`` around the engine's own
+``prepare_next_batch`` .. ``update_batch`` (the engine synchronises its compute stream in between).
+
+    python bench/e2e_overhead.py --quick            # H200: ~4 minutes with model init
+    python bench/e2e_overhead.py --tiny             # CPU smoke run (2 layers, 4 requests)
+    python bench/e2e_overhead.py --json out.json    # also write the rows as JSON
+
+Assert-free: a configuration that fails prints its error in the table and the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import platform
+import random
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+PRESETS = {
+    "full": dict(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192, vocab=128256,
+                 requests=64, prompt_min=2048, prompt_max=3072, new_tokens=32, page_size=32, max_batch_tokens=8192),
+    "quick": dict(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192, vocab=128256,
+                  requests=32, prompt_min=1024, prompt_max=1536, new_tokens=16, page_size=32, max_batch_tokens=4096),
+    "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
+                 requests=4, prompt_min=48, prompt_max=80, new_tokens=4, page_size=16, max_batch_tokens=64),
+}
+CONFIGS = [("baseline", None), ("canary/partial", "partial"), ("canary/none", "none")]
+
+
+@dataclass
+class StepLog:
+    """Engine steps of one run: (decode?, query tokens, seconds)."""
+
+    steps: list = field(default_factory=list)
+    canary_s: float = 0.0  # host seconds inside the canary's entry points
+    by_entry: dict = field(default_factory=dict)  # entry point -> host seconds
+    _t0: float = 0.0
+
+
+@contextlib.contextmanager
+def timed_engine_steps(log: StepLog):
+    """Time each engine step from ``prepare_next_batch`` to the end of ``update_batch`` (bench-only patch of
+    the processor class, removed on exit)."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+
+    prepare, update = ContinuousBatchProcessor.prepare_next_batch, ContinuousBatchProcessor.update_batch
+
+    def timed_prepare(self):
+        log._t0 = time.perf_counter()
+        return prepare(self)
+
+    def timed_update(self):
+        batch = list(self.inputs_and_outputs.requests_in_batch)
+        out = update(self)
+        dt = time.perf_counter() - log._t0
+        tokens = sum(fs.query_length for fs in batch)
+        log.steps.append((all(fs.query_length == 1 for fs in batch), tokens, dt))
+        return out
+
+    ContinuousBatchProcessor.prepare_next_batch, ContinuousBatchProcessor.update_batch = timed_prepare, timed_update
+    try:
+        yield log
+    finally:
+        ContinuousBatchProcessor.prepare_next_batch, ContinuousBatchProcessor.update_batch = prepare, update
+
+
+@contextlib.contextmanager
+def timed_canary(log: StepLog):
+    """Accumulate host time inside the canary's per-forward entry points (bench-only patches)."""
+    from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator
+    from kvcanary.runtime import Canary
+
+    targets = [(ForwardTranslator, "host_step"), (ForwardTranslator, "describe")] + [
+        (Canary, name) for name in ("begin_step", "stage", "launch_head", "launch_tail", "end_step")
+    ]
+    saved = [(cls, name, getattr(cls, name)) for cls, name in targets]
+    depth = [0]
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            if depth[0]:
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t
+                log.canary_s += dt
+                log.by_entry[label] = log.by_entry.get(label, 0.0) + dt
+                depth[0] -= 1
+        label = fn.__qualname__
+        return wrapper
+
+    for cls, name, fn in saved:
+        setattr(cls, name, timed(fn))
+    try:
+        yield
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+
+def build_model(args, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
+                         vocab_size=args.vocab, max_position_embeddings=max(4096, 2 * args.prompt_max),
+                         attn_implementation=args.attn)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval()
+
+
+def make_prompts(args) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [[rng.randrange(1, args.vocab) for _ in range(rng.randrange(args.prompt_min, args.prompt_max + 1))]
+            for _ in range(args.requests)]
+
+
+def cb_config(args, graphs: bool):
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    per_request = -(-(args.prompt_max + args.new_tokens) // args.page_size) + 1
+    return ContinuousBatchingConfig(
+        page_size=args.page_size, num_blocks=args.requests * per_request + 16, max_batch_tokens=args.max_batch_tokens,
+        max_requests_per_batch=args.requests, use_cuda_graph=graphs, use_async_batching=False,
+    )
+
+
+def run_one(model, prompts, args, graphs: bool, hash_mode) -> tuple[dict, StepLog]:
+    from transformers import GenerationConfig
+
+    import kvcanary
+
+    gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    log = StepLog()
+    handle = None
+    if hash_mode is not None:
+        handle = kvcanary.attach(model, mode="log", real_kv_hash=hash_mode, sweep_interval=args.sweep_interval,
+                                 max_requests=args.requests + 8)
+    try:
+        with timed_engine_steps(log), (timed_canary(log) if handle is not None else contextlib.nullcontext()):
+            _sync()
+            out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb_config(args, graphs),
+                                       progress_bar=False)
+            _sync()
+    finally:
+        if handle is not None:
+            handle.detach()
+    tokens = {rid: list(o.generated_tokens) for rid, o in out.items()}
+    counters = handle.counters() if handle is not None else {}
+    return {"tokens": tokens, "counters": counters, "errors": [repr(e) for e in (handle.errors if handle else [])]}, log
+
+
+def summarize(log: StepLog) -> dict:
+    decode = [dt for is_decode, _, dt in log.steps if is_decode]
+    prefill = [(tok, dt) for is_decode, tok, dt in log.steps if not is_decode]
+    prefill_tokens = sum(t for t, _ in prefill)
+    steps = len(log.steps)
+    return {
+        "steps": steps,
+        "decode_steps": len(decode),
+        "decode_ms": statistics.median(decode) * 1e3 if decode else None,
+        "prefill_us_per_token": sum(dt for _, dt in prefill) / prefill_tokens * 1e6 if prefill_tokens else None,
+        "canary_host_ms_per_step": log.canary_s / steps * 1e3 if steps and log.canary_s else None,
+        "canary_host_ms_per_step_by_entry": {k: v / steps * 1e3 for k, v in log.by_entry.items()} if steps else {},
+    }
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _pct(x, base):
+    return None if x is None or base is None or base == 0 else (x / base - 1) * 100
+
+
+def format_table(rows: list[dict], machine: str) -> str:
+    head = (f"{'graphs':<6} {'config':<15} {'decode ms':>9} {'ovh %':>7} {'prefill us/tok':>14} {'ovh %':>7} "
+            f"{'canary host ms/step':>19} {'same tokens':>11} {'checked/engine':>14}")
+    lines = [f"kvcanary end-to-end overhead — {machine}", head, "-" * len(head)]
+
+    def f(x, spec):
+        width = int("".join(ch for ch in spec.split(".")[0] if ch.isdigit()) or 0)
+        return format(x, spec) if x is not None else "-".rjust(width)
+
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['graphs']:<6} {r['config']:<15} ERROR {r['error']}")
+            continue
+        cf = r["counters"]
+        ce = f"{cf.get('checked_forwards', '-')}/{cf.get('engine_forwards', '-')}" if cf else "-"
+        lines.append(
+            f"{r['graphs']:<6} {r['config']:<15} {f(r['decode_ms'], '9.2f')} {f(r['decode_overhead_pct'], '+7.2f')} "
+            f"{f(r['prefill_us_per_token'], '14.3f')} {f(r['prefill_overhead_pct'], '+7.2f')} "
+            f"{f(r['canary_host_ms_per_step'], '19.3f')} {str(r['same_tokens']):>11} {ce:>14}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller workload (~4 min on an H200 with model init)")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke preset")
+    for key, value in PRESETS["full"].items():
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"default {value}")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa; flash_attention_2 if installed)")
+    p.add_argument("--graphs", default=None, choices=["off", "on", "both"], help="default: both on CUDA, off on CPU")
+    p.add_argument("--sweep-interval", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (step times pooled)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"]
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs or ("both" if cuda else "off")]
+    if not cuda:
+        graph_modes = [False]
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+
+    import transformers
+
+    import kvcanary  # noqa: F401
+
+    machine = (torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})")
+    machine += f", torch {torch.__version__}, transformers {transformers.__version__}"
+    print(f"# {machine}; {vars(args)}", flush=True)
+    t0 = time.perf_counter()
+    model = build_model(args, device)
+    prompts = make_prompts(args)
+    print(f"# model ready in {time.perf_counter() - t0:.1f}s; {args.requests} prompts, "
+          f"{sum(map(len, prompts))} prompt tokens", flush=True)
+
+    rows = []
+    for graphs in graph_modes:
+        # warm-up: one small run per graph mode, unchecked and checked (kernels, allocator, lazy imports)
+        warm = argparse.Namespace(**{**vars(args), "requests": min(4, args.requests), "new_tokens": 2})
+        for hash_mode in (None, "partial"):
+            run_one(model, prompts[: warm.requests], warm, graphs, hash_mode)
+            _release()
+        base_tokens = base = None
+        for name, hash_mode in CONFIGS:
+            row = {"graphs": "on" if graphs else "off", "config": name}
+            t = time.perf_counter()
+            try:
+                logs = []
+                for _ in range(args.repeats):
+                    result, log = run_one(model, prompts, args, graphs, hash_mode)
+                    logs.append(log)
+                    _release()
+                pooled = StepLog(steps=[s for lg in logs for s in lg.steps], canary_s=sum(lg.canary_s for lg in logs))
+                for lg in logs:
+                    for k, v in lg.by_entry.items():
+                        pooled.by_entry[k] = pooled.by_entry.get(k, 0.0) + v
+                row.update(summarize(pooled))
+                row["counters"] = {k: v for k, v in result["counters"].items() if not isinstance(v, dict)}
+                row["canary_errors"] = result["errors"]
+                if hash_mode is None:
+                    base_tokens, base = result["tokens"], row
+                row["same_tokens"] = result["tokens"] == base_tokens if base_tokens is not None else None
+                row["decode_overhead_pct"] = _pct(row["decode_ms"], base and base["decode_ms"])
+                row["prefill_overhead_pct"] = _pct(row["prefill_us_per_token"], base and base["prefill_us_per_token"])
+            except Exception as exc:  # assert-free: report and go on
+                traceback.print_exc()
+                row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                _release()
+            row["wall_s"] = time.perf_counter() - t
+            rows.append(row)
+            print(f"# {row['graphs']:>3} {name:<15} done in {row['wall_s']:.1f}s", flush=True)
+
+    print(format_table(rows, machine))
+    for r in rows:
+        entries = r.get("canary_host_ms_per_step_by_entry")
+        if entries:
+            parts = ", ".join(f"{k.split('.')[-1]} {v:.3f}" for k, v in sorted(entries.items(), key=lambda kv: -kv[1]))
+            print(f"  {r['graphs']:<3} {r['config']:<15} host ms/step by entry: {parts}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": machine, "args": vars(args), "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The transformers adapter with CUDA graphs on: every forward checked, replays included.
+
+Tiny random models from the demo (a 2-layer Llama with prefix sharing, a 4-layer Qwen3 with sliding-window
+layers) on the GPU, ``ContinuousBatchingConfig(use_cuda_graph=True)``: the runner's warmup captures the
+varlen graph with the canary's device work inside, and every later step with the same key is a replay
+(no Python hooks run). Faults are injected between the engine's batch preparation and the forward, into
+the engine's static buffers (`engines.cb_support.BetweenSteps`), so they reach replayed forwards.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytest.importorskip("transformers")
+
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+from kvcanary.cli.demo import PAGE_SIZE, FlipSharedBlockByte, RedirectRead, tiny_model, workload  # noqa: E402
+from kvcanary.engines.transformers_cb import attach  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engines.cb_support import BetweenSteps, count_replays  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quiet_engine():
+    logger = logging.getLogger("ContinuousBatchingLogger")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", CUDA, seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_model("qwen3_swa", CUDA, seed=0)
+
+
+def run(model, prompts, *, graphs=True, max_requests_per_batch=4) -> dict[str, list[int]]:
+    """``generate_batch`` with the demo's small cache; ``graphs=None`` leaves graphs and async batching to
+    the engine's GPU defaults."""
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    flags = {} if graphs is None else {"use_cuda_graph": graphs, "use_async_batching": False}
+    cb = ContinuousBatchingConfig(page_size=PAGE_SIZE, num_blocks=40, max_batch_tokens=64,
+                                  max_requests_per_batch=max_requests_per_batch, **flags)
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False)
+    return {rid: list(o.generated_tokens) for rid, o in out.items()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_every_graphed_forward_is_checked_and_tokens_are_unchanged(kind, llama, qwen3, monkeypatch):
+    model = llama if kind == "llama" else qwen3
+    prompts = workload(seed=1)
+    reference = run(model, prompts)
+    replays = count_replays(monkeypatch)
+    with attach(model, mode="raise", sweep_interval=4) as handle:
+        checked = run(model, prompts)
+    assert checked == reference, "the canary changed the generated tokens"
+    assert handle.violations() == [] and handle.errors == []
+    counters = handle.counters()
+    assert len(replays) > 0, "no graph was replayed"
+    assert counters["graphs_captured"] > 0 and counters["warmup_forwards"] > 0
+    assert counters["checked_forwards"] == counters["engine_forwards"] == handle.forwards
+    assert counters["engine_forwards"] >= len(replays)  # every replay was an engine forward, and checked
+
+
+def test_gpu_default_config_is_checked(llama):
+    """Graphs and async batching left to the engine: with sdpa it runs eagerly; with a flash kernel it
+    turns graphs and async batching on, and async batching is refused with a kv-canary: error."""
+    prompts = workload(seed=1, num_requests=6)
+    reference = run(llama, prompts, graphs=None)
+    with attach(llama, mode="log", sweep_interval=4) as handle:
+        checked = run(llama, prompts, graphs=None)
+    assert checked == reference
+    counters = handle.counters()
+    assert counters["checked_forwards"] == counters["engine_forwards"] == handle.forwards > 0
+    assert handle.violations() == []
+
+
+def test_flipped_kv_byte_is_caught_in_a_replay_and_charged_to_the_reusing_request(llama, monkeypatch):
+    prompts = [p for p in workload(seed=2, num_requests=6) if len(p) > 40][:4]  # all share one system prompt
+    injector = FlipSharedBlockByte(seed=3, after_step=0)
+    handle = attach(llama, mode="log", sweep_interval=0)
+    between = BetweenSteps(injector, handle).install(monkeypatch)
+    with handle:
+        run(llama, prompts, max_requests_per_batch=1)
+    (inj,) = injector.ledger
+    assert between.replayed == [True], "the faulty forward was not a graph replay"
+    hits = [v for v in handle.violations() if v.slot == inj.slot and v.group == "full"]
+    assert hits, f"flip at slot {inj.slot} not reported: {[v.log_line() for v in handle.violations()]}"
+    first = min(hits, key=lambda v: v.step)
+    assert first.reason_label == "verify_real_kv_hash" and first.launch_tag.name == "TAIL_K_FULL"
+    assert first.request_id == inj.request_id and first.step == inj.step
+
+
+@pytest.mark.parametrize("group", ["full", "swa"])
+def test_redirected_read_index_is_caught_in_a_replay_and_charged_to_the_reader(group, llama, qwen3, monkeypatch):
+    model = llama if group == "full" else qwen3
+    injector = RedirectRead(group=group, seed=4, after_step=2)
+    handle = attach(model, mode="log", sweep_interval=0)
+    between = BetweenSteps(injector, handle).install(monkeypatch)
+    with handle:
+        run(model, workload(seed=1))
+    (inj,) = injector.ledger
+    assert between.replayed == [True], "the faulty forward was not a graph replay"
+    at_step = [v for v in handle.violations() if v.step == inj.step]
+    assert at_step and {v.group for v in at_step} == {group}
+    assert all(v.request_id == inj.request_id for v in at_step)
+    assert any(v.slot == inj.slot and "verify_position" in v.reason_label for v in at_step)
+    counters = handle.counters()
+    assert counters["checked_forwards"] == counters["engine_forwards"]
