@@ -166,7 +166,7 @@ def run_one(model, prompts, args, graphs: bool, hash_mode) -> tuple[dict, StepLo
     handle = None
     if hash_mode is not None:
         handle = kvcanary.attach(model, mode="log", real_kv_hash=hash_mode, sweep_interval=args.sweep_interval,
-                                 max_requests=args.requests + 8)
+                                 max_requests=args.requests + 8, capture_canary=args.capture_canary == "on")
     try:
         with timed_engine_steps(log), (timed_canary(log) if handle is not None else contextlib.nullcontext()):
             _sync()
@@ -244,6 +244,8 @@ def main(argv=None) -> int:
     p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa; flash_attention_2 if installed)")
     p.add_argument("--graphs", default=None, choices=["off", "on", "both"], help="default: both on CUDA, off on CPU")
     p.add_argument("--sweep-interval", type=int, default=64)
+    p.add_argument("--capture-canary", default="on", choices=["on", "off"],
+                   help="graphs off: capture the canary's own HEAD/TAIL work in CUDA graphs (the adapter's default)")
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (step times pooled)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows as JSON here")

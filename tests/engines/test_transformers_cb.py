@@ -219,6 +219,43 @@ def test_graph_driver_on_eager_forwards(llama, monkeypatch):
     assert len(runners) == 1 and "compute_batch" not in vars(runners[0])  # detach restored the class method
 
 
+def test_decode_fast_path_translation_matches_the_indexed_one(llama, monkeypatch):
+    """The decode fast path (block table, flash_attn_with_kvcache; CUDA only) translated from a block table
+    built from the allocator gives the same position -> slot rows and written slots as the index path."""
+    compared = []
+    describe = ForwardTranslator.describe
+
+    def both(self, kwargs):
+        out = describe(self, kwargs)
+        batch = list(compat.requests_in_batch(self.processor))
+        if not all(fs.query_length == 1 for fs in batch):
+            return out
+        (g,) = self.layouts
+        blocks_of = compat.request_blocks(compat.allocators(self.cache)[g.layer_type])
+        blocks = [blocks_of[fs.state.request_id] for fs in batch]
+        pages = torch.full((1, len(batch) + 1, max(map(len, blocks)) + 2), -1, dtype=torch.int32)  # + a padding row
+        for i, b in enumerate(blocks):
+            pages[0, i, : len(b)] = torch.tensor(b, dtype=torch.int32) * g.pages_stride
+        paged = dict(kwargs, block_table=pages[:, : len(batch)])
+        indexed_table = self.req_to_token[g.name]
+        self.req_to_token[g.name] = torch.zeros_like(indexed_table)
+        try:
+            out_paged = describe(self, paged)
+            for fs in batch:
+                row, p = self.rows.row_of[fs.state.request_id], fs.state.position_offset - 1
+                assert self.req_to_token[g.name][row, : p + 1].tolist() == indexed_table[row, : p + 1].tolist()
+        finally:
+            self.req_to_token[g.name] = indexed_table
+        assert out_paged.groups[g.name].out_cache_loc.tolist() == out.groups[g.name].out_cache_loc.tolist()
+        compared.append(len(batch))
+        return out
+
+    monkeypatch.setattr(ForwardTranslator, "describe", both)
+    with attach(llama, mode="raise", sweep_interval=0):
+        generate(llama, workload(seed=1))
+    assert len(compared) > 3 and max(compared) > 1
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_padded_batches_and_warmup_as_in_graph_mode(kind, llama, qwen3, monkeypatch):
     """Graph mode without the capture: padded static batches (padding sequences and tokens, padded read

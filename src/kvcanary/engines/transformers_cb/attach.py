@@ -8,7 +8,9 @@
   bracket even when the forward raises (TAIL checks skipped, the step still ends).
 
 Eager forwards (``use_cuda_graph=False``) are driven by the hooks alone: the pre-hook also runs the host
-half (``host_step`` + ``begin_step``), the post-hook ``end_step``. Nothing is patched.
+half (``host_step`` + ``begin_step``), the post-hook ``end_step``. Nothing is patched. On CUDA the canary's
+own HEAD / TAIL launches are captured once after the first forward (`Canary.capture_graphs`) and replayed
+per forward; only `ForwardTranslator.describe` (shapes vary per eager forward) and ``stage`` launch.
 
 CUDA graphs (``use_cuda_graph=True``, or the GPU default with a flash attention kernel): during capture
 the hooks run once and the canary's device work is captured with the forward; a replay runs no Python.
@@ -78,6 +80,7 @@ class _Session:
     canary: Canary
     translator: ForwardTranslator
     graphs: bool  # the processor captures CUDA graphs: the compute_batch wrapper drives the steps
+    canary_graphs_due: bool = False  # eager engine on CUDA: capture the canary's own work after one forward
     phase: str = IDLE
     head_open: bool = False  # launch_head ran (eagerly or into a capture) and launch_tail is due
     step: Optional[StepInfo] = None
@@ -110,6 +113,7 @@ class TransformersCbHandle:
     max_requests: int
     max_context: Optional[int]
     device: Optional[torch.device]
+    capture_canary: Optional[bool] = None
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -164,6 +168,9 @@ class TransformersCbHandle:
                 else:
                     s.phase = IDLE
                     s.canary.end_step()
+                    if s.canary_graphs_due:  # the tables are known now: replay HEAD / TAIL from here on
+                        s.canary_graphs_due = False
+                        s.canary.capture_graphs()
         except Exception as exc:
             self.errors.append(exc)
             raise
@@ -283,7 +290,9 @@ class TransformersCbHandle:
             canary.set_kv_cache(g.name, lambda layer, g=g: layer_kv_views(cache, g, layer)[:2], page_size=g.page_size)
         canary.set_live_slots_provider(translator.live_slots)
         graphs = any(compat.graph_flags(processor))
-        session = _Session(cache=cache, processor=processor, canary=canary, translator=translator, graphs=graphs)
+        own_graphs = self.capture_canary if self.capture_canary is not None else torch.device(device).type == "cuda"
+        session = _Session(cache=cache, processor=processor, canary=canary, translator=translator, graphs=graphs,
+                           canary_graphs_due=own_graphs and not graphs and torch.device(device).type == "cuda")
         if graphs:
             # graphs captured before attaching replay without the canary: drop them (recaptured on demand)
             session.graphs_dropped += compat.drop_graphs(processor, list(compat.graph_store(processor)))
@@ -421,6 +430,7 @@ def attach(
     max_context: Optional[int] = None,
     device: Optional[torch.device] = None,
     config: Optional[CanaryConfig] = None,
+    capture_canary: Optional[bool] = None,
     **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
@@ -428,8 +438,10 @@ def attach(
 
     ``options`` are `CanaryConfig` fields (``mode="raise"``, ``sweep_interval=...``); unset ones come
     from ``KVCANARY_*`` environment variables. ``max_requests``: live requests tracked at once;
-    ``max_context``: longest request (default: the cache's capacity, at most 32768). In mode
-    ``none`` nothing is attached.
+    ``max_context``: longest request (default: the cache's capacity, at most 32768).
+    ``capture_canary``: when the engine runs eagerly on CUDA, capture the canary's own HEAD / TAIL work in
+    CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward).
+    In mode ``none`` nothing is attached.
     """
     check_transformers_version()
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate_batch"):
@@ -442,7 +454,7 @@ def attach(
         cfg = config.with_options(**options)
     handle = TransformersCbHandle(
         model=model, config=cfg, max_requests=max_requests, max_context=max_context,
-        device=torch.device(device) if device is not None else None,
+        device=torch.device(device) if device is not None else None, capture_canary=capture_canary,
     )
     if cfg.enabled:
         handle._install()
