@@ -83,8 +83,11 @@ def test_gpu_default_config_is_checked(llama):
     refused with a kv-canary: error rather than run unchecked."""
     prompts = workload(seed=1, num_requests=6)
     reference = run(llama, prompts, graphs=None)
-    with attach(llama, mode="log", sweep_interval=4) as handle:
+    handle = attach(llama, mode="log", sweep_interval=4)
+    try:
         checked = run(llama, prompts, graphs=None)
+    finally:
+        handle.detach()
     if handle.errors:
         assert all(str(e).startswith("kv-canary: async batching is on") for e in handle.errors), handle.errors
         return
