@@ -145,18 +145,21 @@ class Attributor:
 
     ``rows_of_step(step)`` returns the request rows a step ran (batch order) when the log has none (the
     runtime keeps a short device history of them); ``slot_owner(group, slots)`` returns the slot records'
-    ``(owner codes, positions)`` for SWEEP rows.
+    ``(owner codes, positions)`` now, and ``sweep_owner(group, step, entry)`` the owner code of a rotating
+    slice's entry when it was swept (None once forgotten), for SWEEP rows.
     """
 
     def __init__(
         self, *, log: StepLog, owner_span: int,
         rows_of_step: Callable[[int], Optional[Sequence[int]]],
         slot_owner: Callable[[str, list[int]], tuple[list[int], list[int]]],
+        sweep_owner: Callable[[str, int, int], Optional[int]] = lambda group, step, entry: None,
     ) -> None:
         self.log = log
         self.owner_span = owner_span
         self._rows_of_step = rows_of_step
         self._slot_owner = slot_owner
+        self._sweep_owner = sweep_owner
 
     def attribute(self, rows: list[RingRow]) -> list[Violation]:
         sweep_rows = [r for r in rows if r.tag.phase == "sweep"]
@@ -169,6 +172,9 @@ class Attributor:
         for r in rows:
             if r.tag.phase == "sweep":
                 code, pos = owners.get((r.tag.group, r.slot), (-1, -1))
+                swept = self._sweep_owner(r.tag.group, r.step, r.batch_row)  # the owner when it was swept
+                if swept is not None:
+                    code, pos = swept, r.expected_position
                 rid, rrow = self._request(*divmod(code, self.owner_span)) if code >= 0 else (None, None)
                 out.append(self._violation(r, rid, rrow, None if pos < 0 else pos, "sweep"))
                 continue

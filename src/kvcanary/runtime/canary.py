@@ -164,6 +164,7 @@ class Canary:
             log=self.step_log, owner_span=OWNER_SPAN,
             rows_of_step=lambda step: device_rows(self.launches.row_history, lambda: self._step, step),
             slot_owner=self._slot_owner,
+            sweep_owner=lambda group, step, entry: self.sweeper.owner_at_sweep(group, step, entry, self._step),
         )
         self.ledger = ViolationLedger(config)
         self.health = HealthWatchdog(config)

@@ -109,9 +109,11 @@ class ViolationRings:
 class ViolationDrain:
     """Moves ring rows to the host without a wait on the per-forward path (see the module docstring)."""
 
-    def __init__(self, rings: ViolationRings, *, synchronous: bool, watch: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(self, rings: ViolationRings, *, synchronous: bool, watch: Sequence[torch.Tensor] = (),
+                 asynchronous: Optional[bool] = None, event=None) -> None:
         self.rings = rings
-        self.asynchronous = rings.device.type == "cuda" and not synchronous
+        self.asynchronous = (rings.device.type == "cuda" and not synchronous) if asynchronous is None else asynchronous
+        self._event = event or torch.cuda.Event  # a test can hand in a stand-in with record / query / synchronize
         self.watch = tuple(watch)  # small int64 device tensors read back with every snapshot (counters)
         self.watched: tuple[list[int], ...] = tuple([0] * t.numel() for t in self.watch)  # latest host values
         self._epoch = 0  # harvests enqueued so far; a snapshot taken before the last one is stale
@@ -119,12 +121,11 @@ class ViolationDrain:
         self._harvest: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]] = None
         if self.asynchronous:
             t, cap = len(rings.tags), rings.capacity
-            self._pinned_index = [torch.zeros(t, dtype=torch.int32).pin_memory() for _ in range(8)]
-            self._pinned_watch = [tuple(torch.zeros(w.numel(), dtype=w.dtype).pin_memory() for w in self.watch)
-                                  for _ in range(8)]
-            self._h_rings = torch.zeros(t, cap, VIOLATION_FIELDS, dtype=torch.int64).pin_memory()
-            self._h_stamps = torch.zeros(t, cap, STAMP_FIELDS, dtype=torch.int64).pin_memory()
-            self._h_index = torch.zeros(t, dtype=torch.int32).pin_memory()
+            self._pinned_index = [_host(t, dtype=torch.int32) for _ in range(8)]
+            self._pinned_watch = [tuple(_host(w.numel(), dtype=w.dtype) for w in self.watch) for _ in range(8)]
+            self._h_rings = _host(t, cap, VIOLATION_FIELDS, dtype=torch.int64)
+            self._h_stamps = _host(t, cap, STAMP_FIELDS, dtype=torch.int64)
+            self._h_index = _host(t, dtype=torch.int32)
             self._next_pinned = 0
 
     # ---- the per-step half (no waits in asynchronous mode) ---------------------------------------
@@ -141,7 +142,7 @@ class ViolationDrain:
         self._pinned_index[k].copy_(self.rings.write_index, non_blocking=True)
         for host, dev in zip(self._pinned_watch[k], self.watch):
             host.copy_(dev.flatten(), non_blocking=True)
-        event = torch.cuda.Event()
+        event = self._event()
         event.record()
         self._snapshots.append((self._epoch, k, event))
         while self._snapshots and self._snapshots[0][2].query():
@@ -179,7 +180,7 @@ class ViolationDrain:
         self._h_stamps.copy_(r.stamps, non_blocking=True)
         self._h_index.copy_(r.write_index, non_blocking=True)
         r.write_index.zero_()
-        event = torch.cuda.Event()
+        event = self._event()
         event.record()
         self._epoch += 1
         self._harvest = (self._h_index, self._h_rings, self._h_stamps, event)
@@ -188,9 +189,10 @@ class ViolationDrain:
         if self._harvest is None:
             return None
         index, rings, stamps, event = self._harvest
-        if not wait and not event.query():
+        if wait:
+            event.synchronize()
+        elif not event.query():
             return None
-        event.synchronize()
         self._harvest = None
         return self._decode(index, rings, stamps)
 
@@ -215,3 +217,9 @@ class ViolationDrain:
                 ))
         dropped = sum(max(0, n - cap) for n in counts.values())
         return Harvest(counts=counts, dropped=dropped, rows=rows)
+
+
+def _host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer for non-blocking device->host copies (pinned when CUDA is present)."""
+    t = torch.zeros(*shape, dtype=dtype)
+    return t.pin_memory() if torch.cuda.is_available() else t

@@ -26,6 +26,8 @@ from kvcanary.runtime.counters import LaunchCounters
 from kvcanary.runtime.drain import ViolationRings
 from kvcanary.runtime.groups import NEVER_WRITTEN, CanaryGroup
 
+OWNER_HISTORY = 64  # steps a swept slice's owners are remembered for late-drained rows
+
 
 @dataclass(frozen=True)
 class SweepReport:
@@ -58,6 +60,10 @@ class _Slices:
         self.live_count = torch.zeros(1, dtype=torch.int64, device=dev)  # at the current pass start
         self.verified = torch.zeros(1, dtype=torch.int64, device=dev)  # in the current pass
         self.last_pass = torch.zeros(2, dtype=torch.int64, device=dev)  # (live, verified) of the last full pass
+        # Stamps name a slice entry (each entry is its own "row": rows of ones); the owner of each entry's slot
+        # when it was swept stays here for OWNER_HISTORY steps, so late-drained rows blame the right writer.
+        self.ones = torch.ones(self.size, dtype=torch.int64, device=dev)
+        self.owner_history = torch.full((OWNER_HISTORY, self.size), -1, dtype=torch.int64, device=dev)
 
 
 class Sweeper:
@@ -118,9 +124,10 @@ class Sweeper:
             written_at = rec.step[slots]
             live = sl.live[slots] & (written_at != NEVER_WRITTEN)
             self._fill_plan(sl.plan, rec, slots, written_at, live)
+            sl.owner_history.index_copy_(0, self.step.remainder(OWNER_HISTORY), rec.owner[slots][None])
             sl.verified += live.sum()
             sl.cursor.add_(sl.size).remainder_(sl.span)
-            self._launch(g, sl.plan)
+            self._launch(g, sl.plan, entry_rows=sl.ones)
 
     # ---- explicit full sweep ------------------------------------------------------------------------
     def run(self, live: Mapping[str, torch.Tensor]) -> SweepReport:
@@ -166,11 +173,21 @@ class Sweeper:
         plan.verify_expected_positions.copy_(position)
         plan.verify_prev_slot_indices.copy_(prev)
 
-    def _launch(self, g: CanaryGroup, plan: VerifyPlan) -> None:
+    def _launch(self, g: CanaryGroup, plan: VerifyPlan, entry_rows: Optional[torch.Tensor] = None) -> None:
+        """Verify ``plan`` on every TAIL side and stamp the rows (with ``entry_rows`` — ones — a stamp's batch
+        row is the plan entry; without, rows are attributed from the slot records when drained)."""
+        stamp_plan = dict(verify_plan=plan, req_pool_indices=entry_rows, prefix_lens=entry_rows) if entry_rows is not None else {}
         for side in g.tail_sides:
             ctx = g.context("sweep", side, "verify", rings=self.rings, counters=self.counters, chain_assert=self._no_assert)
             launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False)
-            launch_stamp_violation_rows(**self.rings.stamp_args(g.tag("sweep", side)), step=self.step)
+            launch_stamp_violation_rows(**self.rings.stamp_args(g.tag("sweep", side)), step=self.step, **stamp_plan)
+
+    def owner_at_sweep(self, group: str, step: int, entry: int, current_step: int) -> Optional[int]:
+        """Owner code of the slot behind ``entry`` of the slice swept at ``step``, if still remembered."""
+        sl = self._slices.get(group)
+        if sl is None or entry < 0 or entry >= sl.size or current_step - step >= OWNER_HISTORY:
+            return None
+        return int(sl.owner_history[step % OWNER_HISTORY, entry])
 
     def cursor_state(self) -> list[torch.Tensor]:
         """Device state a warm-up run must restore (cursors and pass counters)."""
