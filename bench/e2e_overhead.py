@@ -12,7 +12,8 @@ each with CUDA graphs off and on (on: ``ContinuousBatchingConfig(use_cuda_graph=
 Per configuration: the median decode-step time (an engine step whose requests all decode one token:
 scheduling + input preparation + forward + sampling + the host copy of the outputs — what a user waits
 for), the prefill time per prompt token (every other step, summed, over their query tokens), overhead
-against the baseline of the same graph mode, whether the generated tokens equal the baseline's, and the
+against the mean of the two baseline runs of the same graph mode (one before the canary runs, one after:
+their difference is the run-to-run drift), whether the generated tokens equal the baseline's, and the
 canary's own host time per step (time inside the adapter's and runtime's entry points; with graphs off it
 includes enqueueing the canary's kernels, with graphs on only the host half — the device half replays
 inside the engine's graph). Steps are timed with ``time.perf_counter`` around the engine's own
@@ -49,7 +50,7 @@ PRESETS = {
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
                  requests=4, prompt_min=48, prompt_max=80, new_tokens=4, page_size=16, max_batch_tokens=64),
 }
-CONFIGS = [("baseline", None), ("canary/partial", "partial"), ("canary/none", "none")]
+CONFIGS = [("baseline", None), ("canary/partial", "partial"), ("canary/none", "none"), ("baseline/again", None)]
 
 
 @dataclass
@@ -226,10 +227,11 @@ def format_table(rows: list[dict], machine: str) -> str:
             continue
         cf = r["counters"]
         ce = f"{cf.get('checked_forwards', '-')}/{cf.get('engine_forwards', '-')}" if cf else "-"
+        note = f"  canary error: {r['canary_errors'][0][:120]}" if r.get("canary_errors") else ""
         lines.append(
-            f"{r['graphs']:<6} {r['config']:<15} {f(r['decode_ms'], '9.2f')} {f(r['decode_overhead_pct'], '+7.2f')} "
-            f"{f(r['prefill_us_per_token'], '14.3f')} {f(r['prefill_overhead_pct'], '+7.2f')} "
-            f"{f(r['canary_host_ms_per_step'], '19.3f')} {str(r['same_tokens']):>11} {ce:>14}"
+            f"{r['graphs']:<6} {r['config']:<15} {f(r['decode_ms'], '9.2f')} {f(r.get('decode_overhead_pct'), '+7.2f')} "
+            f"{f(r['prefill_us_per_token'], '14.3f')} {f(r.get('prefill_overhead_pct'), '+7.2f')} "
+            f"{f(r['canary_host_ms_per_step'], '19.3f')} {str(r['same_tokens']):>11} {ce:>14}{note}"
         )
     return "\n".join(lines)
 
@@ -280,10 +282,11 @@ def main(argv=None) -> int:
     for graphs in graph_modes:
         # warm-up: one small run per graph mode, unchecked and checked (kernels, allocator, lazy imports)
         warm = argparse.Namespace(**{**vars(args), "requests": min(4, args.requests), "new_tokens": 2})
-        for hash_mode in (None, "partial"):
+        for hash_mode in (None, "partial", "none"):
             run_one(model, prompts[: warm.requests], warm, graphs, hash_mode)
             _release()
-        base_tokens = base = None
+        base_tokens = None
+        bases: list = []
         for name, hash_mode in CONFIGS:
             row = {"graphs": "on" if graphs else "off", "config": name}
             t = time.perf_counter()
@@ -301,10 +304,9 @@ def main(argv=None) -> int:
                 row["counters"] = {k: v for k, v in result["counters"].items() if not isinstance(v, dict)}
                 row["canary_errors"] = result["errors"]
                 if hash_mode is None:
-                    base_tokens, base = result["tokens"], row
+                    bases.append(row)
+                    base_tokens = base_tokens if base_tokens is not None else result["tokens"]
                 row["same_tokens"] = result["tokens"] == base_tokens if base_tokens is not None else None
-                row["decode_overhead_pct"] = _pct(row["decode_ms"], base and base["decode_ms"])
-                row["prefill_overhead_pct"] = _pct(row["prefill_us_per_token"], base and base["prefill_us_per_token"])
             except Exception as exc:  # assert-free: report and go on
                 traceback.print_exc()
                 row["error"] = f"{type(exc).__name__}: {exc}"[:200]
@@ -312,6 +314,12 @@ def main(argv=None) -> int:
             row["wall_s"] = time.perf_counter() - t
             rows.append(row)
             print(f"# {row['graphs']:>3} {name:<15} done in {row['wall_s']:.1f}s", flush=True)
+        # overhead against the mean of the two baseline runs of this graph mode (before and after the canary)
+        for row in rows[-len(CONFIGS):]:
+            for key in ("decode_ms", "prefill_us_per_token"):
+                ref = [b[key] for b in bases if b.get(key) is not None]
+                out = "decode_overhead_pct" if key == "decode_ms" else "prefill_overhead_pct"
+                row[out] = _pct(row.get(key), sum(ref) / len(ref) if ref else None)
 
     print(format_table(rows, machine))
     for r in rows:

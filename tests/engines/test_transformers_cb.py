@@ -285,6 +285,24 @@ def test_padded_batches_and_warmup_as_in_graph_mode(kind, llama, qwen3, monkeypa
     assert {tokens for _, tokens, _ in batches} == {64}, "the padded batches have max_batch_tokens tokens"
 
 
+def test_tables_are_staged_before_the_runtime_freezes_them(llama, monkeypatch):
+    """Under CUDA graphs the runtime freezes its static inputs at the first stage it sees inside a capture
+    and then insists on the same table objects. The warmup's eager forwards stage the adapter's tables
+    first; here every stage outside a warmup forward is treated as a capture (frozen identity checks)."""
+    import kvcanary.runtime.canary as canary_module
+    from kvcanary.engines.transformers_cb.attach import WARMUP_STEP
+
+    padded_like_graphs(monkeypatch)
+    handle = attach(llama, mode="raise", sweep_interval=4)
+    monkeypatch.setattr(canary_module, "capturing",
+                        lambda: handle._current is not None and handle._current.phase != WARMUP_STEP)
+    with handle:
+        generate(llama, workload(seed=1, num_requests=6))
+    assert handle.errors == [] and handle.violations() == []
+    counters = handle.counters()
+    assert counters["warmup_forwards"] > 0 and counters["engine_forwards"] == counters["checked_forwards"] > 0
+
+
 def test_redirected_read_between_steps_with_padded_batches(llama, monkeypatch):
     """The fault lands in the engine's static read index after batch preparation (where a graph replay
     would read it), and is charged to the reading request at its step."""

@@ -140,7 +140,10 @@ class TransformersCbHandle:
                     self._end_deferred(s)
                     self._begin(s, HOOK_STEP)
                 if s.phase == WARMUP_STEP:
-                    return None  # fake requests: nothing to check, nothing counted
+                    # fake requests: nothing to check or count (all rows are padding), but stage them, so
+                    # the static buffers know the adapter's tables before the capture that follows freezes them
+                    s.canary.stage(s.translator.describe(kwargs))
+                    return None
             # eager, or captured once into the graph (the replays re-run these device ops)
             s.canary.stage(s.translator.describe(kwargs))
             s.canary.launch_head()
