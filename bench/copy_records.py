@@ -16,6 +16,8 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -49,9 +51,18 @@ def _machine(device: torch.device) -> str:
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__} (threads {torch.get_num_threads()})"
 
 
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: median and best wall clock; median process CPU time (all threads; CPU only)."""
+
+    wall: float
+    best: float
+    cpu: Optional[float]
+
+
+def _measure(fn, device: torch.device, repeats: int) -> Timing:
     fn()  # warm-up (Triton compile, allocator)
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -60,12 +71,13 @@ def _median_seconds(fn, device: torch.device, repeats: int) -> float:
             fn()
             end.record()
             torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
+            walls.append(start.elapsed_time(end) / 1e3)
         else:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+    return Timing(wall=statistics.median(walls), best=min(walls), cpu=statistics.median(cpus) if cpus else None)
 
 
 def _paged_slots(num_blocks: int, pool_blocks: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -159,26 +171,40 @@ def main() -> None:
     print(f"# load average before the run: {load}")
     print(f"# {blocks} blocks x {PAGE} slots = {n} slots, {TABLES} tables x {RECORD_BYTES} B = {record_bytes / 1e6:.2f} MB of "
           f"records; pool of {num_slots} slots, pages in random order")
-    print(f"{'measurement':<50} {'time':>10} {'records':>11} {'per block':>10}")
+    print(f"# time: median wall clock (best in brackets); cpu: median CPU time of the process, all threads "
+          f"(robust to other load on a shared machine; CPU runs only); rates: record bytes / time")
+    print(f"{'measurement':<46} {'time':>20} {'rate':>10} {'cpu':>9} {'rate':>10} {'per block':>10}")
     results = {}
     for name, fn in rows:
-        t = _median_seconds(fn, device, args.repeats)
+        t = _measure(fn, device, args.repeats)
         results[name] = t
-        print(f"{name:<50} {t * 1e3:8.2f} ms {record_bytes / t / 1e9:7.2f} GB/s {t / blocks * 1e9:7.0f} ns")
+        print(f"{name:<46} {_row(t, record_bytes, blocks)}")
 
-    t_kv = _median_seconds(lambda: kv_dst.copy_(kv_src), device, max(3, args.repeats // 3))
-    kv_per_block = t_kv / kv_blocks
-    print(f"{'plain KV copy (' + str(kv_blocks) + ' blocks x 512 KiB)':<50} {t_kv * 1e3:8.2f} ms "
-          f"{kv_blocks * KV_BYTES_PER_BLOCK / t_kv / 1e9:7.2f} GB/s {kv_per_block * 1e9:7.0f} ns   (KV bytes)")
+    t_kv = _measure(lambda: kv_dst.copy_(kv_src), device, max(3, args.repeats // 3))
+    print(f"{'plain KV copy, ' + str(kv_blocks) + ' blocks x 512 KiB':<46} "
+          f"{_row(t_kv, kv_blocks * KV_BYTES_PER_BLOCK, kv_blocks)}  (KV bytes)")
 
-    both = results["export (launcher, into a reused out)"] + results["import from host memory (launcher)"]
-    rate = record_bytes / both / 1e9
+    exp, imp = results["export (launcher, into a reused out)"], results["import from host memory (launcher)"]
+    kv_block = t_kv.wall / kv_blocks
     print()
-    print(f"export + import of {n} slots' records: {both * 1e3:.2f} ms, {rate:.2f} GB/s of records "
-          f"(target >= 1 GB/s on the CPU: {'met' if rate >= 1.0 else 'NOT met'})")
-    print(f"records vs the KV they accompany: {both / blocks * 1e9:.0f} ns vs {kv_per_block * 1e9:.0f} ns per block "
-          f"= {100 * both / (kv_per_block * blocks):.2f} % of a plain copy of the KV bytes "
-          f"({TABLES * RECORD_BYTES * PAGE} B of records per {KV_BYTES_PER_BLOCK // 1024} KiB block)")
+    for label, both, kv in (
+        ("wall clock", exp.wall + imp.wall, kv_block),
+        ("CPU time", None if exp.cpu is None else exp.cpu + imp.cpu, None if t_kv.cpu is None else t_kv.cpu / kv_blocks),
+    ):
+        if both is None:
+            continue
+        rate = record_bytes / both / 1e9
+        print(f"export + import of {n} slots' records ({label}): {both * 1e3:.2f} ms, {rate:.2f} GB/s "
+              f"(target >= 1 GB/s on the CPU: {'met' if rate >= 1.0 else 'NOT met'}); per block {both / blocks * 1e9:.0f} ns "
+              f"vs {kv * 1e9:.0f} ns for a plain copy of its KV bytes = {100 * both / blocks / kv:.2f} %")
+    print(f"({TABLES * RECORD_BYTES * PAGE} B of records ride with each {KV_BYTES_PER_BLOCK // 1024} KiB block of KV: "
+          f"{100 * TABLES * RECORD_BYTES * PAGE / KV_BYTES_PER_BLOCK:.2f} % of its bytes)")
+
+
+def _row(t: Timing, nbytes: int, blocks: int) -> str:
+    wall = f"{t.wall * 1e3:8.2f} ms [{t.best * 1e3:7.2f}]"
+    cpu = f"{t.cpu * 1e3:6.2f} ms {nbytes / t.cpu / 1e9:6.2f} GB/s" if t.cpu else f"{'-':>9} {'-':>10}"
+    return f"{wall} {nbytes / t.wall / 1e9:5.2f} GB/s {cpu} {t.wall / blocks * 1e9:7.0f} ns"
 
 
 if __name__ == "__main__":

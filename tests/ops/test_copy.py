@@ -266,8 +266,9 @@ def test_copy_out_of_range_raises_and_changes_nothing(field, src, dst, nv, messa
 
 def test_twin_may_raise_index_error_out_of_range():
     tables = make_tables(8)
-    with pytest.raises(IndexError):
-        canary_copy_slots_torch_reference(canary_bufs=tables, src_slots=torch.tensor([9]), dst_slots=torch.tensor([1]))
+    for src, dst in (([9], [1]), ([1], [9]), ([1, 2], [3, 8])):
+        with pytest.raises(IndexError):
+            canary_copy_slots_torch_reference(canary_bufs=tables, src_slots=torch.tensor(src), dst_slots=torch.tensor(dst))
 
 
 @pytest.mark.parametrize(

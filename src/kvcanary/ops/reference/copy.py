@@ -121,8 +121,8 @@ def export_canary_records_torch_reference(
     s = slots.to(device=device, dtype=torch.int64)
     live = s > TOKEN_TO_KV_SLOT_PADDING
     if bool(live.all()):
-        for b, fields in enumerate(tables):
-            payload[:, _F * b : _F * (b + 1)] = fields.index_select(0, s)
+        for b, fields in enumerate(tables):  # gathered straight into the strided columns
+            torch.index_select(fields, 0, s, out=payload[:, _F * b : _F * (b + 1)])
     else:
         payload.zero_()
         rows = live.nonzero().squeeze(1)
