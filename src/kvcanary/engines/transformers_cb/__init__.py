@@ -53,10 +53,11 @@ adapter's own static ``meta`` / tables with torch ops (captured), then ``stage``
 the post-hook ``launch_tail``. The host half (``host_step`` + ``begin_step`` / ``end_step``) needs a place
 that runs around a replay: no hook exists there, so the adapter shadows
 ``processor.model_runner.compute_batch`` on the instance (`compat.install_compute_wrapper`; ``detach``
-deletes the attribute). Warmup forwards are skipped (their rows are all the padding row; the captured
-work is the same). Graphs that predate the session are dropped (they replay without the canary) and so
+deletes the attribute). Warmup forwards are canary steps whose rows are all the padding row (nothing to
+check; the kernels compile and the runtime's static buffers learn the adapter's tables before the
+capture freezes them). Graphs that predate the session are dropped (they replay without the canary) and so
 are the canary's at ``detach``; the engine recaptures on demand. ``engine_forwards`` (counted by the
-adapter: eager forwards and replays with real requests) must equal the runtime's ``checked_forwards``
+adapter: eager forwards and replays, warmup included) must equal the runtime's ``checked_forwards``
 (counted on the device). Refused: ``torch.compile``'d forwards and async batching (two IO pairs; batch
 N+1's inputs are carried over on the device from N's outputs).
 

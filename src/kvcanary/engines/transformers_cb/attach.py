@@ -50,7 +50,7 @@ DEFAULT_MAX_REQUESTS = 256
 DEFAULT_MAX_CONTEXT = 32768
 
 # where the current engine step stands (`_Session.phase`)
-IDLE, HOOK_STEP, WRAPPED_STEP, WARMUP_STEP, DEFERRED_END = "idle", "hook", "wrapped", "warmup", "deferred"
+IDLE, HOOK_STEP, WRAPPED_STEP, DEFERRED_END = "idle", "hook", "wrapped", "deferred"
 
 
 def check_transformers_version() -> str:
@@ -84,8 +84,8 @@ class _Session:
     phase: str = IDLE
     head_open: bool = False  # launch_head ran (eagerly or into a capture) and launch_tail is due
     step: Optional[StepInfo] = None
-    engine_forwards: int = 0  # forwards the engine ran with real requests (eager, captured-then-run, replayed)
-    warmup_forwards: int = 0  # the runner's warmup forwards (fake requests; KV freed; nothing to check)
+    engine_forwards: int = 0  # forwards the engine ran (eager, captured-then-run, replayed; warmup included)
+    warmup_forwards: int = 0  # of which the runner's warmup (fake requests over never-written KV: padding rows)
     graphs_captured: int = 0
     graphs_dropped: int = 0
 
@@ -139,12 +139,9 @@ class TransformersCbHandle:
                 if s.phase in (IDLE, DEFERRED_END):  # not inside a wrapped step: this hook drives it
                     self._end_deferred(s)
                     self._begin(s, HOOK_STEP)
-                if s.phase == WARMUP_STEP:
-                    # fake requests: nothing to check or count (all rows are padding), but stage them, so
-                    # the static buffers know the adapter's tables before the capture that follows freezes them
-                    s.canary.stage(s.translator.describe(kwargs))
-                    return None
-            # eager, or captured once into the graph (the replays re-run these device ops)
+            # eager, or captured once into the graph (the replays re-run these device ops). A warmup forward
+            # runs it too, on padding rows only (nothing planned, written or verified): the kernels compile
+            # and the static buffers learn the adapter's tables before the capture that follows.
             s.canary.stage(s.translator.describe(kwargs))
             s.canary.launch_head()
             s.head_open = True
@@ -156,8 +153,6 @@ class TransformersCbHandle:
     def _post_forward(self, module, args, kwargs, output):
         s = self._current
         if s is None or not s.head_open:
-            if s is not None and s.phase == WARMUP_STEP and not s.graphs and not _capturing():
-                s.phase = IDLE  # a hook-driven warmup step (eager mode) ends here
             return None
         s.head_open = False
         capturing = _capturing()
@@ -183,10 +178,7 @@ class TransformersCbHandle:
     def _begin(self, s: _Session, phase: str) -> None:
         """Host half of one engine forward: bookkeeping, static inputs, ``begin_step``."""
         s.step = s.translator.host_step()
-        if s.step.warmup:
-            s.warmup_forwards += 1
-            s.phase = WARMUP_STEP
-            return
+        s.warmup_forwards += s.step.warmup
         s.canary.begin_step(request_ids=s.step.request_ids, request_rows=s.step.rows,
                             forward_kind=s.step.forward_kind)
         s.engine_forwards += 1
