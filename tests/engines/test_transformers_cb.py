@@ -125,8 +125,10 @@ def check_against_per_row_reference(translator, kwargs, batch) -> int:
 
 
 # ---- clean runs ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind, llama, qwen3, monkeypatch):
+@pytest.mark.parametrize("kind,static", [("llama", False), ("qwen3", False), ("llama", True), ("qwen3", True)])
+def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind, static, llama, qwen3, monkeypatch):
+    """``static``: the eager forwards are translated from fixed-shape copies of their kwargs (what the
+    translation graph replays on CUDA), here without the graph."""
     model = llama if kind == "llama" else qwen3
     prompts = workload(seed=1)
     reference = generate(model, prompts)
@@ -137,9 +139,11 @@ def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind
         out = describe(self, kwargs)
         batch = list(compat.requests_in_batch(self.processor))
         checked_rows.append(check_against_per_row_reference(self, kwargs, batch))
+        n = int(kwargs["cu_seq_lens_q"][-1])  # the forward's tokens (fixed-shape copies: padding past them)
         for g in self.layouts:
-            w = kwargs["write_index"][g.index]
-            assert out.groups[g.name].out_cache_loc.tolist() == g.physical_to_slot(w, for_write=True).tolist()
+            w = kwargs["write_index"][g.index][:n]
+            loc = out.groups[g.name].out_cache_loc.tolist()
+            assert loc[:n] == g.physical_to_slot(w, for_write=True).tolist() and set(loc[n:]) <= {-1}
         batches.append(out)
         return out
 
@@ -147,8 +151,9 @@ def test_clean_workload_identical_tokens_zero_violations_every_slot_counted(kind
     probe = Probe(model)
     reports: list = []
     try:
-        with attach(model, mode="raise", sweep_interval=4) as handle:
+        with attach(model, mode="raise", sweep_interval=4, static_translation=static) as handle:
             checked = generate(model, prompts)
+            assert (handle._current.statics is not None) == static
             reports.append(handle.sweep())  # after the run: only the prefix cache's idle blocks are live
     finally:
         probe.remove()

@@ -9,8 +9,9 @@
 
 Eager forwards (``use_cuda_graph=False``) are driven by the hooks alone: the pre-hook also runs the host
 half (``host_step`` + ``begin_step``), the post-hook ``end_step``. Nothing is patched. On CUDA the canary's
-own HEAD / TAIL launches are captured once after the first forward (`Canary.capture_graphs`) and replayed
-per forward; only `ForwardTranslator.describe` (shapes vary per eager forward) and ``stage`` launch.
+own HEAD / TAIL launches are captured once after the first forward (`Canary.capture_graphs`), and so is the
+translation (``describe`` + ``stage``) over fixed-shape copies of the kwargs (`forward_view.StaticKwargs`):
+per forward a few copies and three graph replays.
 
 CUDA graphs (``use_cuda_graph=True``, or the GPU default with a flash attention kernel): during capture
 the hooks run once and the canary's device work is captured with the forward; a replay runs no Python.
@@ -39,7 +40,7 @@ from typing import Optional
 import torch
 
 from kvcanary.engines.transformers_cb import compat
-from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator, StepInfo
+from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator, StaticKwargs, StepInfo
 from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_views
 from kvcanary.runtime import Canary, CanaryConfig, CanaryViolationError, GroupSpec, Violation
 
@@ -81,6 +82,8 @@ class _Session:
     translator: ForwardTranslator
     graphs: bool  # the processor captures CUDA graphs: the compute_batch wrapper drives the steps
     canary_graphs_due: bool = False  # eager engine on CUDA: capture the canary's own work after one forward
+    statics: Optional[StaticKwargs] = None  # eager engine: fixed-shape copies of the kwargs (translation graph)
+    translation: Optional[object] = None  # CUDA graph of describe + stage over ``statics``
     phase: str = IDLE
     head_open: bool = False  # launch_head ran (eagerly or into a capture) and launch_tail is due
     step: Optional[StepInfo] = None
@@ -114,6 +117,7 @@ class TransformersCbHandle:
     max_context: Optional[int]
     device: Optional[torch.device]
     capture_canary: Optional[bool] = None
+    static_translation: Optional[bool] = None
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -142,7 +146,13 @@ class TransformersCbHandle:
             # eager, or captured once into the graph (the replays re-run these device ops). A warmup forward
             # runs it too, on padding rows only (nothing planned, written or verified): the kernels compile
             # and the static buffers learn the adapter's tables before the capture that follows.
-            s.canary.stage(s.translator.describe(kwargs))
+            if not _capturing() and s.statics is not None and s.statics.load(kwargs):
+                if s.translation is not None:
+                    s.translation.replay()  # describe + stage, captured over the fixed-shape copies
+                else:
+                    s.canary.stage(s.translator.describe(s.statics.kwargs))
+            else:
+                s.canary.stage(s.translator.describe(kwargs))
             s.canary.launch_head()
             s.head_open = True
         except Exception as exc:
@@ -169,6 +179,7 @@ class TransformersCbHandle:
                     if s.canary_graphs_due:  # the tables are known now: replay HEAD / TAIL from here on
                         s.canary_graphs_due = False
                         s.canary.capture_graphs()
+                        self._capture_translation(s)
         except Exception as exc:
             self.errors.append(exc)
             raise
@@ -183,6 +194,24 @@ class TransformersCbHandle:
                             forward_kind=s.step.forward_kind)
         s.engine_forwards += 1
         s.phase = phase
+
+    def _capture_translation(self, s: _Session) -> None:
+        """Capture ``describe`` + ``stage`` over the fixed-shape kwargs copies (eager engine, CUDA); on
+        failure keep translating eagerly (same result, more launches)."""
+        if s.statics is None or torch.device(s.translator.device).type != "cuda":
+            return
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: re-stages the forward just done (idempotent)
+                s.canary.stage(s.translator.describe(s.statics.kwargs))
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                s.canary.stage(s.translator.describe(s.statics.kwargs))
+            s.translation = graph
+        except Exception as exc:  # noqa: BLE001 — the eager path is always correct
+            logger.warning("kv-canary: could not capture the translation graph (%s); translating eagerly", exc)
 
     def _end_deferred(self, s: _Session) -> None:
         if s.phase == DEFERRED_END:
@@ -285,9 +314,13 @@ class TransformersCbHandle:
             canary.set_kv_cache(g.name, lambda layer, g=g: layer_kv_views(cache, g, layer)[:2], page_size=g.page_size)
         canary.set_live_slots_provider(translator.live_slots)
         graphs = any(compat.graph_flags(processor))
-        own_graphs = self.capture_canary if self.capture_canary is not None else torch.device(device).type == "cuda"
+        cuda = torch.device(device).type == "cuda"
+        own_graphs = (self.capture_canary if self.capture_canary is not None else cuda) and cuda and not graphs
         session = _Session(cache=cache, processor=processor, canary=canary, translator=translator, graphs=graphs,
-                           canary_graphs_due=own_graphs and not graphs and torch.device(device).type == "cuda")
+                           canary_graphs_due=own_graphs)
+        if not graphs and (self.static_translation if self.static_translation is not None else own_graphs):
+            session.statics = StaticKwargs(layouts=layouts, max_rows=max_rows, max_tokens=max_batch_tokens,
+                                           max_reads=max_read + max_batch_tokens, device=device)
         if graphs:
             # graphs captured before attaching replay without the canary: drop them (recaptured on demand)
             session.graphs_dropped += compat.drop_graphs(processor, list(compat.graph_store(processor)))
@@ -426,6 +459,7 @@ def attach(
     device: Optional[torch.device] = None,
     config: Optional[CanaryConfig] = None,
     capture_canary: Optional[bool] = None,
+    static_translation: Optional[bool] = None,
     **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
@@ -436,6 +470,8 @@ def attach(
     ``max_context``: longest request (default: the cache's capacity, at most 32768).
     ``capture_canary``: when the engine runs eagerly on CUDA, capture the canary's own HEAD / TAIL work in
     CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward).
+    ``static_translation``: translate eager forwards from fixed-shape copies of their kwargs, with the
+    translation captured once in a CUDA graph alongside (default: with ``capture_canary``).
     In mode ``none`` nothing is attached.
     """
     check_transformers_version()
@@ -450,6 +486,7 @@ def attach(
     handle = TransformersCbHandle(
         model=model, config=cfg, max_requests=max_requests, max_context=max_context,
         device=torch.device(device) if device is not None else None, capture_canary=capture_canary,
+        static_translation=static_translation,
     )
     if cfg.enabled:
         handle._install()

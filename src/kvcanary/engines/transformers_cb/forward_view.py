@@ -342,6 +342,57 @@ class ForwardTranslator:
         return slots[col[None, :] < lens[1][:, None]]
 
 
+class StaticKwargs:
+    """Fixed-capacity device copies of what `ForwardTranslator.describe` reads from an *eager* forward's
+    kwargs (whose shapes change every forward), so that ``describe`` + ``Canary.stage`` can be captured once
+    in a CUDA graph and replayed: `load` costs a few copies per forward instead of ~50 small launches.
+
+    Capacities: ``max_rows`` sequences, ``max_tokens`` query tokens, ``max_reads`` read-index entries per
+    group (the engine's own static sizes). Past the forward's ``B`` sequences the cumulative lengths
+    plateau (every later token / read entry belongs to no sequence); stale entries past the forward's
+    tokens or reads are never used. Decode-fast-path forwards (block table) are not loaded.
+    """
+
+    def __init__(self, *, layouts: list[GroupLayout], max_rows: int, max_tokens: int, max_reads: int, device) -> None:
+        dev = torch.device(device)
+        groups = max(g.index for g in layouts) + 1
+        self.max_rows, self.max_tokens, self.max_reads = max_rows, max_tokens, max_reads
+        self.input_ids = torch.zeros((1, max_tokens), dtype=torch.int32, device=dev)
+        self.position_ids = torch.zeros((1, max_tokens), dtype=torch.int32, device=dev)
+        self.cu_q = torch.zeros(max_rows + 1, dtype=torch.int32, device=dev)
+        self.cu_k = {g.layer_type: torch.zeros(max_rows + 1, dtype=torch.int32, device=dev) for g in layouts}
+        self.write = [torch.zeros(max_tokens, dtype=torch.int64, device=dev) for _ in range(groups)]
+        self.read = [torch.zeros(max_reads, dtype=torch.int64, device=dev) for _ in range(groups)]
+        self.kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "cu_seq_lens_q": self.cu_q,
+                       "cu_seq_lens_k": self.cu_k, "write_index": self.write, "read_index": self.read}
+        self.layouts = layouts
+
+    def load(self, kwargs: dict) -> bool:
+        """Copy one forward's kwargs in (device copies); False when the forward does not fit (nothing copied)."""
+        if kwargs.get("block_table") is not None:
+            return False
+        n = int(kwargs["input_ids"].shape[1])
+        bsz = int(kwargs["cu_seq_lens_q"].shape[0]) - 1
+        reads = [int(kwargs["read_index"][g.index].shape[0]) for g in self.layouts]
+        if n > self.max_tokens or bsz > self.max_rows or max(reads) > self.max_reads:
+            return False
+        self.input_ids[:, :n].copy_(kwargs["input_ids"])
+        self.position_ids[:, :n].copy_(kwargs["position_ids"])
+        _plateau(self.cu_q, kwargs["cu_seq_lens_q"], bsz)
+        for g, k in zip(self.layouts, reads):
+            self.write[g.index][:n].copy_(kwargs["write_index"][g.index][:n])
+            if k:
+                self.read[g.index][:k].copy_(kwargs["read_index"][g.index])
+            _plateau(self.cu_k[g.layer_type], kwargs["cu_seq_lens_k"][g.layer_type], bsz)
+        return True
+
+
+def _plateau(dst: torch.Tensor, src: torch.Tensor, bsz: int) -> None:
+    """``dst[: bsz + 1] = src``, then every later entry = ``src[bsz]`` (two device ops)."""
+    dst[: bsz + 1].copy_(src[: bsz + 1])
+    dst[bsz + 1 :].copy_(src[bsz : bsz + 1].expand(dst.shape[0] - bsz - 1))
+
+
 def _forward_kind(prefix: list[int], extend: list[int]) -> str:
     if not extend:
         return "idle"
