@@ -1,0 +1,102 @@
+"""The runtime's hot path on a real CUDA device: captured graphs == eager, and no host sync per forward.
+
+* Two simulated engines with the same seed and the same faults, one canary eager and one replaying its
+  captured graphs (`Canary.capture_graphs`): identical canary buffers, slot records and violations.
+* In ``log`` mode, a steady-state forward (begin_step + stage + HEAD + TAIL + sweep slice + drain poll)
+  runs under ``torch.cuda.set_sync_debug_mode("error")``: any synchronising call raises.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+from kvcanary.engines.sim import SimConfig, SimEngine, SimWorkload  # noqa: E402
+from kvcanary.runtime import Canary, CanaryConfig  # noqa: E402
+
+SIM = dict(num_slots=2048, swa_num_slots=512, sliding_window=24, max_requests=24, max_context=256, chunk_size=48,
+           max_batch_tokens=192, max_running=12, block_size=4, seed=5, device="cuda")
+
+
+def _engine(graphs: bool) -> tuple[SimEngine, Canary]:
+    sc = SimConfig(**SIM)
+    canary = Canary(CanaryConfig(mode="log", sweep_interval=16, health_interval=0, readable_per_step=0,
+                                 chain_position_warmup=0),
+                    groups=sc.group_specs(), max_requests=sc.max_requests, max_context=sc.max_context,
+                    max_batch_tokens=sc.max_batch_tokens, device="cuda")
+    return SimEngine(sc, canary), canary
+
+
+def _run(graphs: bool):
+    engine, canary = _engine(graphs)
+    stream = SimWorkload(seed=5, new_tokens=(20, 60), abort_prob=0.0, arrival_prob=0.5).stream(256)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            for prompt, new in next(stream):
+                engine.add_request(prompt, new)
+            engine.step()
+
+    steps(1)
+    if graphs:
+        canary.capture_graphs()
+    steps(60)
+    victim = next(r for r in engine.running if r.num_computed > 8)
+    engine.flip_kv_byte("full", victim.full_slots[2], side="v", byte=1, bit=3)
+    other = next(r for r in engine.running if r is not victim and r.num_computed > 8)
+    engine.redirect_slot(other.rid, 4, victim.full_slots[5])
+    steps(60)
+    found = canary.violations()
+    return canary, found
+
+
+def _key(v):
+    return (v.step, v.launch_tag.name, v.slot, v.stored_position, v.expected_position, int(v.reasons),
+            v.request_id, v.request_row)
+
+
+def test_captured_graphs_match_eager_records_and_violations():
+    eager, found_eager = _run(graphs=False)
+    graphed, found_graphed = _run(graphs=True)
+    assert found_eager, "the faults must be caught"
+    assert sorted(map(_key, found_graphed)) == sorted(map(_key, found_eager))
+    for name, g in eager.groups.items():
+        h = graphed.groups[name]
+        assert torch.equal(g.head_buf, h.head_buf)
+        for side in g.tail_sides:
+            assert torch.equal(g.tail_bufs[side], h.tail_bufs[side])
+        for field in ("position", "prev_slot", "step", "owner"):
+            assert torch.equal(getattr(g.records, field), getattr(h.records, field)), field
+    assert eager.counters()["checked_forwards"] == graphed.counters()["checked_forwards"] == graphed.step
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_log_mode_forward_does_not_synchronise(graphs):
+    engine, canary = _engine(graphs)
+    batch = None
+    while batch is None or batch.forward_kind != "decode":
+        for prompt, new in [([1, 2, 3, 4, 5, 6, 7, 8] * 4, 40)] if engine.forwards == 0 else []:
+            engine.add_request(prompt, new)
+        batch = engine.step()
+    dev = dataclasses.replace(batch, req_pool_indices=batch.req_pool_indices.cuda(), prefix_lens=batch.prefix_lens.cuda(),
+                              extend_lens=batch.extend_lens.cuda(), input_ids=batch.input_ids.cuda(),
+                              positions=batch.positions.cuda(), token_table_lens=batch.token_table_lens.cuda(),
+                              groups={k: dataclasses.replace(g, out_cache_loc=g.out_cache_loc.cuda())
+                                      for k, g in batch.groups.items()})
+    if graphs:
+        canary.capture_graphs()
+    for _ in range(3):  # warm: drain buffers, kernels compiled
+        canary.before_forward(dev)
+        canary.after_forward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            canary.before_forward(dev)
+            canary.after_forward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert canary.counters()["checked_forwards"] == canary.step
