@@ -5,6 +5,8 @@ graph of plan -> write -> verify replayed with new inputs; repeated runs identic
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -22,11 +24,18 @@ from kvcanary.ops import (  # noqa: E402
     launch_canary_write_kernel,
     launch_canary_write_kernel_torch_reference,
     launch_scatter_req_token_ids_kernel,
+    launch_stamp_violation_rows,
     scatter_req_token_ids_torch_reference,
+    stamp_violation_rows_torch_reference,
 )
 from kvcanary.ops.records import VerifyPlan, WritePlan  # noqa: E402
+from kvcanary.ops.triton import launch_plan, launch_stamp, launch_verify, launch_write  # noqa: E402
+from kvcanary.ops.triton.plan import PlanLaunchConfig  # noqa: E402
+from kvcanary.ops.triton.verify import VerifyLaunchConfig  # noqa: E402
+from kvcanary.ops.triton.write import WriteLaunchConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ops.test_stamp import SCENARIOS as STAMP_SCENARIOS  # noqa: E402
 from ops.triton_cases import (  # noqa: E402
     assert_same_state,
     clone_context,
@@ -270,3 +279,180 @@ def test_scatter_large():
     scatter_req_token_ids_torch_reference(flat_in=flat, offsets=offsets, req_pool_indices=rp, pool_out=a)
     launch_scatter_req_token_ids_kernel(flat_in=flat, offsets=offsets, req_pool_indices=rp, pool_out=b)
     assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- launch configs, stamps
+
+_VARIANTS = [
+    dict(plan=PlanLaunchConfig(pdl=False, small_rows=0), write=WriteLaunchConfig(pdl=False, chain_programs_per_sm=32),
+         verify=VerifyLaunchConfig(pdl=False)),
+    dict(plan=PlanLaunchConfig(check_lut=False), write=WriteLaunchConfig(chain_programs_per_sm=2, prep_block=256),
+         verify=VerifyLaunchConfig(block=64, num_warps=2)),
+]
+
+
+@pytest.mark.parametrize("variant", range(len(_VARIANTS)))
+@pytest.mark.parametrize("seed", range(8))
+def test_fuzz_launch_configs(seed, variant):
+    """The fuzz cases again with other launch shapes, PDL off, the multi-launch plan for small
+    batches, the one-launch plan with a LUT (what graph capture runs)."""
+    cfg = _VARIANTS[variant]
+    case = make_case(100 + seed, DEV, mode=seed % 3, nsrc=seed % 5)
+    twin, err_t, (vp, wp) = run_plan(launch_canary_plan_kernels_torch_reference, case)
+    fast, err_f, _ = run_plan(functools.partial(launch_plan, config=cfg["plan"]), case)
+    assert (err_t is None) == (err_f is None)
+    for x, y in zip(twin, fast):
+        assert torch.equal(x, y)
+    if err_t is not None:
+        return
+    case.ctx.__dict__["violation_ring"] = torch.full((4096, 8), -77, dtype=torch.int64, device=DEV)
+    before = context_state(case.ctx)
+    a, b = clone_context(case.ctx), clone_context(case.ctx)
+    launch_canary_write_kernel_torch_reference(context=a, plan=wp, **case.write_kwargs)
+    launch_write(context=b, plan=wp, config=cfg["write"], **case.write_kwargs)
+    torch.cuda.synchronize()
+    assert_same_state(before, context_state(a), context_state(b))
+    before = context_state(a)
+    c, d = clone_context(a), clone_context(a)
+    launch_canary_verify_kernel_torch_reference(context=c, plan=vp, check_verify_expected_token=True)
+    launch_verify(context=d, plan=vp, check_verify_expected_token=True, config=cfg["verify"])
+    torch.cuda.synchronize()
+    assert_same_state(before, context_state(c), context_state(d))
+
+
+def _to_device(value):
+    if isinstance(value, torch.Tensor):
+        return value.to(DEV)
+    if isinstance(value, (VerifyPlan, WritePlan)):
+        return type(value)(**{f.name: getattr(value, f.name).to(DEV) for f in dataclasses.fields(value)})
+    return value
+
+
+def _stamp_both(kw):
+    cap = kw["violation_ring"].shape[0]
+    a = torch.full((cap, 3), -55, dtype=torch.int64, device=DEV)
+    b = a.clone()
+    stamp_violation_rows_torch_reference(stamps=a, **kw)
+    launch_stamp_violation_rows(stamps=b, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(a, b), (a, b)
+    return a
+
+
+@pytest.mark.parametrize("name", sorted(STAMP_SCENARIOS))
+def test_stamp_scenarios_on_gpu(name):
+    kw, _ = STAMP_SCENARIOS[name]()
+    _stamp_both({k: _to_device(v) for k, v in kw.items()})
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stamp_fuzz_on_gpu(seed):
+    case = make_case(200 + seed, DEV, mode=seed % 3, nsrc=seed % 3)
+    _, err, (vp, wp) = run_plan(launch_canary_plan_kernels_torch_reference, case)
+    if err is not None:
+        return
+    ctx = clone_context(case.ctx)
+    rows_from = ctx.violation_write_index.clone()
+    launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=True)
+    launch_canary_write_kernel(context=ctx, plan=wp, **case.write_kwargs)
+    _stamp_both(dict(
+        violation_ring=ctx.violation_ring, violation_write_index=ctx.violation_write_index, rows_from=rows_from,
+        step=torch.tensor([7 + seed], device=DEV), verify_plan=vp, write_plan=wp,
+        out_cache_loc=case.write_kwargs["out_cache_loc"], positions=case.write_kwargs["positions"],
+        req_pool_indices=case.plan_kwargs["req_pool_indices"], prefix_lens=case.plan_kwargs["prefix_lens"],
+        swa_window_size=case.plan_kwargs["swa_window_size"]))
+
+
+def test_decode_step_graph_with_stamps():
+    """64 requests x 1k context: plan (one launch) -> HEAD verify + write -> TAIL_K / TAIL_V
+    verify + write (PARTIAL, 2 sources each) -> stamps of the three tags, captured in one CUDA
+    graph (PDL where the device has it) and replayed; canary bytes, counters, rings and stamps
+    equal the twins' step by step, and a corrupted record is stamped with its request."""
+    bs, prefix, num_slots = 64, 1024, 1 << 17
+    rtt = _paged_batch(bs, prefix + 4, num_slots).to(DEV)
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, 50000, rtt.shape, generator=g)
+
+    def sources():
+        return [make_source(g, DEV, num_slots=num_slots, page_size=16, nbpt=64, read_bytes=64, dtype=torch.bfloat16)
+                for _ in range(2)]
+
+    ctxs = [make_context(g, DEV, num_slots=num_slots, stride_bytes=32, ring_cap=512, sources=srcs, mode=mode,
+                         chain_assert=1, kind=kind)
+            for srcs, mode, kind in (((), RealKvHashMode.NONE, 0), (sources(), RealKvHashMode.PARTIAL, 2),
+                                     (sources(), RealKvHashMode.PARTIAL, 3))]
+    vp, wp, kw = _plan_for(bs, 0, prefix, rtt.cpu(), bs * (prefix + 4))
+    launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp, **kw)
+    for c in ctxs:  # prefill eagerly
+        launch_canary_write_kernel_torch_reference(context=c, plan=wp, **_write_inputs(bs, 0, prefix, rtt.cpu(), tokens))
+    static = dict(p=torch.full((bs,), prefix, device=DEV), ids=torch.zeros(bs, dtype=torch.int64, device=DEV),
+                  pos=torch.zeros(bs, dtype=torch.int64, device=DEV), loc=torch.zeros(bs, dtype=torch.int64, device=DEV),
+                  step=torch.zeros(1, dtype=torch.int64, device=DEV))
+    rows = torch.arange(1, bs + 1, device=DEV)
+    ones = torch.ones(bs, dtype=torch.int64, device=DEV)
+
+    def make_side(fast):
+        side = dict(vp=VerifyPlan.allocate(bs * (prefix + 4), DEV), wp=WritePlan.allocate(bs, DEV),
+                    ctxs=[clone_context(c) for c in ctxs])
+        side["stamps"] = [torch.full((512, 3), -5, dtype=torch.int64, device=DEV) for _ in ctxs]
+        side["from"] = [torch.zeros(1, dtype=torch.int32, device=DEV) for _ in ctxs]
+        side["ops"] = ((launch_canary_plan_kernels, launch_canary_verify_kernel, launch_canary_write_kernel,
+                        launch_stamp_violation_rows) if fast else
+                       (launch_canary_plan_kernels_torch_reference, launch_canary_verify_kernel_torch_reference,
+                        launch_canary_write_kernel_torch_reference, stamp_violation_rows_torch_reference))
+        return side
+
+    def step(side):
+        plan_fn, verify_fn, write_fn, stamp_fn = side["ops"]
+        for f, c in zip(side["from"], side["ctxs"]):
+            f.copy_(c.violation_write_index)
+        plan_fn(verify_plan_out=side["vp"], write_plan_out=side["wp"], req_pool_indices=rows, prefix_lens=static["p"],
+                extend_seq_lens=ones, req_to_token=rtt, swa_window_size=0, full_to_swa_index_mapping=None,
+                verify_capacity=bs * (prefix + 4), req_to_verify_expected_tokens=None,
+                req_to_verify_expected_tokens_valid_lens=None, kv_token_id_vs_position_offset=0)
+        winputs = dict(input_ids=static["ids"], positions=static["pos"], out_cache_loc=static["loc"],
+                       enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None)
+        for c in side["ctxs"]:
+            verify_fn(context=c, plan=side["vp"], check_verify_expected_token=False)
+            write_fn(context=c, plan=side["wp"], **winputs)
+        for c, f, st in zip(side["ctxs"], side["from"], side["stamps"]):
+            stamp_fn(violation_ring=c.violation_ring, violation_write_index=c.violation_write_index, rows_from=f,
+                     stamps=st, step=static["step"], verify_plan=side["vp"], write_plan=side["wp"],
+                     out_cache_loc=static["loc"], positions=static["pos"], req_pool_indices=rows,
+                     prefix_lens=static["p"], swa_window_size=0)
+
+    def load(p):
+        static["p"].fill_(p)
+        static["pos"].fill_(p)
+        static["loc"].copy_(rtt[1:, p].to(torch.int64))
+        static["ids"].copy_(tokens[1:, p].to(DEV))
+        static["step"].fill_(p)
+
+    fast, twin = make_side(True), make_side(False)
+    warm = make_side(True)
+    load(prefix)
+    step(warm)  # compiles, allocates the write scratch
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(fast)
+    for i in range(3):
+        load(prefix + i)
+        if i == 1:  # a flipped token in request row 9 (batch row 8) at position 100, in every buffer
+            for side in (fast, twin):
+                for c in side["ctxs"]:
+                    c.canary_buf.view(torch.int64)[int(rtt[9, 100]), 0] ^= 1
+        graph.replay()
+        step(twin)
+        torch.cuda.synchronize()
+        for cf, ct in zip(fast["ctxs"], twin["ctxs"]):
+            assert torch.equal(cf.canary_buf, ct.canary_buf)
+            assert int(cf.violation_write_index[0]) == int(ct.violation_write_index[0])
+            assert torch.equal(cf.slot_run_counter, ct.slot_run_counter)
+            assert torch.equal(cf.kernel_run_counter, ct.kernel_run_counter)
+            n = int(cf.violation_write_index[0])
+            assert sorted(map(tuple, cf.violation_ring[:n].tolist())) == sorted(map(tuple, ct.violation_ring[:n].tolist()))
+        for sf, st in zip(fast["stamps"], twin["stamps"]):
+            assert torch.equal(sf, st)
+    for stamps in fast["stamps"]:  # the flip breaks the chain link read at position 101
+        assert (prefix + 1, 8, 101) in {tuple(x) for x in stamps.tolist()}
