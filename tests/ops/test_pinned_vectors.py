@@ -176,8 +176,9 @@ def test_enums():
     assert {m.name: int(m) for m in RealKvHashMode} == {"NONE": 0, "PARTIAL": 1, "ALL": 2}
     assert [m.name for m in sorted(CanaryLaunchTag)] == [
         "HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL", "SWEEP_K_FULL", "SWEEP_V_FULL",
-        "HEAD_K_SWA", "HEAD_V_SWA", "TAIL_K_SWA", "TAIL_V_SWA", "SWEEP_K_SWA", "SWEEP_V_SWA"]
-    assert [int(m) for m in sorted(CanaryLaunchTag)] == list(range(12))
+        "HEAD_K_SWA", "HEAD_V_SWA", "TAIL_K_SWA", "TAIL_V_SWA", "SWEEP_K_SWA", "SWEEP_V_SWA",
+        "MOVE_K_FULL", "MOVE_V_FULL", "MOVE_K_SWA", "MOVE_V_SWA"]  # MOVE_*: appended (issue 9)
+    assert [int(m) for m in sorted(CanaryLaunchTag)] == list(range(16))
 
 
 def test_fail_reason_labels():

@@ -93,10 +93,17 @@ class CanaryLaunchTag(enum.IntEnum):
     TAIL_V_SWA = 9
     SWEEP_K_SWA = 10
     SWEEP_V_SWA = 11
+    # Appended (issue 9): the verify that checks KV moved into slots (copy, import) on receipt.
+    MOVE_K_FULL = 12
+    MOVE_V_FULL = 13
+    MOVE_K_SWA = 14
+    MOVE_V_SWA = 15
 
     @property
     def phase(self) -> str:
-        """``head``, ``tail`` or ``sweep``."""
+        """``head``, ``tail``, ``sweep`` or ``move``."""
+        if self.value >= 12:
+            return "move"
         return ("head", "tail", "sweep")[(self.value % 6) // 2]
 
     @property
@@ -107,14 +114,18 @@ class CanaryLaunchTag(enum.IntEnum):
     @property
     def group(self) -> str:
         """``full`` or ``swa``."""
+        if self.value >= 12:
+            return "full" if self.value < 14 else "swa"
         return "full" if self.value < 6 else "swa"
 
     @classmethod
     def of(cls, *, phase: str, side: str, group: str) -> "CanaryLaunchTag":
-        """The tag for a phase (head/tail/sweep), side (k/v) and group (full/swa)."""
+        """The tag for a phase (head/tail/sweep/move), side (k/v) and group (full/swa)."""
         phases = ("head", "tail", "sweep")
-        if phase not in phases or side not in ("k", "v") or group not in ("full", "swa"):
+        if phase not in phases + ("move",) or side not in ("k", "v") or group not in ("full", "swa"):
             raise ValueError(
                 f"kv-canary: no launch tag for phase={phase!r} side={side!r} group={group!r}"
             )
+        if phase == "move":
+            return cls(12 + (0 if group == "full" else 2) + "kv".index(side))
         return cls((0 if group == "full" else 6) + 2 * phases.index(phase) + "kv".index(side))
