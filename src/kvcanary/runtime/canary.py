@@ -71,6 +71,7 @@ from kvcanary.runtime.graphs import CanaryGraphs
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
+from kvcanary.runtime.moves import MoveReport, SlotMoves, move_tags
 from kvcanary.runtime.report import CanaryViolationError, ViolationLedger
 from kvcanary.runtime.staging import StaticBatch, capturing
 from kvcanary.runtime.stats import CanaryStats, StatsReporter
@@ -139,7 +140,8 @@ class Canary:
         }
         self.launch_counters = LaunchCounters(self.device)
         self.rings = ViolationRings(
-            tags=[tag for g in self.groups.values() for tag in g.tags()], capacity=config.ring_capacity, device=self.device,
+            tags=[tag for g in self.groups.values() for tag in g.tags()] + move_tags(list(self.groups.values())),
+            capacity=config.ring_capacity, device=self.device,
         )
         self.static = StaticBatch(
             groups=tuple(self.groups), max_rows=max_requests, max_tokens=max_batch_tokens, device=self.device,
@@ -334,6 +336,26 @@ class Canary:
         self._flush()
         self._raise_if_needed(self._step)
         return report
+
+    # ---- KV moves (runtime/moves.py: copy-on-write, offload / restore, transfer) -----------
+    def copy_slots(self, group: str, src, dst, **kwargs: object) -> MoveReport:
+        """The engine copied the KV of ``src[i]`` to ``dst[i]``: move the canary state with it (`SlotMoves.copy_slots`)."""
+        return self.moves.copy_slots(group, src, dst, **kwargs)  # type: ignore[arg-type]
+
+    def export_records(self, group: str, slots) -> torch.Tensor:
+        """The records of ``slots`` as an int64 export to carry beside the KV (`SlotMoves.export_records`)."""
+        return self.moves.export_records(group, slots)
+
+    def import_records(self, group: str, slots, records: torch.Tensor, verify: bool = True, **kwargs: object) -> MoveReport:
+        """Install an export into ``slots`` and verify the KV there at once (`SlotMoves.import_records`)."""
+        return self.moves.import_records(group, slots, records, verify, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def moves(self) -> SlotMoves:
+        moves = self.__dict__.get("_moves")
+        if moves is None:
+            moves = self.__dict__["_moves"] = SlotMoves(self)
+        return moves
 
     # ---- user-facing ---------------------------------------------------------------------
     def violations(self) -> list[Violation]:
