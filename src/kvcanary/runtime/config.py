@@ -5,16 +5,22 @@ below the config receives a `CanaryConfig`.
 """
 from __future__ import annotations
 
+import difflib
 import os
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Mapping, Optional
 
+from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.constants import MAX_REAL_KV_SOURCES, RealKvHashMode
 
 MODES = ("none", "log", "raise")
 REAL_KV_HASH_MODES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL, "all": RealKvHashMode.ALL}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+ENV_PREFIX = "KVCANARY_"
+# KVCANARY_* variables that are not options and never warn: the test suite's own knobs
+ENV_IGNORED_PREFIXES = ("KVCANARY_TEST_",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +46,8 @@ class CanaryConfig:
     health_interval: check that the canary's kernels are running every N forwards (0 = never).
     jsonl_path: append one JSON object per violation to this file (None = no file).
     readable_per_step: violations per step also reported as a multi-line readable block.
+    log_lines_per_slot: log lines per (reason, group, slot) before that slot's further rows are only
+        counted (and summarised per drain); every row still goes to the counters and the JSON lines.
     """
 
     mode: str = "log"
@@ -54,12 +62,13 @@ class CanaryConfig:
     health_interval: int = 32
     jsonl_path: Optional[str] = None
     readable_per_step: int = 4
+    log_lines_per_slot: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"kv-canary: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            raise KvCanaryValueError(f"kv-canary: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.real_kv_hash not in REAL_KV_HASH_MODES:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: real_kv_hash must be one of {', '.join(REAL_KV_HASH_MODES)}, got {self.real_kv_hash!r}"
             )
         layers = self.real_kv_layers
@@ -71,20 +80,22 @@ class CanaryConfig:
             or not 1 <= len(layers) <= MAX_REAL_KV_SOURCES
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
         ):
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: real_kv_layers must be 1 to {MAX_REAL_KV_SOURCES} layer indices "
                 f"(negative counts from the last layer), got {layers!r}"
             )
         for name, low in (
             ("sweep_interval", 0), ("ring_capacity", 1), ("chain_position_warmup", -1),
-            ("stats_interval", 0), ("health_interval", 0), ("readable_per_step", 0),
+            ("stats_interval", 0), ("health_interval", 0), ("readable_per_step", 0), ("log_lines_per_slot", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"kv-canary: {name} must be an integer >= {low}, got {value!r}")
+                raise KvCanaryValueError(f"kv-canary: {name} must be an integer >= {low}, got {value!r}")
         for name in ("verify_token", "write_input_assert"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"kv-canary: {name} must be True or False, got {getattr(self, name)!r}")
+                raise KvCanaryValueError(f"kv-canary: {name} must be True or False, got {getattr(self, name)!r}")
+        if self.jsonl_path is not None:
+            object.__setattr__(self, "jsonl_path", _check_sink_path("jsonl_path", self.jsonl_path))
 
     @property
     def real_kv_hash_mode(self) -> RealKvHashMode:
@@ -95,8 +106,14 @@ class CanaryConfig:
         return self.mode != "none"
 
     def with_options(self, **overrides: object) -> "CanaryConfig":
-        """A copy with some options replaced (validated again)."""
+        """A copy with some options replaced (validated again); an unknown option is a
+        ``kv-canary:`` `TypeError` naming the valid ones."""
+        check_option_names(overrides)
         return replace(self, **overrides)
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: object) -> "CanaryConfig":
@@ -104,37 +121,101 @@ class CanaryConfig:
         ``os.environ``); keyword ``overrides`` win over the environment.
 
         Booleans accept 1/0, true/false, yes/no, on/off; ``KVCANARY_REAL_KV_LAYERS`` is a comma
-        list (``0,-1``); ``KVCANARY_JSONL_PATH`` empty means none.
+        list (``0,-1``); ``KVCANARY_JSONL_PATH`` empty means none. An error in a value read from the
+        environment names the variable (``kv-canary: KVCANARY_MODE (mode) must be ...``); an unknown
+        ``KVCANARY_*`` variable warns (`UserWarning`) naming the closest valid one; an unknown keyword
+        override is a ``kv-canary:`` `TypeError` naming the valid options.
         """
+        check_option_names(overrides)
         env = os.environ if environ is None else environ
+        warn_unknown_env(env)
         values: dict[str, object] = {}
+        from_env: set[str] = set()
         for f in fields(cls):
-            raw = env.get(f"KVCANARY_{f.name.upper()}")
+            raw = env.get(_env_var(f.name))
             if raw is None:
                 continue
             values[f.name] = _parse(f.name, raw.strip(), f.default)
+            from_env.add(f.name)
         values.update(overrides)
-        return cls(**values)
+        from_env -= set(overrides)
+        try:
+            return cls(**values)
+        except KvCanaryValueError as exc:
+            msg = str(exc)
+            for name in from_env:  # say which variable held the bad value
+                head = f"kv-canary: {name} "
+                if msg.startswith(head):
+                    raise KvCanaryValueError(f"kv-canary: {_env_var(name)} ({name}) {msg[len(head):]}") from None
+            raise
+
+
+def check_option_names(options: Mapping[str, object]) -> None:
+    """Raise a ``kv-canary:`` `TypeError` for a keyword that is not a `CanaryConfig` option."""
+    valid = CanaryConfig.option_names()
+    unknown = [k for k in options if k not in valid]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise KvCanaryTypeError(f"kv-canary: unknown option {name!r}{hint}; valid options: {', '.join(valid)}")
+
+
+def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """Warn (`UserWarning`) once per ``KVCANARY_*`` variable that names no option; returns them."""
+    valid = [_env_var(n) for n in CanaryConfig.option_names()]
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in valid
+                     and not k.startswith(ENV_IGNORED_PREFIXES))
+    for var in unknown:
+        close = difflib.get_close_matches(var, valid, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else f" (valid: {', '.join(valid)})"
+        warnings.warn(f"kv-canary: unknown environment variable {var}{hint}; it is ignored", UserWarning,
+                      stacklevel=3)
+    return unknown
+
+
+def _env_var(name: str) -> str:
+    return f"{ENV_PREFIX}{name.upper()}"
+
+
+def _check_sink_path(name: str, path: object) -> str:
+    """A JSON-lines sink path that can be opened for appending now: its directory exists and is
+    writable, and the path is not a directory (or an existing read-only file). Nothing is created."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise KvCanaryValueError(f"kv-canary: {name} must be a file path (str), got {path!r}")
+    if os.path.isdir(path):
+        raise KvCanaryValueError(f"kv-canary: {name} {path!r} is a directory, not a file")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise KvCanaryValueError(f"kv-canary: {name} {path!r}: directory {directory!r} does not exist")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise KvCanaryValueError(f"kv-canary: {name} {path!r} exists and is not writable")
+    elif not os.access(directory, os.W_OK | os.X_OK):
+        raise KvCanaryValueError(f"kv-canary: {name} {path!r}: directory {directory!r} is not writable")
+    return path
 
 
 def _parse(name: str, raw: str, default: object) -> object:
-    var = f"KVCANARY_{name.upper()}"
+    var = _env_var(name)
     if isinstance(default, bool):
         if raw.lower() in _TRUE:
             return True
         if raw.lower() in _FALSE:
             return False
-        raise ValueError(f"kv-canary: {var} ({name}) must be one of 1/0, true/false, yes/no, on/off, got {raw!r}")
+        raise KvCanaryValueError(f"kv-canary: {var} ({name}) must be one of 1/0, true/false, yes/no, on/off, got {raw!r}")
     if isinstance(default, int):
         try:
             return int(raw)
         except ValueError:
-            raise ValueError(f"kv-canary: {var} ({name}) must be an integer, got {raw!r}") from None
+            raise KvCanaryValueError(f"kv-canary: {var} ({name}) must be an integer, got {raw!r}") from None
     if isinstance(default, tuple):
         try:
             return tuple(int(x) for x in raw.split(",") if x.strip())
         except ValueError:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: {var} ({name}) must be a comma list of layer indices such as '0,-1', got {raw!r}"
             ) from None
     if name == "jsonl_path":

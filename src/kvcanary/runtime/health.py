@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 
+from kvcanary.errors import KvCanaryRuntimeError
 from kvcanary.runtime.config import CanaryConfig
 
 logger = logging.getLogger("kvcanary")
 
 
-class CanaryHealthError(RuntimeError):
+class CanaryHealthError(KvCanaryRuntimeError):
     """The canary stopped running while the engine kept serving (mode ``raise``)."""
 
 

@@ -12,6 +12,7 @@ import logging
 from collections import Counter
 from typing import Callable, Sequence
 
+from kvcanary.errors import KvCanaryRuntimeError
 from kvcanary.ops import CanaryLaunchTag, FailReason
 from kvcanary.runtime.attribution import Violation
 from kvcanary.runtime.config import CanaryConfig
@@ -21,7 +22,7 @@ logger = logging.getLogger("kvcanary")
 MAX_KEPT_VIOLATIONS = 100_000
 
 
-class CanaryViolationError(RuntimeError):
+class CanaryViolationError(KvCanaryRuntimeError):
     """Raised at the end of a step (mode ``raise``) that found violations; ``.violations`` lists them."""
 
     def __init__(self, violations: Sequence[Violation], *, step: int) -> None:

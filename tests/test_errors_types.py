@@ -1,0 +1,48 @@
+"""Errors are a type (`kvcanary.errors.KvCanaryError`), keep their builtin base and their ``kv-canary:`` text."""
+from __future__ import annotations
+
+import pytest
+
+from kvcanary.errors import (
+    KvCanaryError,
+    KvCanaryIndexError,
+    KvCanaryRuntimeError,
+    KvCanaryTypeError,
+    KvCanaryValueError,
+    is_kvcanary_message,
+)
+from kvcanary.runtime import CanaryConfig, CanaryHealthError, CanaryViolationError
+
+
+@pytest.mark.parametrize("cls, base", [
+    (KvCanaryValueError, ValueError), (KvCanaryTypeError, TypeError),
+    (KvCanaryRuntimeError, RuntimeError), (KvCanaryIndexError, IndexError),
+])
+def test_each_type_is_a_kvcanary_error_and_keeps_its_builtin_base(cls, base):
+    assert issubclass(cls, KvCanaryError) and issubclass(cls, base)
+    with pytest.raises(KvCanaryError):
+        raise cls("kv-canary: x")
+
+
+def test_violation_and_health_errors_are_kvcanary_runtime_errors():
+    assert issubclass(CanaryViolationError, KvCanaryRuntimeError)
+    assert issubclass(CanaryHealthError, KvCanaryRuntimeError)
+
+
+def test_config_errors_are_caught_by_type_with_unchanged_text():
+    with pytest.raises(KvCanaryValueError) as err:
+        CanaryConfig(mode="loud")
+    assert str(err.value) == "kv-canary: mode must be one of none, log, raise, got 'loud'"
+    with pytest.raises(KvCanaryValueError, match=r"^kv-canary: KVCANARY_SWEEP_INTERVAL \(sweep_interval\)"):
+        CanaryConfig.from_env({"KVCANARY_SWEEP_INTERVAL": "often"})
+
+
+def test_unknown_option_is_a_kvcanary_type_error():
+    with pytest.raises(KvCanaryTypeError, match=r"^kv-canary: unknown option 'sweep_intervall'"):
+        CanaryConfig.from_env({}, sweep_intervall=3)
+
+
+def test_is_kvcanary_message():
+    assert is_kvcanary_message(KvCanaryValueError("kv-canary: a"))
+    assert is_kvcanary_message(ValueError("kv-canary: legacy"))
+    assert not is_kvcanary_message(ValueError("other"))
