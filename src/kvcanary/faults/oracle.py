@@ -1,0 +1,67 @@
+"""The token oracle: a sampler that ignores logits and emits a token fixed in advance by
+(request id, position), so the tokens an engine *should* write are known before it runs and the
+write-input assert (`BatchDescription.expected_input_ids`) checks every written token end to end.
+
+`oracle_token(rid, position, vocab)`: ``1 + blake2b(rid, position) mod (vocab - 1)`` (never token 0).
+`TokenOracle` remembers each request's prompt and answers the expected input id of any position.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Optional, Sequence
+
+import torch
+
+
+def oracle_token(rid: str, position: int, vocab: int) -> int:
+    """The token the oracle samples for request ``rid`` at sequence position ``position`` (int in [1, vocab))."""
+    if vocab < 2:
+        raise ValueError(f"kv-canary: oracle vocab must be >= 2, got {vocab}")
+    digest = hashlib.blake2b(f"{rid}\x00{position}".encode(), digest_size=8).digest()
+    return 1 + int.from_bytes(digest, "little") % (vocab - 1)
+
+
+class TokenOracle:
+    """Prompts by request id + `oracle_token` for generated positions.
+
+    ``sample(rid, position)`` is the engine-side sampler; ``expected_ids(rids, positions_per_row)``
+    builds the int64 ``expected_input_ids`` of a batch (the prompt token inside the prompt, the
+    oracle's token after it)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.prompts: dict[str, tuple[int, ...]] = {}
+
+    def register(self, rid: str, prompt: Sequence[int]) -> None:
+        self.prompts[rid] = tuple(int(t) for t in prompt)
+
+    def sample(self, rid: str, position: int) -> int:
+        return oracle_token(rid, position, self.vocab)
+
+    def expected(self, rid: str, position: int) -> int:
+        prompt = self.prompts.get(rid)
+        if prompt is None:
+            raise KeyError(f"kv-canary: token oracle has no prompt for request {rid!r}")
+        return prompt[position] if position < len(prompt) else self.sample(rid, position)
+
+    def expected_ids(self, request_ids: Sequence[Optional[str]], prefix_lens: torch.Tensor,
+                     extend_lens: torch.Tensor) -> torch.Tensor:
+        """int64 [sum(extend_lens)]: the oracle's token for each row's positions ``prefix + i`` (the
+        positions the engine should be writing, whatever it wrote); padding rows keep -1."""
+        out = torch.full((int(extend_lens.sum()),), -1, dtype=torch.int64)
+        start = 0
+        for rid, p, n in zip(request_ids, prefix_lens.tolist(), extend_lens.tolist()):
+            if rid is not None:
+                out[start : start + n] = torch.tensor([self.expected(rid, p + i) for i in range(n)], dtype=torch.int64)
+            start += n
+        return out
+
+    def sim_hook(self):
+        """A sim-engine batch hook that sets ``expected_input_ids`` from the oracle (install it last)."""
+
+        def hook(batch):
+            exp = self.expected_ids(batch.request_ids, batch.prefix_lens, batch.extend_lens)
+            return dataclasses.replace(batch, expected_input_ids=exp.to(batch.input_ids.device))
+
+        return hook
