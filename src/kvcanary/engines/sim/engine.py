@@ -121,6 +121,7 @@ class SimEngine:
         self.forwards = 0
         self.batch_hooks: list[BatchHook] = []
         self.bypass_canary = False
+        self.sampler: Optional[Callable[[str, int], int]] = None  # (request id, position) -> token; None = seeded random
         self._next_rid = 0
         self.canary = None
         if canary is not None:
@@ -336,7 +337,8 @@ class SimEngine:
                 if req.generated >= req.max_new:
                     self._finish(req)
                     continue
-                tok = self.rng.randrange(1, 32000)
+                pos = len(req.tokens)
+                tok = self.sampler(req.rid, pos) if self.sampler is not None else self.rng.randrange(1, 32000)
                 self.table.tokens[req.row, len(req.tokens)] = tok
                 req.tokens.append(tok)
                 req.generated += 1
