@@ -19,6 +19,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed for models, workload and fault injectors")
     demo.add_argument("--verbose", action="store_true", help="show the engine log and one log line per violation")
     demo.add_argument("--models", default="llama,qwen3_swa", help="comma list of: llama, qwen3_swa")
+    pd = sub.add_parser("pd", help="two-process prefill -> decode KV transfer, checked on receipt (clean + faulted)")
+    pd.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    pd.add_argument("--seed", type=int, default=0, help="seed for prompts and engines")
+    pd.add_argument("--max-new", type=int, default=6, help="tokens to decode per request")
+    pd.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl with 2 GPUs, else gloo)")
     return parser
 
 
@@ -41,6 +46,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 json.dump(result, fh, indent=2, default=str)
         clean_ok = result["clean"]["violations"] == 0
         return 0 if clean_ok and all(f["caught"] for f in result["faults"]) else 1
+    if args.command == "pd":
+        from kvcanary.cli.pd import main as pd_main
+
+        return pd_main(args)
     return 2
 
 
