@@ -37,6 +37,11 @@ class KvCanaryRuntimeError(KvCanaryError, RuntimeError):
     exceeded while serving, device not usable."""
 
 
+class KvCanaryCapacityError(KvCanaryRuntimeError):
+    """A limit given at attach (``max_requests``, ``max_context``, a batch size) was exceeded while
+    serving. In ``log`` mode the adapter runs that work unchecked and counts it; ``raise`` mode raises."""
+
+
 class KvCanaryIndexError(KvCanaryError, IndexError):
     """An index outside a buffer (a request row, a slot) caught before any state changed."""
 
@@ -49,5 +54,5 @@ def is_kvcanary_message(exc: BaseException) -> bool:
 
 __all__ = [
     "PREFIX", "KvCanaryError", "KvCanaryValueError", "KvCanaryTypeError", "KvCanaryRuntimeError",
-    "KvCanaryIndexError", "is_kvcanary_message",
+    "KvCanaryCapacityError", "KvCanaryIndexError", "is_kvcanary_message",
 ]

@@ -464,7 +464,7 @@ def test_compile_and_async_batching_are_refused_graphs_are_not():
 
 def test_requests_beyond_max_context_fail_loudly(llama):
     with pytest.raises(RuntimeError, match=r"^kv-canary: request req_\d+ reaches position \d+, beyond max_context=24"):
-        with attach(llama, mode="log", max_context=24):
+        with attach(llama, mode="raise", max_context=24):  # log mode: runs unchecked (test_transformers_attach)
             generate(llama, workload(seed=1, num_requests=2))
 
 

@@ -105,7 +105,8 @@ def run_demo(*, device: Optional[str] = None, seed: int = 0, models=("llama", "q
         logging.getLogger("kvcanary").setLevel(logging.ERROR)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     prompts = workload(seed)
-    result: dict = {"device": str(dev), "models": {}, "clean": {"forwards": 0, "slots_verified": 0, "violations": 0},
+    result: dict = {"device": str(dev), "seed": seed, "versions": versions(),
+                    "models": {}, "clean": {"forwards": 0, "slots_verified": 0, "violations": 0},
                     "faults": []}
     t0 = time.perf_counter()
     for kind in models:
@@ -144,6 +145,23 @@ def run_demo(*, device: Optional[str] = None, seed: int = 0, models=("llama", "q
                                          "injected": None, "violations_in_run": len(violations)})
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+def versions() -> dict:
+    """What produced a result: kvcanary, python, torch, transformers, triton (when installed), CUDA."""
+    import platform
+    from importlib import metadata
+
+    import kvcanary
+
+    out = {"kvcanary": kvcanary.__version__, "python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("transformers", "triton"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    out["cuda"] = torch.version.cuda
+    return out
 
 
 def format_table(result: dict) -> str:

@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
+
+from kvcanary import __version__
+from kvcanary.errors import KvCanaryValueError, is_kvcanary_message
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcanary", description="Catch KV-cache corruption in LLM inference engines.")
+    parser.add_argument("--version", action="version", version=f"kvcanary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -30,14 +35,17 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from kvcanary.cli.demo import format_table, run_demo
-
         try:
+            check_output_path("--json", args.json)  # before the run, not after it
+            from kvcanary.cli.demo import format_table, run_demo
+            from kvcanary.engines.transformers_cb.attach import check_device
+
+            check_device(args.device)
             result = run_demo(device=args.device, seed=args.seed, models=tuple(m for m in args.models.split(",") if m),
                               verbose=args.verbose)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            if str(exc).startswith("kv-canary:"):
-                print(exc, file=sys.stderr)
+        except Exception as exc:  # kvcanary's own errors by type (older call sites: by their kv-canary: text)
+            if is_kvcanary_message(exc):
+                print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
                 return 2
             raise
         print(format_table(result))
@@ -51,6 +59,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return pd_main(args)
     return 2
+
+
+def check_output_path(flag: str, path: Optional[str]) -> None:
+    """``path`` can be written now: not a directory, its directory exists and is writable."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise KvCanaryValueError(f"kv-canary: {flag} {path!r} is a directory, not a file")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise KvCanaryValueError(f"kv-canary: {flag} {path!r}: directory {directory!r} does not exist")
+    if not os.access(path if os.path.exists(path) else directory, os.W_OK):
+        raise KvCanaryValueError(f"kv-canary: {flag} {path!r} is not writable")
 
 
 if __name__ == "__main__":

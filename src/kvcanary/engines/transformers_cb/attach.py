@@ -28,12 +28,29 @@ opens ends at the next ``compute_batch`` (a capture follows it in the same call)
 One canary *session* per ``PagedAttentionCache``: transformers builds a new cache for every
 ``generate_batch`` call (unless the manager is persistent), so the canary is rebuilt on the first
 forward that carries a new cache; the handle keeps the violations and counts of every session.
+
+Log mode never fails a forward. A problem of the canary itself while serving — a limit exceeded
+(``max_requests``, ``max_context``: `KvCanaryCapacityError`), an internal error — is logged once per cause,
+counted (``canary_errors``), and *suspends* the session: its canary is closed (results kept) and every later
+forward on that cache runs unchecked and is counted (``unchecked_forwards``, by cause in
+``unchecked_by_cause``) until the engine builds a new cache (the next ``generate_batch``), which gets a fresh
+canary. Suspending rather than skipping one forward matters: a forward that ran without the canary wrote KV
+with no records, and checking those slots later would report violations that are not there. In ``raise``
+mode these errors are raised in the engine thread (the engine fails that step's requests) and re-raised by
+the ``with``. Forwards while attached that are not continuous batching (a plain ``model(...)``,
+``model.generate``) are counted as unchecked (``plain_forwards``) and warned about once.
+
+Checked at `attach` (not at the first forward): option names, ``max_requests`` / ``max_context``, the
+device, ``real_kv_layers`` against the model's layers per attention type, one canary per model. A detached
+handle keeps its results readable (`counters`, `violations`, `stats`) and refuses to be used again.
 """
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -42,7 +59,13 @@ import torch
 from kvcanary.engines.transformers_cb import compat
 from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator, StaticKwargs, StepInfo
 from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_views
-from kvcanary.runtime import Canary, CanaryConfig, CanaryViolationError, GroupSpec, Violation
+from kvcanary.errors import (
+    KvCanaryCapacityError,
+    KvCanaryRuntimeError,
+    KvCanaryTypeError,
+    KvCanaryValueError,
+)
+from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
 
 logger = logging.getLogger("kvcanary")
 
@@ -53,18 +76,24 @@ DEFAULT_MAX_CONTEXT = 32768
 # where the current engine step stands (`_Session.phase`)
 IDLE, HOOK_STEP, WRAPPED_STEP, DEFERRED_END = "idle", "hook", "wrapped", "deferred"
 
+# why a forward ran unchecked (`TransformersCbHandle.counters()["unchecked_by_cause"]`)
+CAUSE_CAPACITY, CAUSE_INTERNAL, CAUSE_PLAIN = "capacity", "internal", "plain_forward"
+ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation")
+
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, TransformersCbHandle]" = weakref.WeakKeyDictionary()
+
 
 def check_transformers_version() -> str:
     """The installed transformers version; raises unless it is the pinned one."""
     try:
         import transformers
     except ImportError:
-        raise RuntimeError(
+        raise KvCanaryRuntimeError(
             f"kv-canary: the transformers adapter needs transformers=={SUPPORTED_TRANSFORMERS} "
             f"(pip install 'kvcanary[transformers]')"
         ) from None
     if transformers.__version__ != SUPPORTED_TRANSFORMERS:
-        raise RuntimeError(
+        raise KvCanaryRuntimeError(
             f"kv-canary: transformers {transformers.__version__} is not supported; the continuous-batching "
             f"adapter is pinned to transformers=={SUPPORTED_TRANSFORMERS} (its cache internals change "
             f"between minor versions)"
@@ -91,6 +120,16 @@ class _Session:
     warmup_forwards: int = 0  # of which the runner's warmup (fake requests over never-written KV: padding rows)
     graphs_captured: int = 0
     graphs_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class _Suspended:
+    """A cache whose canary was closed after a canary error in ``log`` mode: its forwards run unchecked."""
+
+    cache: object
+    processor: object
+    graphs: bool  # graph mode: a counting wrapper around compute_batch counts the forwards (replays run no hooks)
+    cause: str
 
 
 @dataclass(frozen=True)
@@ -126,6 +165,11 @@ class TransformersCbHandle:
         self._lock = threading.Lock()
         self._current: Optional[_Session] = None
         self._closed: list[_SessionResult] = []
+        self._detached = False
+        self._suspended: Optional[_Suspended] = None  # a cache whose forwards run unchecked (log mode)
+        self._unchecked: dict[str, int] = {}  # cause -> forwards that ran unchecked
+        self._canary_errors = 0
+        self._logged_causes: set[str] = set()
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -135,8 +179,21 @@ class TransformersCbHandle:
 
     def _pre_forward(self, module, args, kwargs):
         cache = kwargs.get("cache")
-        if cache is None or not hasattr(cache, "cache_allocators"):
-            return None  # not a continuous-batching forward
+        if cache is None or not hasattr(cache, "cache_allocators"):  # not a continuous-batching forward
+            if not _capturing():
+                self._count_unchecked(CAUSE_PLAIN)
+                if CAUSE_PLAIN not in self._logged_causes:
+                    self._logged_causes.add(CAUSE_PLAIN)
+                    logger.warning("kv-canary: a forward of %s ran outside continuous batching (a plain model(...) or "
+                                   "model.generate) while the canary is attached; such forwards are not checked, "
+                                   "counted in plain_forwards / unchecked_forwards", type(module).__name__)
+            return None
+        sus = self._suspended
+        if sus is not None and sus.cache is cache:
+            if not sus.graphs and not _capturing():  # graph mode: the counting wrapper counts
+                self._count_unchecked(sus.cause)
+            return None
+        s: Optional[_Session] = None
         try:
             s = self._session_for(cache)
             if not _capturing():
@@ -156,8 +213,7 @@ class TransformersCbHandle:
             s.canary.launch_head()
             s.head_open = True
         except Exception as exc:
-            self.errors.append(exc)
-            raise
+            self._canary_failed(s, cache, exc)  # raise mode: raises; log mode: this forward runs unchecked
         return None
 
     def _post_forward(self, module, args, kwargs, output):
@@ -181,9 +237,73 @@ class TransformersCbHandle:
                         s.canary.capture_graphs()
                         self._capture_translation(s)
         except Exception as exc:
-            self.errors.append(exc)
-            raise
+            self._canary_failed(s, s.cache, exc, forward_counted=True)
         return None
+
+    # ---- log mode: canary errors never fail a forward ----------------------------------------------
+    def _canary_failed(self, s: Optional[_Session], cache, exc: Exception, *, forward_counted: bool = False) -> None:
+        """A canary or translation error during a forward. ``raise`` mode (and violations / health errors,
+        which only ``raise`` mode raises): keep it in ``errors`` and re-raise — the engine fails that step.
+        ``log`` mode: log once per cause, count, suspend the session (see the module docstring) and return,
+        so the engine's forward proceeds unchecked."""
+        if self.config.mode == "raise" or isinstance(exc, (CanaryViolationError, CanaryHealthError)):
+            self.errors.append(exc)
+            raise exc
+        cause = CAUSE_CAPACITY if isinstance(exc, KvCanaryCapacityError) else CAUSE_INTERNAL
+        self._canary_errors += 1
+        if cause not in self._logged_causes:
+            self._logged_causes.add(cause)
+            logger.error("kv-canary: %s (%s); log mode: the rest of this engine session runs unchecked "
+                         "(counted in unchecked_forwards), serving goes on", exc, type(exc).__name__)
+        else:
+            logger.debug("kv-canary: again (%s): %s", cause, exc)
+        self._suspend(s, cache, cause)
+        self._count_unchecked(cause)
+
+    def _suspend(self, s: Optional[_Session], cache, cause: str) -> None:
+        processor = s.processor if s is not None else None
+        graphs = bool(s is not None and s.graphs)
+        if s is not None and s in self._sessions:
+            try:
+                self._close_session(s)
+            except Exception as exc:  # noqa: BLE001 — closing a broken canary may fail too; results are kept
+                logger.debug("kv-canary: closing the suspended session failed: %s", exc)
+                if s in self._sessions:
+                    self._sessions.remove(s)
+                    self._closed.append(_SessionResult(forwards=0, stats=None, violations=[], counters={}))
+        if self._current is s:
+            self._current = None
+        self._end_suspension()
+        self._suspended = _Suspended(cache=cache, processor=processor, graphs=graphs, cause=cause)
+        if graphs:
+            try:
+                compat.install_compute_wrapper(processor, lambda original: self._count_wrapper(cache, original))
+            except Exception:  # noqa: BLE001 — without the wrapper, replays cannot be counted
+                self._suspended = _Suspended(cache=cache, processor=processor, graphs=False, cause=cause)
+
+    def _count_wrapper(self, cache, original):
+        def compute_batch(model, batch_data):
+            sus = self._suspended
+            if sus is not None and sus.cache is cache:
+                self._count_unchecked(sus.cause)
+            return original(model, batch_data)
+
+        return compute_batch
+
+    def _end_suspension(self) -> None:
+        sus, self._suspended = self._suspended, None
+        if sus is not None and sus.graphs:
+            compat.restore_compute_batch(sus.processor)
+
+    def _count_unchecked(self, cause: str) -> None:
+        self._unchecked[cause] = self._unchecked.get(cause, 0) + 1
+
+    def _require_attached(self) -> None:
+        if self._detached:
+            raise KvCanaryRuntimeError(
+                "kv-canary: this canary handle was detached; its results stay readable (counters, violations, "
+                "stats), but it checks nothing: attach again for a new one"
+            )
 
     # ---- steps ---------------------------------------------------------------------------------
     def _begin(self, s: _Session, phase: str) -> None:
@@ -234,8 +354,8 @@ class TransformersCbHandle:
                     stream.wait_stream(torch.cuda.current_stream())
             except Exception as exc:
                 s.phase = IDLE
-                self.errors.append(exc)
-                raise
+                self._canary_failed(s, s.cache, exc)  # log mode: suspended, the forward runs unchecked
+                return original(model, batch_data)
             try:
                 result = original(model, batch_data)
             except BaseException:
@@ -248,8 +368,7 @@ class TransformersCbHandle:
                     if phase == WRAPPED_STEP:
                         s.canary.end_step()
             except Exception as exc:
-                self.errors.append(exc)
-                raise
+                self._canary_failed(s, s.cache, exc, forward_counted=True)
             return result
 
         return compute_batch
@@ -275,6 +394,8 @@ class TransformersCbHandle:
         with self._lock:
             if current is not None:
                 self._close_session(current)
+                self._current = None
+            self._end_suspension()  # a new cache: a fresh canary checks it
             self._current = self._open_session(cache)
             return self._current
 
@@ -366,15 +487,26 @@ class TransformersCbHandle:
         """Counts summed over sessions: ``total``, ``by_reason``, ``by_tag``, ``checked_forwards`` (HEAD
         checks that ran on the device, graph replays included), ``engine_forwards`` (forwards the engine
         ran with real requests, eager or replayed — equal to ``checked_forwards`` when nothing escaped),
-        ``warmup_forwards`` and graph counts."""
-        return merge_counters([r.counters for r in self._results()])
+        ``warmup_forwards`` and graph counts; the runtime's ``coverage`` account (summed) where it has one.
+        The adapter's own account of what was *not* checked (all zero in a healthy run):
+        ``unchecked_forwards`` (every forward that ran while attached without the canary),
+        ``unchecked_by_cause`` (``capacity``: a limit given at attach was exceeded; ``internal``: the canary
+        failed; ``plain_forward``: not continuous batching), ``plain_forwards``, ``canary_errors`` (errors
+        that suspended a session in ``log`` mode)."""
+        out = merge_counters([r.counters for r in self._results()])
+        out["unchecked_forwards"] = sum(self._unchecked.values())
+        out["unchecked_by_cause"] = dict(self._unchecked)
+        out["plain_forwards"] = self._unchecked.get(CAUSE_PLAIN, 0)
+        out["canary_errors"] = self._canary_errors
+        return out
 
     def stats(self) -> list:
         """One `CanaryStats` per session."""
-        return [r.stats for r in self._results()]
+        return [r.stats for r in self._results() if r.stats is not None]
 
     def sweep(self):
         """Verify every live slot of the current cache now."""
+        self._require_attached()
         if self._current is None:
             return None
         return self._current.canary.sweep()
@@ -393,6 +525,10 @@ class TransformersCbHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._detached = True
+        if _ATTACHED.get(self.model) is self:
+            del _ATTACHED[self.model]
+        self._end_suspension()
         if self._current is not None:
             try:
                 self._close_session(self._current)
@@ -401,6 +537,7 @@ class TransformersCbHandle:
             self._current = None
 
     def __enter__(self) -> "TransformersCbHandle":
+        self._require_attached()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -411,6 +548,9 @@ class TransformersCbHandle:
 
 def _result(s: _Session) -> _SessionResult:
     counters = dict(s.canary.counters())
+    coverage = getattr(s.canary, "coverage", None)  # the runtime's account of what it skipped, when it has one
+    if callable(coverage) and "coverage" not in counters:
+        counters["coverage"] = dict(coverage())
     counters.update(engine_forwards=s.engine_forwards, warmup_forwards=s.warmup_forwards,
                     graphs_captured=s.graphs_captured, graphs_dropped=s.graphs_dropped)
     return _SessionResult(forwards=s.canary.step, stats=s.canary.stats(), violations=s.canary.violations(),
@@ -430,6 +570,72 @@ def merge_counters(parts: list[dict]) -> dict:
     return out
 
 
+def check_attach_options(options: dict) -> None:
+    """Unknown keyword arguments of `attach`: a ``kv-canary:`` `TypeError` naming the valid ones."""
+    valid = ADAPTER_OPTIONS + CanaryConfig.option_names()
+    for name in options:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise KvCanaryTypeError(
+                f"kv-canary: attach() got an unknown keyword argument {name!r}{hint}; valid: "
+                f"{', '.join(ADAPTER_OPTIONS)} and the CanaryConfig options {', '.join(CanaryConfig.option_names())}"
+            )
+
+
+def check_limits(max_requests: object, max_context: object) -> None:
+    if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
+        raise KvCanaryValueError(f"kv-canary: max_requests must be a positive integer, got {max_requests!r}")
+    if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1):
+        raise KvCanaryValueError(f"kv-canary: max_context must be a positive integer (or None), got {max_context!r}")
+
+
+def check_device(device: object) -> Optional[torch.device]:
+    """``device`` as a `torch.device`, refused unless usable now (a CUDA device needs a visible GPU)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise KvCanaryValueError(f"kv-canary: device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1')") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KvCanaryRuntimeError(f"kv-canary: device {str(device)!r} is not usable: no CUDA GPU is visible "
+                                       "to torch (torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise KvCanaryRuntimeError(f"kv-canary: device {str(device)!r} is not usable: only "
+                                       f"{torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def model_layer_types(model: torch.nn.Module) -> dict[str, int]:
+    """Layers per attention type of a transformers model, from its config (``layer_types`` when present,
+    else every layer full attention); empty when the config does not say."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        out: dict[str, int] = {}
+        for t in types:
+            out[t] = out.get(t, 0) + 1
+        return out
+    n = getattr(cfg, "num_hidden_layers", None)
+    return {"full_attention": int(n)} if isinstance(n, int) and n > 0 else {}
+
+
+def check_real_kv_layers(model: torch.nn.Module, config: CanaryConfig) -> None:
+    """Every ``real_kv_layers`` index in range for each attention type's layers (SPEC: indices into a
+    group's layer ids; negative counts from the end)."""
+    for layer_type, n in model_layer_types(model).items():
+        for pick in config.real_kv_layers:
+            if not -n <= pick < n:
+                raise KvCanaryValueError(
+                    f"kv-canary: real_kv_layers index {pick} is out of range for the model's {layer_type} layers "
+                    f"({n} layers: valid {-n}..{n - 1})"
+                )
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -440,12 +646,25 @@ def _refuse_unobservable_paths(processor) -> None:
     whose inputs are carried over on the device. The canary refuses them rather than silently stop
     checking. CUDA graphs are supported (see the module docstring)."""
     if any(compat.compiled_paths(processor)):
-        raise RuntimeError(
+        raise KvCanaryRuntimeError(
             "kv-canary: torch.compile is on for continuous batching (varlen/decode_compile_config); compiled "
             "forwards do not run the canary's hooks. Leave the compile configs unset to run checked"
         )
-    if compat.uses_async_batching(processor):
+    # KV moves (issue 9): the runtime can carry records with moved KV (Canary.copy_slots / import_records), but
+    # this adapter does not observe transformers' fork copies or CPU offload / restore yet; unobserved moves
+    # would read as corruption (false violations), so they are refused.
+    if compat.forked_children(processor):
         raise RuntimeError(
+            "kv-canary: num_return_sequences > 1 forks requests (shared and copied KV blocks) that this adapter "
+            "does not observe yet; generate with num_return_sequences=1 to run checked"
+        )
+    if compat.cpu_offload_enabled(processor):
+        raise RuntimeError(
+            "kv-canary: CPU offloading is on (ContinuousBatchingConfig.cpu_offload_space); restored KV lands in "
+            "other blocks that this adapter does not observe yet. Pass cpu_offload_space=0 to run checked"
+        )
+    if compat.uses_async_batching(processor):
+        raise KvCanaryRuntimeError(
             "kv-canary: async batching is on; the canary supports synchronous continuous batching (CUDA graphs "
             "included). Pass ContinuousBatchingConfig(use_async_batching=False)"
         )
@@ -475,19 +694,31 @@ def attach(
     In mode ``none`` nothing is attached.
     """
     check_transformers_version()
+    check_attach_options(options)
+    check_limits(max_requests, max_context)
+    dev = check_device(device)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate_batch"):
-        raise TypeError(
+        raise KvCanaryTypeError(
             f"kv-canary: attach() needs a transformers model with continuous batching (generate_batch), "
             f"got {type(model).__name__}"
         )
     cfg = config if config is not None else CanaryConfig.from_env(**options)
     if config is not None and options:
         cfg = config.with_options(**options)
+    if not cfg.enabled:  # mode "none": nothing attached, nothing checked
+        return TransformersCbHandle(model=model, config=cfg, max_requests=max_requests, max_context=max_context,
+                                    device=dev, capture_canary=capture_canary, static_translation=static_translation)
+    check_real_kv_layers(model, cfg)
+    previous = _ATTACHED.get(model)
+    if previous is not None and not previous._detached:
+        raise KvCanaryRuntimeError(
+            f"kv-canary: a canary is already attached to this {type(model).__name__}; detach() it first "
+            "(or leave its `with` block)"
+        )
     handle = TransformersCbHandle(
-        model=model, config=cfg, max_requests=max_requests, max_context=max_context,
-        device=torch.device(device) if device is not None else None, capture_canary=capture_canary,
-        static_translation=static_translation,
+        model=model, config=cfg, max_requests=max_requests, max_context=max_context, device=dev,
+        capture_canary=capture_canary, static_translation=static_translation,
     )
-    if cfg.enabled:
-        handle._install()
+    handle._install()
+    _ATTACHED[model] = handle
     return handle

@@ -14,6 +14,8 @@ from __future__ import annotations
 import gc
 from typing import Callable, Optional
 
+from kvcanary.errors import KvCanaryRuntimeError
+
 VERSION_READ = "5.24.0"
 
 # requests.py :: create_warmup_future_states — warmup requests are named f"__warmup_{status}_{i}__"
@@ -30,7 +32,7 @@ def find_batch_processor(cache):
     for ref in gc.get_referrers(cache):
         if getattr(ref, "cache", None) is cache and hasattr(ref, "inputs_and_outputs") and hasattr(ref, "scheduler"):
             return ref
-    raise RuntimeError(
+    raise KvCanaryRuntimeError(
         "kv-canary: could not find the continuous-batching processor that owns this PagedAttentionCache; "
         "kvcanary supports model.generate_batch / init_continuous_batching of transformers==5.24.0"
     )
@@ -117,7 +119,7 @@ def install_compute_wrapper(processor, make: Callable[[Callable], Callable]) -> 
     """
     runner = processor.model_runner
     if "compute_batch" in vars(runner):
-        raise RuntimeError("kv-canary: ModelRunner.compute_batch is already wrapped on this runner (attached twice?)")
+        raise KvCanaryRuntimeError("kv-canary: ModelRunner.compute_batch is already wrapped on this runner (attached twice?)")
     original = runner.compute_batch
     runner.compute_batch = make(original)
     return original
@@ -182,3 +184,20 @@ def max_blocks_per_request(cache) -> int:
 def persistent_manager(model) -> Optional[object]:
     """The model's cached ``ContinuousBatchingManager`` (``persistent_manager=True``), if any."""
     return getattr(model, "_cached_continuous_batching_manager", None)
+
+
+# ---- KV moves the adapter does not observe yet (refused at attach, attach._refuse_unobservable_paths) --------
+def cpu_offload_enabled(processor) -> bool:
+    """``processor.offloading_manager._cpu_pool`` is set (offloading_manager.py): an offloaded request's KV goes to
+    a pinned host pool (``_offload_to_cpu``) and comes back into other blocks (``restore_scheduled_requests``)."""
+    manager = getattr(processor, "offloading_manager", None)
+    return manager is not None and getattr(manager, "_cpu_pool", None) is not None
+
+
+def forked_children(processor) -> int:
+    """``num_return_sequences - 1`` of the ``ContinuousBatchingManager`` that holds ``processor`` as its
+    ``batch_processor`` (or of the processor itself): children forked per request (``cache.prepare_fork_request``
+    shares full blocks, ``perform_cache_copy`` -> allocator ``copy_blocks`` copies the partial one)."""
+    owners = [processor] + [ref for ref in gc.get_referrers(processor) if getattr(ref, "batch_processor", None) is processor]
+    n = max(int(getattr(o, "num_return_sequences", 1) or 1) for o in owners)
+    return max(0, n - 1)

@@ -40,6 +40,7 @@ import torch
 from kvcanary.engines.transformers_cb import compat
 from kvcanary.engines.transformers_cb.compat import find_batch_processor  # noqa: F401  (re-exported)
 from kvcanary.engines.transformers_cb.layout import NOT_STORED, PADDING_SLOT, GroupLayout
+from kvcanary.errors import KvCanaryCapacityError
 from kvcanary.runtime.batch import BatchDescription, GroupBatch
 
 # rows of `ForwardTranslator.meta`
@@ -68,7 +69,7 @@ class RequestRows:
 
     def assign(self, request_id: str) -> int:
         if not self.free:
-            raise RuntimeError(
+            raise KvCanaryCapacityError(
                 f"kv-canary: more than max_requests={self.max_requests} live requests; "
                 "attach with a larger max_requests"
             )
@@ -122,7 +123,7 @@ class ForwardTranslator:
         batch = compat.requests_in_batch(self.processor)
         bs = len(batch)
         if bs > self.max_rows:
-            raise RuntimeError(
+            raise KvCanaryCapacityError(
                 f"kv-canary: batch of {bs} requests exceeds the engine's max_requests_per_batch={self.max_rows}; "
                 "unexpected transformers batch layout"
             )
@@ -148,7 +149,7 @@ class ForwardTranslator:
                 row = self.rows.assign(rid)
                 filled[row] = 0
             if p + e > ctx:
-                raise RuntimeError(
+                raise KvCanaryCapacityError(
                     f"kv-canary: request {rid} reaches position {p + e - 1}, beyond max_context={ctx}; "
                     "attach with a larger max_context"
                 )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcanary.engines.transformers_cb import compat
+from kvcanary.errors import KvCanaryValueError
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -79,10 +80,10 @@ def build_layouts(cache) -> list[GroupLayout]:
     total_bytes = int(cache.cache_tensor.numel())  # uint8 storage
     for layer_type, alloc in compat.allocators(cache).items():
         if layer_type not in GROUP_NAMES:
-            raise ValueError(f"kv-canary: unsupported transformers attention type {layer_type!r}")
+            raise KvCanaryValueError(f"kv-canary: unsupported transformers attention type {layer_type!r}")
         geo = compat.allocator_geometry(alloc)
         if total_bytes % geo["bytes_per_block"]:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: cache of {total_bytes} bytes is not a whole number of {layer_type} blocks "
                 f"({geo['bytes_per_block']} bytes); unexpected transformers cache layout"
             )
@@ -104,7 +105,7 @@ def build_layouts(cache) -> list[GroupLayout]:
     layouts.sort(key=lambda g: g.index)
     names = [g.name for g in layouts]
     if len(set(names)) != len(names):
-        raise ValueError(f"kv-canary: two cache allocators map to one canary group: {names}")
+        raise KvCanaryValueError(f"kv-canary: two cache allocators map to one canary group: {names}")
     return layouts
 
 

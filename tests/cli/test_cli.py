@@ -1,0 +1,75 @@
+"""The ``kvcanary`` command line itself (issue 10 item 6): --version, arguments checked before the run,
+kvcanary's errors caught by type, the demo's JSON records versions, device and seed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvcanary
+from kvcanary.cli import main as cli_main
+from kvcanary.errors import KvCanaryIndexError
+
+
+def _no_demo(monkeypatch):
+    import kvcanary.cli.demo as demo
+
+    def must_not_run(**kwargs):
+        raise AssertionError("the demo ran although its arguments were bad")
+
+    monkeypatch.setattr(demo, "run_demo", must_not_run)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvcanary {kvcanary.__version__}"
+
+
+def test_json_path_is_checked_before_the_run(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    _no_demo(monkeypatch)
+    rc = cli_main.main(["demo", "--json", str(tmp_path / "missing" / "out.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith("kv-canary: --json ") and "does not exist" in err[0]
+    rc = cli_main.main(["demo", "--json", str(tmp_path)])
+    assert rc == 2 and "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_without_a_gpu_is_a_one_line_error(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    _no_demo(monkeypatch)
+    rc = cli_main.main(["demo", "--device", "cuda"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kv-canary: device 'cuda' is not usable")
+
+
+def test_kvcanary_errors_are_caught_by_type(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    import kvcanary.cli.demo as demo
+
+    def broken(**kwargs):
+        raise KvCanaryIndexError("kv-canary: request row 9 is outside the request table")
+
+    monkeypatch.setattr(demo, "run_demo", broken)
+    assert cli_main.main(["demo"]) == 2
+    assert capsys.readouterr().err.strip() == "kv-canary: request row 9 is outside the request table"
+
+
+def test_demo_json_records_versions_device_and_seed(tmp_path):
+    pytest.importorskip("transformers")
+    import transformers
+
+    out = tmp_path / "demo.json"
+    rc = cli_main.main(["demo", "--models", "", "--seed", "7", "--device", "cpu", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0
+    assert result["seed"] == 7 and result["device"] == "cpu"
+    assert result["versions"]["kvcanary"] == kvcanary.__version__
+    assert result["versions"]["torch"] == torch.__version__
+    assert result["versions"]["transformers"] == transformers.__version__
+    assert result["versions"]["python"].count(".") == 2
