@@ -29,6 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     pd.add_argument("--seed", type=int, default=0, help="seed for prompts and engines")
     pd.add_argument("--max-new", type=int, default=6, help="tokens to decode per request")
     pd.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl with 2 GPUs, else gloo)")
+    from kvcanary.cli import campaign, replay
+
+    campaign.add_parser(sub)
+    replay.add_parser(sub)
     return parser
 
 
@@ -58,6 +62,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from kvcanary.cli.pd import main as pd_main
 
         return pd_main(args)
+    if args.command in ("campaign", "replay"):
+        from kvcanary.cli import campaign, replay
+
+        try:
+            return (campaign if args.command == "campaign" else replay).run(args)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            if str(exc).startswith("kv-canary:"):
+                print(exc, file=sys.stderr)
+                return 2
+            raise
     return 2
 
 

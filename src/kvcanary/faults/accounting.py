@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from kvcanary.faults.ledger import CHECK_OF_REASON, Injection
 
@@ -57,12 +57,12 @@ def account(injection: Injection, violations: Sequence, *, until_step: Optional[
     )
 
 
-def summarize(outcomes: Iterable[Outcome]) -> dict:
+def summarize(outcomes: Iterable[Outcome], key: Optional[Callable[[Outcome], str]] = None) -> dict:
     """Per fault class: injected, detected, missed, expected_detectable, detected_expected (detected among
     the expected-detectable ones), median_latency_forwards, collateral_reasons, detected_by (check -> count)."""
     out: dict = {}
     for o in outcomes:
-        c = out.setdefault(o.injection.fault, {
+        c = out.setdefault(key(o) if key else o.injection.fault, {
             "injected": 0, "detected": 0, "missed": 0, "expected_detectable": 0, "detected_expected": 0,
             "wrong_request": 0, "_lat": [], "collateral_reasons": {}, "detected_by": {}, "why_not": [],
         })
