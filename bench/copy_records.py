@@ -113,7 +113,7 @@ def main() -> None:
     counters = torch.zeros(2, dtype=torch.int64, device=device)
 
     records = export_canary_records(canary_bufs=tables, slots=src)
-    host_records = records.cpu()
+    host_records = records.cpu().pin_memory() if device.type == "cuda" else records.clone()  # offload buffers are pinned
     wire = canary_records_to_bytes(records)
 
     staging = torch.empty_like(records)  # caller-owned export buffer, reused (no fresh pages)
@@ -154,6 +154,8 @@ def main() -> None:
             ("import from device memory (Triton kernels only)",
              lambda: launch_import_records(canary_bufs=tables, slots=dst, records=dev_records)),
             ("copy_slots (Triton kernels only)", lambda: launch_copy_slots(canary_bufs=tables, src_slots=src, dst_slots=dst)),
+            ("export, CUDA graph replay", _graph(export)),
+            ("copy_slots, CUDA graph replay", _graph(copy_slots)),
         ]
     else:
         rows += [
@@ -199,6 +201,16 @@ def main() -> None:
               f"vs {kv * 1e9:.0f} ns for a plain copy of its KV bytes = {100 * both / blocks / kv:.2f} %")
     print(f"({TABLES * RECORD_BYTES * PAGE} B of records ride with each {KV_BYTES_PER_BLOCK // 1024} KiB block of KV: "
           f"{100 * TABLES * RECORD_BYTES * PAGE / KV_BYTES_PER_BLOCK:.2f} % of its bytes)")
+
+
+def _graph(fn):
+    """``fn`` captured in a CUDA graph (after a warm-up); returns the replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _row(t: Timing, nbytes: int, blocks: int) -> str:
