@@ -663,19 +663,6 @@ def _refuse_unobservable_paths(processor) -> None:
             "kv-canary: CPU offloading is on (ContinuousBatchingConfig.cpu_offload_space); restored KV lands in "
             "other blocks that this adapter does not observe yet. Pass cpu_offload_space=0 to run checked"
         )
-    # KV moves (issue 9): the runtime can carry records with moved KV (Canary.copy_slots / import_records), but
-    # this adapter does not observe transformers' fork copies or CPU offload / restore yet; unobserved moves
-    # would read as corruption (false violations), so they are refused.
-    if compat.forked_children(processor):
-        raise RuntimeError(
-            "kv-canary: num_return_sequences > 1 forks requests (shared and copied KV blocks) that this adapter "
-            "does not observe yet; generate with num_return_sequences=1 to run checked"
-        )
-    if compat.cpu_offload_enabled(processor):
-        raise RuntimeError(
-            "kv-canary: CPU offloading is on (ContinuousBatchingConfig.cpu_offload_space); restored KV lands in "
-            "other blocks that this adapter does not observe yet. Pass cpu_offload_space=0 to run checked"
-        )
     if compat.uses_async_batching(processor):
         raise KvCanaryRuntimeError(
             "kv-canary: async batching is on; the canary supports synchronous continuous batching (CUDA graphs "

@@ -201,20 +201,3 @@ def forked_children(processor) -> int:
     owners = [processor] + [ref for ref in gc.get_referrers(processor) if getattr(ref, "batch_processor", None) is processor]
     n = max(int(getattr(o, "num_return_sequences", 1) or 1) for o in owners)
     return max(0, n - 1)
-
-
-# ---- KV moves the adapter does not observe yet (refused at attach, attach._refuse_unobservable_paths) --------
-def cpu_offload_enabled(processor) -> bool:
-    """``processor.offloading_manager._cpu_pool`` is set (offloading_manager.py): an offloaded request's KV goes to
-    a pinned host pool (``_offload_to_cpu``) and comes back into other blocks (``restore_scheduled_requests``)."""
-    manager = getattr(processor, "offloading_manager", None)
-    return manager is not None and getattr(manager, "_cpu_pool", None) is not None
-
-
-def forked_children(processor) -> int:
-    """``num_return_sequences - 1`` of the ``ContinuousBatchingManager`` that holds ``processor`` as its
-    ``batch_processor`` (or of the processor itself): children forked per request (``cache.prepare_fork_request``
-    shares full blocks, ``perform_cache_copy`` -> allocator ``copy_blocks`` copies the partial one)."""
-    owners = [processor] + [ref for ref in gc.get_referrers(processor) if getattr(ref, "batch_processor", None) is processor]
-    n = max(int(getattr(o, "num_return_sequences", 1) or 1) for o in owners)
-    return max(0, n - 1)
