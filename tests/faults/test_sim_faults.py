@@ -1,0 +1,64 @@
+"""Every fault class on the simulated engine: a seeded run detects each injection the configuration
+can see, charged to the injected request; the clean twin is silent; the same seed, the same ledger."""
+import pytest
+
+from kvcanary.faults import FAULT_CLASSES
+from kvcanary.faults.sim import INJECTORS
+from kvcanary.faults.sim_campaign import SimCampaignConfig, run_class
+
+
+def test_every_class_has_a_sim_injector():
+    assert set(INJECTORS) == set(FAULT_CLASSES)
+
+
+@pytest.mark.parametrize("fault", FAULT_CLASSES)
+def test_class_detected_and_attributed(fault):
+    run = run_class(fault, SimCampaignConfig(seed=1, per_class=2))
+    assert run.outcomes, f"{fault}: nothing injected"
+    assert run.clean_forwards > 0 and run.clean_violations == 0
+    for o in run.outcomes:
+        inj = o.injection
+        assert inj.fault == fault and inj.engine == "sim" and inj.step > 0
+        if not inj.expected_detectable:
+            assert inj.why_not and not o.detected, (inj, o)
+            continue
+        assert o.detected, inj
+        assert set(o.reasons) & set(inj.expected)
+        if inj.request_id is not None:
+            assert o.request_id == inj.request_id, (inj, o)
+        assert o.latency_forwards is not None and 0 <= o.latency_forwards <= SimCampaignConfig().window
+
+
+def test_same_seed_same_ledger():
+    cfg = SimCampaignConfig(seed=3, per_class=2)
+    a, b = run_class("slot_redirect", cfg, clean_twin=False), run_class("slot_redirect", cfg, clean_twin=False)
+    assert a.ledger.to_json() == b.ledger.to_json() and len(a.ledger) == 2
+    c = run_class("slot_redirect", SimCampaignConfig(seed=4, per_class=2), clean_twin=False)
+    assert c.ledger.to_json() != a.ledger.to_json()
+
+
+def test_every_byte_of_every_layer_hashed_catches_cached_and_deep_flips():
+    cfg = SimCampaignConfig(seed=2, per_class=3, real_kv_hash="all", real_kv_layers=(0, 1, 2, 3))
+    for fault in ("kv_flip_cached", "kv_flip_deep_layer"):
+        run = run_class(fault, cfg, clean_twin=False)
+        assert run.outcomes and all(o.injection.expected_detectable and o.detected for o in run.outcomes)
+        assert all(o.detected_by == ("fingerprint",) for o in run.outcomes)
+
+
+def test_without_the_oracle_a_token_swap_is_not_expected_detectable():
+    run = run_class("token_swap", SimCampaignConfig(seed=1, per_class=1, oracle=False))
+    (o,) = run.outcomes
+    assert not o.injection.expected_detectable and not o.detected and run.clean_violations == 0
+
+
+# ---- blind spots (issue 11 item 6: runtime / adapter work); pinned until closed ------------------------
+@pytest.mark.xfail(strict=True, reason="no per-request context key in BatchDescription / the chain yet")
+def test_cross_context_hit_is_caught():
+    run = run_class("cross_context_hit", SimCampaignConfig(seed=1, per_class=1), clean_twin=False)
+    assert all(o.detected for o in run.outcomes)
+
+
+@pytest.mark.xfail(strict=True, reason="default fingerprints cover 16 bytes of 2 layers; no per-(slot, layer) table yet")
+def test_default_mode_catches_cached_bit_flips():
+    run = run_class("kv_flip_cached", SimCampaignConfig(seed=5, per_class=6), clean_twin=False)
+    assert sum(o.detected for o in run.outcomes) == len(run.outcomes)
