@@ -281,6 +281,9 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if batch is None:
             return
         self.engine_forwards += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kv-canary: forward %d rows %s prefix %s extend %s", self.engine_forwards, batch.request_ids,
+                         batch.prefix_lens.tolist(), batch.extend_lens.tolist())
         self.canary.before_forward(batch)
         self._open = True
         self.canary_seconds += time.perf_counter() - t0
@@ -348,6 +351,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             "prefix_hits": ev.prefix_hits if ev else 0,
             "chunked_prefills": ev.chunked if ev else 0,
             "resumed": ev.resumed if ev else 0,
+            "same_step_shares": ev.same_step_shared if ev else 0,
+            "slots_reused": ev.slots_reused if ev else 0,
             "by_reason": dict(stats.violations_by_reason),
         }
 

@@ -18,6 +18,7 @@ the canary verify the wrong slot and fail there. Slot 0 (null block) is the padd
 from __future__ import annotations
 
 import gc
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -28,11 +29,18 @@ from kvcanary.runtime.batch import BatchDescription, GroupBatch
 
 
 def find_model_runner(kv_tensor: Optional[torch.Tensor] = None):
-    """The worker's ``GPUModelRunner`` (``CPUModelRunner`` on CPU), found once by walking the
-    garbage collector's objects (read-only discovery; the connector API hands out no runner).
-    With several, the one holding ``kv_tensor`` among its ``kv_caches``."""
+    """The worker's ``GPUModelRunner`` (``CPUModelRunner`` on CPU), found once, read only (the connector
+    API hands out no runner): first up the call stack — the connector is called from the runner's
+    ``execute_model`` — then among the garbage collector's objects (which miss objects vLLM froze
+    with ``gc.freeze``). With several candidates, the one holding ``kv_tensor`` among its ``kv_caches``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and GPUModelRunner in type(candidate).__mro__:
+            return candidate
+        frame = frame.f_back
     found = [o for o in gc.get_objects() if GPUModelRunner in type(o).__mro__]
     if kv_tensor is not None and len(found) > 1:
         ptr = kv_tensor.data_ptr()
@@ -107,6 +115,7 @@ class ForwardEvents:
     chunked: int = 0  # forwards continuing a prefill (query > 1 at a position > 0, not a first forward)
     resumed: int = 0  # first forward after a preemption
     same_step_shared: int = 0  # rows reading prefix blocks that another row of the same forward writes
+    slots_reused: int = 0  # full-attention slots written again after their block was freed (eviction, reuse)
 
 
 class WorkerView:
@@ -127,6 +136,8 @@ class WorkerView:
         self.computed: dict[str, int] = {}  # request id -> positions stored as of its latest forward
         self.preempted: set[str] = set()
         self.events = ForwardEvents()
+        full = next((g for g in layouts if g.name == "full"), None)
+        self._ever_written = torch.zeros(full.num_slots if full else 0, dtype=torch.bool, device=self.device)
 
     # ---- scheduler events ----------------------------------------------------------------------
     def apply(self, *, tokens: dict, finished, preempted) -> None:
@@ -175,6 +186,10 @@ class WorkerView:
             meta = attn_metadata[g.layer_names[0]]
             tables[g.name] = self._fill_table(g, meta, rows_t, seq, num_reqs)
             written[g.name] = meta.slot_mapping[:num_tokens].to(device=dev, dtype=torch.int64)
+        if "full" in written:
+            w = written["full"][written["full"] >= 0]
+            self.events.slots_reused += int(self._ever_written[w].sum())
+            self._ever_written[w] = True
         input_ids = self.runner.input_ids.gpu[:num_tokens].to(device=dev, dtype=torch.int64)
         positions = self.runner.positions[:num_tokens].to(device=dev, dtype=torch.int64)
         lens = self._fill_tokens(req_ids, rows, seq_l)

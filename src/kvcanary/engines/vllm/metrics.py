@@ -24,6 +24,8 @@ COUNTS = (
     "prefix_hits",  # first forwards that started past position 0 (prefix cache)
     "chunked_prefills",  # forwards continuing a chunked prefill
     "resumed",  # first forwards after a preemption
+    "same_step_shares",  # rows reading prefix blocks another row writes in the same forward
+    "slots_reused",  # slots written again after their block was freed and reallocated (eviction, reuse)
 )
 
 

@@ -3,7 +3,7 @@
 No download, no tokenizer: the model is a directory holding only ``config.json`` (vLLM builds the
 architecture and fills dummy weights, the same on every start), prompts are token ids.
 
-The engine is deliberately cramped — 32-token blocks, a small block pool, a 64-token step budget —
+The engine is deliberately cramped — 32-token blocks, a small block pool, a 128-token step budget —
 so one `workload` shows every path the canary must follow: prefix-cache hits on two shared system
 prompts (including hits on blocks computed in the same forward), cached blocks evicted and reused,
 long prompts split into chunks (chunked prefill), requests preempted and recomputed when the pool
@@ -42,7 +42,7 @@ def write_tiny_model(directory: str, kind: str = "llama") -> str:
 
 
 def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, num_blocks: int = 16,
-                  max_num_seqs: int = 6, max_num_batched_tokens: int = 64, stats: bool = True) -> dict[str, Any]:
+                  max_num_seqs: int = 6, max_num_batched_tokens: int = 128, stats: bool = True) -> dict[str, Any]:
     """``LLM(**engine_kwargs(...))`` for the tiny model in a cramped KV cache (see the module docstring)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     kw: dict[str, Any] = dict(
@@ -63,21 +63,29 @@ class Request:
     n: int = 1
 
 
-def workload(seed: int = 0, num_requests: int = 18) -> list[Request]:
-    """Two shared system prompts (70 and 45 tokens) with user turns, bare prompts, two long prompts
-    (chunked prefill), one ``n = 2`` request (greedy); 12 to 40 new tokens each."""
+# request kinds, in submission order: s0 / s1 = a shared system prompt + a user turn, long = a prompt
+# longer than the step budget (chunked), bare = a user turn alone. Consecutive s1 requests arrive
+# together, so the second hits blocks the first computes in the same forward.
+PATTERN = ("s0", "s0", "s0", "s1", "s1", "long", "bare", "s0", "s1", "s1", "long", "s0",
+           "bare", "s1", "s0", "long", "s0", "s1")
+PARALLEL = 7  # index of the n = 2 request
+
+
+def workload(seed: int = 0) -> list[Request]:
+    """`PATTERN`: two shared system prompts (70 and 45 tokens) with user turns, bare prompts, long
+    prompts (140-200 tokens: chunked prefill), one ``n = 2`` request (greedy); 12 to 40 new tokens each."""
     rng = random.Random(seed)
-    systems = [[rng.randrange(3, 512) for _ in range(70)], [rng.randrange(3, 512) for _ in range(45)]]
+    systems = {"s0": [rng.randrange(3, 512) for _ in range(70)], "s1": [rng.randrange(3, 512) for _ in range(45)]}
     out = []
-    for i in range(num_requests):
-        user = [rng.randrange(3, 512) for _ in range(rng.randrange(3, 40))]
-        if i % 6 == 5:
-            prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(140, 200))]  # long: chunked
-        elif i % 5 == 4:
+    for i, kind in enumerate(PATTERN):
+        user = [rng.randrange(3, 512) for _ in range(rng.randrange(3, 10 if i < 5 else 40))]
+        if kind == "long":
+            prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(140, 200))]
+        elif kind == "bare":
             prompt = user
         else:
-            prompt = systems[i % 2] + user
-        out.append(Request(prompt=prompt, max_tokens=rng.randrange(12, 41), n=2 if i == 7 else 1))
+            prompt = systems[kind] + user
+        out.append(Request(prompt=prompt, max_tokens=rng.randrange(12, 41), n=2 if i == PARALLEL else 1))
     return out
 
 
@@ -135,7 +143,7 @@ FAULT_PLAN = (
 
 
 def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
-               faults: tuple = FAULT_PLAN) -> dict[str, Any]:
+               faults: tuple = FAULT_PLAN, processes: bool = False) -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
     verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger."""
@@ -157,12 +165,17 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
         plan = [dict(f, ledger_path=lpath) for f in faults] if mode == "faults" else None
         ktc = kv_transfer_config(mode="log", jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
                                  faults=plan)
+    # processes=False: engine core and worker run in this process and step only when LLM.generate
+    # steps them, so every run batches the same requests together (identical forwards with and
+    # without the canary) and starts in seconds. processes=True: vLLM's default layout — engine-core
+    # process, worker process (where the canary lives) — whose batches depend on request arrival.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if processes else "0"
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
     t1 = time.perf_counter()
     out = generate(llm, workload(seed))
     t2 = time.perf_counter()
-    out.update(mode=mode, metrics=vllm_metrics(llm), violations=read_jsonl(vpath), ledger=read_jsonl(lpath),
+    out.update(mode=mode, processes=processes, pid=os.getpid(), metrics=vllm_metrics(llm), violations=read_jsonl(vpath), ledger=read_jsonl(lpath),
                start_seconds=round(t1 - t0, 2), generate_seconds=round(t2 - t1, 3))
     return out
 
@@ -177,9 +190,10 @@ def main(argv=None) -> int:
     parser.add_argument("workdir")
     parser.add_argument("out")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--processes", action="store_true", help="vLLM's engine-core and worker processes")
     args = parser.parse_args(argv)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
-    result = run_engine(args.mode, args.workdir, seed=args.seed)
+    result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0

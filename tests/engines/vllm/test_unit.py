@@ -1,0 +1,149 @@
+"""vLLM adapter pieces that need no engine: version pin, KV layout probe and views, config, metrics merge.
+
+Runs in the vLLM venv (scripts/setup_vllm.sh); skipped where vllm is not installed.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from kvcanary.engines.vllm import CONNECTOR_NAME, SUPPORTED_VLLM, check_vllm_version, kv_transfer_config  # noqa: E402
+from kvcanary.engines.vllm.connector import KvCanaryWorkerMeta, _rank_path, canary_options  # noqa: E402
+from kvcanary.engines.vllm.faults import _token_element  # noqa: E402
+from kvcanary.engines.vllm.forward_view import RequestRows, TokenHistory  # noqa: E402
+from kvcanary.engines.vllm.layout import layer_kv_views, layer_number, probe_cpu_layout, token_rows  # noqa: E402
+from kvcanary.engines.vllm.metrics import KvCanaryStats  # noqa: E402
+from kvcanary.engines.vllm.plugin import register  # noqa: E402
+
+
+def test_version_pin_accepts_the_tested_version_and_refuses_others(monkeypatch):
+    assert check_vllm_version().split("+")[0] == SUPPORTED_VLLM
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"^kv-canary: vLLM 0.33.0 is not supported"):
+        check_vllm_version()
+
+
+def _write_marked_block(kv: torch.Tensor, isa: str, block: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    from vllm import _custom_ops as ops
+
+    nb, heads, bs, two_d = kv.shape
+    key_cache, value_cache = kv.view(nb, heads, 2 * bs, two_d // 2).chunk(2, dim=2)
+    slots = torch.arange(block * bs, block * bs + keys.shape[0], dtype=torch.int64)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+
+@pytest.mark.parametrize("isa,expected", [("amx", "amx"), ("vec", "vec"), ("vec16", "vec")])
+def test_probe_finds_a_view_that_holds_exactly_each_tokens_kv(isa, expected):
+    """The probed view of a real engine write returns, per slot, that token's K and V elements."""
+    torch.manual_seed(0)
+    nb, heads, bs, dim = 3, 2, 32, 64
+    kv = torch.zeros(nb, heads, bs, 2 * dim, dtype=torch.bfloat16)
+    try:
+        layout = probe_cpu_layout(kv, isa)
+    except RuntimeError as exc:  # an ISA this CPU lacks
+        pytest.skip(f"isa {isa} unavailable: {exc}")
+    if layout is None:
+        pytest.skip(f"isa {isa} kernel not usable on this CPU")
+    assert layout == expected
+    keys = torch.randn(bs, heads, dim).to(torch.bfloat16)
+    values = torch.randn(bs, heads, dim).to(torch.bfloat16)
+    _write_marked_block(kv, isa, 1, keys, values)
+    k_view, v_view = layer_kv_views(kv, layout)
+    k_rows, v_rows = token_rows(k_view, bs), token_rows(v_view, bs)
+    for t in (0, 1, 17, 31):
+        slot = bs + t
+        assert sorted(k_rows[slot].float().tolist()) == sorted(keys[t].flatten().float().tolist())
+        assert sorted(v_rows[slot].float().tolist()) == sorted(values[t].flatten().float().tolist())
+    assert not bool(k_rows[:bs].any()) and not bool(k_rows[2 * bs:].any())
+
+
+def test_token_element_is_a_view_into_the_tokens_first_k_element():
+    kv = torch.zeros(2, 2, 32, 128, dtype=torch.bfloat16)
+    layout = probe_cpu_layout(kv, "vec")
+    k_view, _ = layer_kv_views(kv, layout)
+    el = _token_element(k_view, 1, 5, 32)
+    el.view(torch.int16).bitwise_xor_(torch.tensor(1, dtype=torch.int16))
+    changed = (kv.view(torch.int16) != 0).nonzero().tolist()
+    assert len(changed) == 1
+    rows = token_rows(k_view, 32)
+    assert bool(rows[32 + 5].view(torch.int16).ne(0).any()) and int(rows.view(torch.int16).ne(0).sum()) == 1
+
+
+def test_layer_number_from_vllm_layer_names():
+    assert layer_number("model.layers.7.self_attn.attn", 0) == 7
+    assert layer_number("attn", 3) == 3
+
+
+def test_kv_transfer_config_one_connector_and_with_faults():
+    one = kv_transfer_config(mode="raise", sweep_interval=4)
+    assert one["kv_connector"] == CONNECTOR_NAME and one["kv_role"] == "kv_both"
+    assert one["kv_connector_extra_config"] == {"kvcanary": {"mode": "raise", "sweep_interval": 4}}
+    multi = kv_transfer_config(faults=[{"name": "redirect_block_table"}])
+    assert multi["kv_connector"] == "MultiConnector"
+    names = [c["kv_connector"] for c in multi["kv_connector_extra_config"]["connectors"]]
+    assert names == ["KvCanaryFaultConnector", CONNECTOR_NAME]  # the injector acts first
+    json.dumps(multi)  # usable as --kv-transfer-config
+
+
+def test_canary_options_extra_config_wins_over_env_and_rejects_bad_values(monkeypatch):
+    from vllm.config import KVTransferConfig
+
+    monkeypatch.setenv("KVCANARY_MODE", "raise")
+    monkeypatch.setenv("KVCANARY_SWEEP_INTERVAL", "5")
+    ktc = KVTransferConfig(**kv_transfer_config(mode="log", max_requests=64, real_kv_layers=[0]))
+    config, adapter = canary_options(ktc)
+    assert config.mode == "log" and config.sweep_interval == 5 and config.real_kv_layers == (0,)
+    assert adapter == {"max_requests": 64}
+    with pytest.raises(ValueError, match=r"^kv-canary: vLLM option max_context"):
+        canary_options(KVTransferConfig(**kv_transfer_config(max_context=0)))
+    with pytest.raises(ValueError, match=r"^kv-canary: mode"):
+        canary_options(KVTransferConfig(**kv_transfer_config(mode="loud")))
+
+
+def test_stats_aggregate_across_ranks_and_reduce_for_the_log_line():
+    a = KvCanaryStats(data={"forwards": 3, "violations": 1, "by_reason": {"verify_position": 1}})
+    b = KvCanaryStats(data={"forwards": 3, "slots_verified": 10, "by_reason": {"verify_position": 2, "verify_token": 1}})
+    merged = a.aggregate(b)
+    assert merged.data == {"forwards": 6, "violations": 1, "slots_verified": 10,
+                           "by_reason": {"verify_position": 3, "verify_token": 1}}
+    reduced = merged.reduce()
+    assert reduced["kv_canary_forwards"] == 6 and reduced["kv_canary_verify_position"] == 3
+    assert KvCanaryStats(data={}).is_empty() and not merged.is_empty()
+
+
+def test_worker_meta_merges_per_request_counts_and_reasons():
+    a = KvCanaryWorkerMeta(per_request={"r1": [2, ["verify_position"]]})
+    b = KvCanaryWorkerMeta(per_request={"r1": [1, ["verify_token"]], "r2": [1, ["verify_real_kv_hash"]]})
+    m = a.aggregate(b)
+    assert m.per_request == {"r1": [3, ["verify_position", "verify_token"]], "r2": [1, ["verify_real_kv_hash"]]}
+
+
+def test_rank_paths_and_rows_and_history():
+    assert _rank_path(None, 1, 2) is None
+    assert _rank_path("/x/v.jsonl", 0, 1) == "/x/v.jsonl"
+    assert _rank_path("/x/v.jsonl", 1, 2) == "/x/v.jsonl.rank1"
+    assert _rank_path("/x/v{rank}.jsonl", 1, 2) == "/x/v1.jsonl"
+    rows = RequestRows(2)
+    assert rows.get("a") == 1 and rows.get("b") == 2 and rows.get("a") == 1
+    with pytest.raises(RuntimeError, match=r"^kv-canary: more than max_requests=2"):
+        rows.get("c")
+    rows.release("a")
+    assert rows.get("c") == 1
+    hist = TokenHistory()
+    hist.extend("a", 0, [5, 6, 7])
+    hist.extend("a", 3, [8])
+    hist.extend("a", 2, [9])  # resent from position 2: replaces the tail
+    assert hist.tokens["a"] == [5, 6, 9]
+
+
+def test_plugin_registers_connector_names_once():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    register()
+    register()
+    assert KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME).__name__ == CONNECTOR_NAME
