@@ -149,8 +149,13 @@ def test_api_misuse_errors(manual):
     b = m.batch(1, 0, [1], [5])
     import dataclasses
 
+    bad = dataclasses.replace(b, groups={"swa": b.groups["full"]})
+    m.canary.before_forward(bad)  # log mode: the canary's problem never fails the forward — counted, unchecked
+    m.canary.after_forward()
+    assert m.canary.coverage()["unchecked_forwards"] == 1 and m.canary.coverage()["canary_errors"] == 1
+    strict = manual(mode="raise")
     with pytest.raises(ValueError, match="kv-canary: BatchDescription.groups has \\['swa'\\]"):
-        m.canary.before_forward(dataclasses.replace(b, groups={"swa": b.groups["full"]}))
+        strict.canary.before_forward(bad)
     with pytest.raises(ValueError, match="kv-canary: no group 'swa'"):
         m.canary.set_kv_cache("swa", {})
     with pytest.raises(ValueError, match="kv-canary: Canary needs mode 'log' or 'raise'"):

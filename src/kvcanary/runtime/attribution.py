@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -46,6 +46,8 @@ class Violation:
     stored_hash: the stored prev_hash (verify) or the chain value written (write); expected_hash:
     the predecessor's chain value (verify only). request_id / request_row: the request that read or
     wrote the slot (HEAD/TAIL), or the slot's last writer (SWEEP); None when unknown.
+    stored_fingerprint / recomputed_fingerprint (``verify_real_kv_hash`` rows only): the real-KV fingerprint
+    the slot's record holds and the one its K/V bytes give, both read when the row was drained.
     """
 
     launch_tag: CanaryLaunchTag
@@ -63,6 +65,8 @@ class Violation:
     request_row: Optional[int]
     step: int
     forward_kind: str
+    stored_fingerprint: Optional[int] = None
+    recomputed_fingerprint: Optional[int] = None
 
     @property
     def position(self) -> int:
@@ -102,6 +106,8 @@ class Violation:
             f"  token:    {self.stored_token}" + ("" if self.expected_token is None else f", expected {self.expected_token}"),
             f"  chain:    {_hex(self.stored_hash)}" + ("" if self.expected_hash is None else f", expected {_hex(self.expected_hash)}"),
         ]
+        if self.stored_fingerprint is not None:
+            lines.append(f"  real KV:  record {_hex(self.stored_fingerprint)}, bytes now {_hex(self.recomputed_fingerprint)}")
         lines += [f"  meaning:  {REASON_MEANING[bit]}" for bit in FailReason if self.reasons & bit]
         return "\n".join(lines)
 
@@ -112,6 +118,8 @@ class Violation:
         d["fail_reason"] = self.reason_label
         d["stored_hash"] = _hex(self.stored_hash)
         d["expected_hash"] = None if self.expected_hash is None else _hex(self.expected_hash)
+        for key in ("stored_fingerprint", "recomputed_fingerprint"):
+            d[key] = None if d[key] is None else _hex(d[key])
         return d
 
 
@@ -154,12 +162,14 @@ class Attributor:
         rows_of_step: Callable[[int], Optional[Sequence[int]]],
         slot_owner: Callable[[str, list[int]], tuple[list[int], list[int]]],
         sweep_owner: Callable[[str, int, int], Optional[int]] = lambda group, step, entry: None,
+        fingerprints: Callable[[CanaryLaunchTag, list[int]], list[tuple[int, int]]] = lambda tag, slots: [],
     ) -> None:
         self.log = log
         self.owner_span = owner_span
         self._rows_of_step = rows_of_step
         self._slot_owner = slot_owner
         self._sweep_owner = sweep_owner
+        self._fingerprints = fingerprints
 
     def attribute(self, rows: list[RingRow]) -> list[Violation]:
         sweep_rows = [r for r in rows if r.tag.phase == "sweep"]
@@ -185,8 +195,28 @@ class Attributor:
             else:
                 expected_pos = r.expected_position if r.expected_position >= 0 else None
             out.append(self._violation(r, rid, rrow, expected_pos, entry.forward_kind if entry else "unknown"))
+        out = self._with_fingerprints(out)
         out.sort(key=lambda v: (v.step, v.phase != "head", v.phase == "sweep"))
         return out
+
+    def _with_fingerprints(self, violations: list[Violation]) -> list[Violation]:
+        """Fill stored / recomputed fingerprints of ``verify_real_kv_hash`` rows (one read per tag)."""
+        want: dict[CanaryLaunchTag, list[int]] = {}
+        for v in violations:
+            if v.reasons & FailReason.VERIFY_REAL_KV_HASH_MISMATCH and v.phase != "head":
+                want.setdefault(v.launch_tag, []).append(v.slot)
+        if not want:
+            return violations
+        found = {}
+        for tag, slots in want.items():
+            slots = sorted(set(slots))
+            found.update({(tag, s): fp for s, fp in zip(slots, self._fingerprints(tag, slots))})
+        return [
+            replace(v, stored_fingerprint=found[(v.launch_tag, v.slot)][0],
+                    recomputed_fingerprint=found[(v.launch_tag, v.slot)][1])
+            if (v.launch_tag, v.slot) in found else v
+            for v in violations
+        ]
 
     def _request(self, step: int, batch_row: int) -> tuple[Optional[str], Optional[int]]:
         entry = self.log.get(step)

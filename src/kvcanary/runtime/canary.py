@@ -62,6 +62,8 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from kvcanary.ops import CANARY_FIELD_REAL_KV_HASH
+from kvcanary.ops.reference.real_kv import fingerprint_slots
 from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violation, device_rows
 from kvcanary.runtime.batch import BatchDescription, GroupSpec
 from kvcanary.runtime.config import CanaryConfig
@@ -156,8 +158,12 @@ class Canary:
             watch=(self.launch_counters.table, self.launches.plans_disabled),
         )
         self._plans_disabled_seen = [0] * len(self.groups)
-        self.sweep_stale = 0
-        self._graphs: Optional[CanaryGraphs] = None  # sweep rows discarded: their slot left the live set during the pass
+        self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
+        self._graphs: Optional[CanaryGraphs] = None
+        self.canary_errors = 0  # the canary's own failures contained in log mode
+        self.unchecked_forwards = 0
+        self._unchecked = False
+        self._errors_logged: set[tuple[str, str]] = set()
         self.sweeper = Sweeper(
             self.groups, config=config, rings=self.rings, counters=self.launch_counters, step=self.launches.step,
         )
@@ -167,6 +173,7 @@ class Canary:
             rows_of_step=lambda step: device_rows(self.launches.row_history, lambda: self._step, step),
             slot_owner=self._slot_owner,
             sweep_owner=lambda group, step, entry: self.sweeper.owner_at_sweep(group, step, entry, self._step),
+            fingerprints=self._fingerprints,
         )
         self.ledger = ViolationLedger(config)
         self.health = HealthWatchdog(config)
@@ -220,16 +227,18 @@ class Canary:
         if self._depth:
             self._depth += 1
             return
-        self._check_groups(batch)
-        rows = batch.req_pool_indices
-        self.begin_step(
-            request_ids=batch.request_ids, request_rows=rows if rows.device.type == "cpu" else None,
-            forward_kind=batch.forward_kind,
-        )
         self._depth = 1
         try:
+            self._check_groups(batch)
+            rows = batch.req_pool_indices
+            self.begin_step(
+                request_ids=batch.request_ids, request_rows=rows if rows.device.type == "cpu" else None,
+                forward_kind=batch.forward_kind,
+            )
             self.stage(batch)
             self.launch_head()
+        except Exception as exc:
+            self._contain("before_forward", exc)  # raise mode: re-raised
         except BaseException:
             self._depth = 0
             raise
@@ -368,6 +377,7 @@ class Canary:
         self._flush()
         out = self.ledger.counters()
         out["checked_forwards"] = self.checked_forwards()
+        out["coverage"] = self.coverage()
         return out
 
     def checked_forwards(self) -> int:
@@ -416,12 +426,53 @@ class Canary:
 
     # ---- internals -----------------------------------------------------------------------
     def _finish(self, *, run_checks: bool) -> None:
+        if self._unchecked:  # the HEAD half failed (log mode): this forward stays unchecked
+            self._unchecked = False
+            self._depth = 0
+            return
         try:
             self.launch_tail(run_checks=run_checks)
+            self.end_step()
+        except CanaryViolationError:
+            raise
+        except Exception as exc:
+            self._depth = 0
+            self._contain("after_forward", exc)
         except BaseException:
             self._depth = 0
             raise
-        self.end_step()
+
+    def _contain(self, where: str, exc: Exception) -> None:
+        """``log`` mode: the canary's own failure never fails the engine's forward — log the first of each
+        kind, count it, leave the forward unchecked. ``raise`` mode: re-raise.
+
+        A forward left unchecked after its KV was written may leave stale records for the slots it wrote;
+        reads of those slots can then be reported (collateral of the counted failure)."""
+        if self.config.mode == "raise":
+            self._depth = 0
+            raise exc
+        self.canary_errors += 1
+        self.unchecked_forwards += 1
+        self._unchecked = where == "before_forward"
+        key = (where, type(exc).__name__)
+        if key not in self._errors_logged:
+            self._errors_logged.add(key)
+            logger.error("kv-canary: %s failed (%s: %s); the engine's forward proceeds unchecked (log mode). "
+                         "Further %s errors here are counted in coverage()['canary_errors'], not logged",
+                         where, type(exc).__name__, exc, type(exc).__name__)
+
+    def coverage(self) -> dict[str, object]:
+        """What was *not* checked (all zero / empty in a healthy run); a host read of one device counter."""
+        return {
+            "unchecked_forwards": self.unchecked_forwards,
+            "canary_errors": self.canary_errors,
+            "plans_disabled": int(self.launches.plans_disabled.sum().item()),
+            "write_assert_skipped": self.launches.write_assert_skipped,
+            "unhashed_groups": sorted(n for n, g in self.groups.items() if g.hash_mode != 0 and not g.hashing),
+            "sweep_stale": self.sweep_stale,
+            "step_log_forgotten": self.step_log.forgotten,
+            "sink_errors": self.ledger.sink_errors,
+        }
 
     def _launches_seen(self) -> int:
         """Kernel launches as last read back by the drain (verify + write kernel counters)."""
@@ -462,6 +513,17 @@ class Canary:
     def _flush(self) -> None:
         for harvest in self.drain.flush():
             self._report(harvest)
+
+    def _fingerprints(self, tag, slots: list[int]) -> list[tuple[int, int]]:
+        """(stored, recomputed) real-KV fingerprints of ``slots`` for ``tag``'s side (host reads: drain time)."""
+        g = self.groups[tag.group]
+        if tag.side not in g.tail_bufs:
+            return []
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        stored = g.tail_bufs[tag.side].view(torch.int64)[idx, CANARY_FIELD_REAL_KV_HASH]
+        now = fingerprint_slots(g.sources.get(tag.side, ()), int(g.hash_mode), idx, self.device)
+        mask = 2**64 - 1
+        return [(a & mask, b & mask) for a, b in zip(stored.tolist(), now.tolist())]
 
     def _slot_owner(self, group: str, slots: list[int]) -> tuple[list[int], list[int]]:
         rec = self.groups[group].records

@@ -1,9 +1,14 @@
 """Reporting: the ledger of attributed violations — exact counters, log lines, JSON lines, sinks, raise.
 
 Counts per launch tag come from the rings' write indices (exact even when a ring is full); counts per
-reason from the rows kept. Every kept violation gets one stable log line
-(``kv_canary violation: launch_tag=... fail_reason=...``), the first few of a drain a readable block,
-and one JSON object in ``jsonl_path`` when set.
+reason from the rows kept. Every kept violation is counted, kept (up to a bound), handed to the sinks and
+written as one JSON object to ``jsonl_path`` when set. The *log* is rate-limited so an incident stays
+readable: a ``kv_canary first-seen`` marker the first time a (group, slot) is reported, the stable line
+(``kv_canary violation: launch_tag=... fail_reason=...``) for the first ``log_lines_per_slot`` rows of each
+(reason, group, slot), a readable block for the first few of a drain, and one ``kv_canary summary`` line per
+drain (counts by reason and by request, lines suppressed). A sink that fails (a JSON-lines file that cannot be
+written, a callable that raises) is reported once, counted in ``sink_errors`` and dropped in ``log`` mode;
+reporting goes on.
 """
 from __future__ import annotations
 
@@ -42,6 +47,11 @@ class ViolationLedger:
     def __init__(self, config: CanaryConfig) -> None:
         self.mode = config.mode
         self.readable_per_step = config.readable_per_step
+        self.lines_per_slot = config.log_lines_per_slot
+        self._lines: Counter[tuple[str, str, int]] = Counter()  # (reason, group, slot) -> lines logged
+        self._seen: set[tuple[str, int]] = set()
+        self.suppressed_lines = 0
+        self.sink_errors = 0
         self.jsonl_path = config.jsonl_path
         self._jsonl = None
         self.by_reason: Counter[str] = Counter()
@@ -68,24 +78,73 @@ class ViolationLedger:
                 dropped,
             )
         level = logging.ERROR if self.mode == "raise" else logging.WARNING
+        suppressed = 0
         for i, v in enumerate(violations):
             for bit in FailReason:
                 if v.reasons & bit:
                     self.by_reason[bit.label] += 1
-            logger.log(level, v.log_line())
-            if i < self.readable_per_step:
-                logger.log(level, v.readable())
+            if (v.group, v.slot) not in self._seen:
+                self._seen.add((v.group, v.slot))
+                logger.log(level, "kv_canary first-seen: group=%s slot_idx=%d step=%d fail_reason=%s request_id=%s",
+                           v.group, v.slot, v.step, v.reason_label, v.request_id if v.request_id is not None else "-")
+            key = (v.reason_label, v.group, v.slot)
+            self._lines[key] += 1
+            if self._lines[key] <= self.lines_per_slot:
+                logger.log(level, v.log_line())
+                if i < self.readable_per_step:
+                    logger.log(level, v.readable())
+            else:
+                suppressed += 1
             if len(self._kept) < MAX_KEPT_VIOLATIONS:
                 self._kept.append(v)
             self._unraised.append(v)
-            if self.jsonl_path is not None:
+            self._to_sinks(v)
+        self.suppressed_lines += suppressed
+        if violations:
+            self._summary(level, violations, suppressed)
+        if self._jsonl is not None:
+            try:
+                self._jsonl.flush()
+            except OSError as exc:
+                self._sink_failed("jsonl", exc)
+
+    def _summary(self, level: int, violations: list[Violation], suppressed: int) -> None:
+        reasons = Counter(v.reason_label for v in violations)
+        requests = Counter(v.request_id if v.request_id is not None else "-" for v in violations)
+        steps = (min(v.step for v in violations), max(v.step for v in violations))
+        logger.log(
+            level, "kv_canary summary: steps=%d..%d violations=%d by_reason=%s by_request=%s suppressed_lines=%d",
+            steps[0], steps[1], len(violations), ",".join(f"{k}={n}" for k, n in sorted(reasons.items())),
+            ",".join(f"{k}={n}" for k, n in requests.most_common(8)) + (",..." if len(requests) > 8 else ""),
+            suppressed,
+        )
+
+    def _to_sinks(self, v: Violation) -> None:
+        if self.jsonl_path is not None:
+            try:
                 if self._jsonl is None:
                     self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
                 self._jsonl.write(json.dumps(v.to_json()) + "\n")
-            for sink in self._sinks:
+            except OSError as exc:
+                self._sink_failed("jsonl", exc)
+        for sink in list(self._sinks):
+            try:
                 sink(v)
-        if self._jsonl is not None:
-            self._jsonl.flush()
+            except Exception as exc:  # a user's callable: log mode reports it once and keeps serving
+                self._sink_failed(sink, exc)
+
+    def _sink_failed(self, sink, exc: Exception) -> None:
+        if self.mode == "raise":
+            raise exc
+        self.sink_errors += 1
+        if sink == "jsonl":
+            logger.error("kv-canary: cannot write violations to jsonl_path=%r (%s); JSON-lines output stops, "
+                         "counting and logging go on", self.jsonl_path, exc)
+            self.jsonl_path = None
+            self._jsonl = None
+        else:
+            logger.error("kv-canary: violation sink %r raised %r; it is dropped, reporting goes on", sink, exc)
+            self._sinks.remove(sink)
 
     def violations(self) -> list[Violation]:
         return list(self._kept)
@@ -101,6 +160,8 @@ class ViolationLedger:
             "by_tag": dict(self.by_tag),
             "ring_overflow": self.ring_overflow,
             "kept": len(self._kept),
+            "suppressed_lines": self.suppressed_lines,
+            "sink_errors": self.sink_errors,
         }
 
     def close(self) -> None:
