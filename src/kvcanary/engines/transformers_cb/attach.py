@@ -558,16 +558,22 @@ def _result(s: _Session) -> _SessionResult:
 
 
 def merge_counters(parts: list[dict]) -> dict:
+    """Sum per-session counters: numbers add, dicts merge recursively (e.g. ``coverage``), lists become the
+    sorted union of their items (e.g. ``coverage["unhashed_groups"]``); other values are dropped."""
     out: dict = {}
     for part in parts:
-        for key, value in part.items():
-            if isinstance(value, dict):
-                inner = out.setdefault(key, {})
-                for k, v in value.items():
-                    inner[k] = inner.get(k, 0) + v
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[key] = out.get(key, 0) + value
+        _merge_into(out, part)
     return out
+
+
+def _merge_into(out: dict, part: dict) -> None:
+    for key, value in part.items():
+        if isinstance(value, dict):
+            _merge_into(out.setdefault(key, {}), value)
+        elif isinstance(value, (list, tuple, set)):
+            out[key] = sorted(set(out.get(key, [])) | set(value))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = out.get(key, 0) + value
 
 
 def check_attach_options(options: dict) -> None:
