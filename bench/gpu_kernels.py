@@ -17,7 +17,9 @@ and target:
 
 With ``--before DIR`` (a folder holding the package ``kvc_before``: the Triton modules of an
 earlier commit), the same step and prefill cases also run on the earlier kernels ("before" rows).
-``--dry-run``: tiny sizes on the CPU under the Triton interpreter, host timers (checks the script).
+``--quick``: only the launch floor, write 4096 x 1 and the decode step (per op, step, the two
+one-launch paths against the multi-launch ones). ``--dry-run``: tiny sizes on the CPU under the
+Triton interpreter, host timers (checks the script).
 Run: PYTHONPATH=src python bench/gpu_kernels.py [--before DIR]. Prints a table last.
 """
 from __future__ import annotations
@@ -151,13 +153,15 @@ def _empty_kernel(x_ptr, PDL: tl.constexpr):
         tl.store(x_ptr, 1)
 
 
-def floors(n_entries):
+def floors(n_entries, quick=False):
     sms = 4 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.empty(int((1 << 30) * S), dtype=torch.uint8, device=DEV).random_()
     y = torch.empty_like(x)
     ms = bench(lambda: y.copy_(x))
     out = {"copy_GBps": 2 * x.numel() / ms / 1e6}
     del x, y
+    if quick:
+        return out | _launch_floor()
     fields = torch.randint(-(2**62), 2**62, (n_entries, 4), device=DEV)
     tok = torch.randint(0, 1 << 20, (n_entries,), device=DEV)
     pos = torch.randint(0, 1 << 20, (n_entries,), device=DEV)
@@ -172,6 +176,13 @@ def floors(n_entries):
     ms = bench(lambda: _recurrence_floor_kernel[(1,)](rec, n, UNROLL=4, num_warps=1))
     out["step_ns"] = ms * 1e6 / n
     out["recurrence_128k_ms"] = ms / S
+    return out | _launch_floor()
+
+
+def _launch_floor():
+    """us per dependent launch of an empty 132-program kernel, 13 in a row in one graph."""
+    rec = torch.zeros(1, dtype=torch.int64, device=DEV)
+    out = {}
     for pdl in (False, True):
         use = pdl and not DRY
         us = bench_graph(lambda: [_empty_kernel[(132,)](rec, PDL=use, num_warps=4, launch_pdl=use) for _ in range(13)]) * 1e3
@@ -380,7 +391,9 @@ class DecodeStep:
         return out
 
     def launches(self, ops):
-        return 1 + (1 if self.bs <= 64 else 2) + 3 * (1 + 2) + 3
+        """Default launch shapes: mark, plan (one launch up to 256 rows), 3 x (verify + write:
+        one kernel up to 256 requests), 3 stamps."""
+        return 1 + (1 if self.bs <= 256 else 2) + 3 * (1 + (1 if self.bs <= 256 else 2)) + 3
 
 
 # --------------------------------------------------------------------------- prefill (transformers layout)
@@ -473,6 +486,62 @@ def count_twin_fallbacks(fn):
 # --------------------------------------------------------------------------- main
 
 
+def write_4096(ops):
+    """us per launch of a write of 4096 one-token requests (PARTIAL, 2 sources), in a graph."""
+    bs = max(64, int(4096 * S))
+    nsl = int((1 << 20) * S)
+    ctx = make_ctx(nsl, kv_sources(nsl, n=2), RealKvHashMode.PARTIAL)
+    ctx.enable_chain_position_assert.zero_()
+    wp = WritePlan.allocate(bs, DEV)
+    wp.write_offsets.copy_(torch.arange(bs + 1, device=DEV))
+    wp.write_seed_slot_indices.copy_(torch.randperm(nsl // 2, device=DEV)[:bs] + 1)
+    wp.write_num_valid_reqs.fill_(bs)
+    wkw = dict(input_ids=torch.randint(0, 1000, (bs,), device=DEV), positions=torch.randint(0, 1000, (bs,), device=DEV),
+               out_cache_loc=torch.randperm(nsl // 2, device=DEV)[:bs] + nsl // 2, enable_write_input_assert=False,
+               expected_input_tokens=None, expected_input_positions=None)
+    return bench_graph(lambda: ops.write(context=ctx, plan=wp, **wkw)) * 1e3
+
+
+def quick(fl, default, no_pdl):
+    """The short run: write 4096 x 1, the decode step per op and whole, one-launch paths vs the
+    multi-launch ones; then the table."""
+    w4096 = write_4096(default)
+    print(f"write 4096 one-token requests [default]: {w4096:.1f} us per launch (graph)")
+    d = DecodeStep()
+    n_launch = d.launches(default)
+    print(f"decode step: {d.bs} requests x {d.ctx_len} context, {d.bs * d.ctx_len} verify entries per buffer, "
+          f"{n_launch} launches (mark + plan + 3 x (verify + write) + 3 stamps)")
+    sets = [default, new_ops("plan 2 launches + write 2 kernels", plan_cfg=tplan.PlanLaunchConfig(tile_rows=0),
+                             write_cfg=twrite.WriteLaunchConfig(small_lanes=0))]
+    per_op = {o.name: d.per_op(o) for o in sets}
+    for name in per_op[default.name]:
+        cells = "  ".join(f"{o.name}: {per_op[o.name][name]:6.1f}" for o in sets)
+        print(f"  per op (own graph) {name:28s} {cells} us")
+    steps = {}
+    for o in sets + [no_pdl]:
+        steps[o.name] = bench_graph(lambda: d.step(o)) * 1e3
+        print(f"decode step [{o.name}]: {steps[o.name]:.1f} us")
+    sync()
+    print("decode-step violations (HEAD, TAIL_K, TAIL_V):", d.widx.tolist())
+    lf = fl["launch_us_pdl1"]
+    bytes_step = d.bs * d.ctx_len * (32 + 3 * 56 + 2 * 2 * 64)
+    floor_us = bytes_step / (fl["copy_GBps"] * 1e3)
+    print()
+    print(f"{'figure':40s} {'measured':>14s} {'floor (same run)':>24s} {'of floor':>9s} {'target':>14s}  ok")
+    rows = [
+        ("device copy", f"{fl['copy_GBps'] / 1e3:.2f} TB/s", "", "", "", ""),
+        ("dependent launch (graph)", f"{fl['launch_us_pdl0']:.2f} us", "", "", f"PDL: {lf:.2f} us", ""),
+        ("write 4096 x 1 token", f"{w4096:.1f} us", f"{2 * lf:.1f} us (2 launches)", "", "<= 10 us", w4096 <= 10),
+        (f"decode step 64 x 4k ({n_launch} launches)", f"{steps['default']:.1f} us", f"{floor_us + n_launch * lf:.1f} us",
+         f"{steps['default'] / (floor_us + n_launch * lf):.2f}x", "<= 50 us", steps["default"] <= 50),
+        ("  of which TAIL verify x 2", f"{2 * per_op['default']['TAIL verify (PARTIAL 2 src)']:.1f} us", "", "", "", ""),
+    ]
+    for row in rows:
+        print(f"{row[0]:40s} {row[1]:>14s} {row[2]:>24s} {row[3]:>9s} {row[4]:>14s}  {row[5] if row[5] != '' else ''}")
+    print(f"(decode-step floor = its bytes at the measured copy rate, {floor_us:.1f} us, plus {n_launch} dependent "
+          f"launches at the PDL launch cost)")
+
+
 def pdl_probe():
     """Capture two dependent PDL launches in a graph; if that fails, turn PDL off everywhere
     (the launchers' defaults included) and say so."""
@@ -490,6 +559,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--before", default=None, help="folder holding the package kvc_before")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if DRY:
         print("DRY RUN (CPU, Triton interpreter, tiny sizes): timings are meaningless")
@@ -504,8 +574,11 @@ def main():
     no_pdl = new_ops("PDL off", pdl=False)
     before = before_ops(args.before) if args.before else None
     N = int((1 << 24) * S)
-    fl = floors(N)
+    fl = floors(N, quick=args.quick)
     print("floors:", {k: round(v, 3) for k, v in fl.items()})
+    if args.quick:
+        quick(fl, default, no_pdl)
+        return
     res = {}
     for layout in ("paged", "random"):
         res[f"verify_none_{layout}"] = verify_case(layout, N, RealKvHashMode.NONE, 0)
@@ -566,7 +639,7 @@ def main():
     d = DecodeStep()
     sync()
     print(f"decode step: {d.bs} requests x {d.ctx_len} context, {d.bs * d.ctx_len} verify entries per buffer, "
-          f"{d.launches(default)} launches (mark + plan + 3 x (verify + write 2) + 3 stamps)")
+          f"{d.launches(default)} launches (mark + plan + 3 x (verify + write) + 3 stamps)")
     op_sets = [default, no_pdl] + ([before] if before else [])
     per_op = {o.name: d.per_op(o) for o in op_sets}
     for name in per_op[default.name]:
@@ -579,7 +652,7 @@ def main():
     steps["no stamps"] = bench_graph(lambda: d.step(default, stamps=False)) * 1e3
     print(f"decode step [default, without mark + stamps]: {steps['no stamps']:.1f} us")
     variants = [
-        new_ops("plan in 2 launches", plan_cfg=tplan.PlanLaunchConfig(small_rows=0)),
+        new_ops("plan in 2 launches", plan_cfg=tplan.PlanLaunchConfig(tile_rows=0)),
         new_ops("verify 64 x 2 warps", verify_cfg=tverify.VerifyLaunchConfig(block=64, num_warps=2)),
         new_ops("verify 256 / 16 per SM", verify_cfg=tverify.VerifyLaunchConfig(block=256, programs_per_sm=16)),
         new_ops("chain 32 programs/SM", write_cfg=twrite.WriteLaunchConfig(chain_programs_per_sm=32)),

@@ -284,7 +284,7 @@ def test_scatter_large():
 # --------------------------------------------------------------------------- launch configs, stamps
 
 _VARIANTS = [
-    dict(plan=PlanLaunchConfig(pdl=False, small_rows=0), write=WriteLaunchConfig(pdl=False, chain_programs_per_sm=32),
+    dict(plan=PlanLaunchConfig(pdl=False, tile_rows=0), write=WriteLaunchConfig(pdl=False, chain_programs_per_sm=32, small_lanes=0),
          verify=VerifyLaunchConfig(pdl=False)),
     dict(plan=PlanLaunchConfig(check_lut=False), write=WriteLaunchConfig(chain_programs_per_sm=2, prep_block=256),
          verify=VerifyLaunchConfig(block=64, num_warps=2)),

@@ -65,20 +65,24 @@ from .triton_cases import (  # noqa: E402
 )
 
 
+_WRITE_PATHS = (WriteLaunchConfig(), WriteLaunchConfig(small_lanes=0))
+"""The single-CTA kernel (small launches, the default for these sizes) and the two-kernel path."""
+
+
 def _compare_write(ctx, wp, config=None, **kw):
-    before = context_state(ctx)
-    a, b = clone_context(ctx), clone_context(ctx)
-    errs = []
-    fast = launch_write if config is None else functools.partial(launch_write, config=config)
-    for impl, c in ((launch_canary_write_kernel_torch_reference, a), (fast, b)):
-        try:
-            impl(context=c, plan=wp, **kw)
-            errs.append(None)
-        except ValueError as e:
-            errs.append(str(e))
-    assert errs[0] == errs[1]
-    assert_same_state(before, context_state(a), context_state(b))
-    _check_overflow_subset(ctx, wp, kw, launch_canary_write_kernel_torch_reference, context_state(b), before)
+    for cfg in (config,) if config is not None else _WRITE_PATHS:
+        before = context_state(ctx)
+        a, b = clone_context(ctx), clone_context(ctx)
+        errs = []
+        for impl, c in ((launch_canary_write_kernel_torch_reference, a), (functools.partial(launch_write, config=cfg), b)):
+            try:
+                impl(context=c, plan=wp, **kw)
+                errs.append(None)
+            except ValueError as e:
+                errs.append(str(e))
+        assert errs[0] == errs[1]
+        assert_same_state(before, context_state(a), context_state(b))
+        _check_overflow_subset(ctx, wp, kw, launch_canary_write_kernel_torch_reference, context_state(b), before)
     return a, b
 
 
@@ -160,8 +164,9 @@ def test_write_long_request_many_chunks_with_skips():
 
 
 @pytest.mark.parametrize("config", [
-    WriteLaunchConfig(chain_programs_per_sm=1),                 # 4 chain programs: many requests each
-    WriteLaunchConfig(chain_programs_per_sm=1, chunk=16, unroll=2, prep_block=64),
+    WriteLaunchConfig(chain_programs_per_sm=1, small_lanes=0),  # 4 chain programs: many requests each
+    WriteLaunchConfig(chain_programs_per_sm=1, chunk=16, unroll=2, prep_block=64, small_lanes=0),
+    WriteLaunchConfig(),                                          # one CTA, 256 lanes
 ])
 def test_write_many_requests_per_program(config):
     """Over 32 one-token requests per chain program (the lane loop runs twice) mixed with long
@@ -250,7 +255,9 @@ def test_plan_lut_error_leaves_outputs_and_overflow():
             assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("config", [PlanLaunchConfig(small_rows=0), PlanLaunchConfig(check_lut=False)])
+@pytest.mark.parametrize("config", [
+    PlanLaunchConfig(tile_rows=0), PlanLaunchConfig(check_lut=False), PlanLaunchConfig(check_lut=False, tile_block=16),
+])
 @pytest.mark.parametrize("seed", range(12))
 def test_plan_paths(seed, config):
     """The multi-launch path for small batches too, and the one-launch path with a LUT (what runs

@@ -1,8 +1,10 @@
 """Triton plan (SPEC §3.5): verify entries and write metadata in one, two or three launches.
 
-Small batches (at most ``PlanLaunchConfig.small_rows`` rows, no LUT check pending) take one
-launch, ``_small_plan_kernel``: every program computes the row starts itself (exclusive sums
-over at most 64 rows, in registers) and finds an entry's row by comparing it with all starts.
+Batches of at most ``PlanLaunchConfig.tile_rows`` rows (no LUT check pending) take one launch,
+``_tile_plan_kernel``: every program computes the row starts itself (exclusive sums over at most
+256 rows, in registers) and writes whole tiles of one row (a block of positions), so nothing is
+searched and the request-table reads are contiguous. (Finding each entry's row by comparing it
+with every start, tried first, took 37 µs for 64 x 4k entries on the H200: bench/NOTES.md, run 9.)
 Larger batches:
 
 1. ``_row_block_sums_kernel`` (only when the batch spans several row blocks): per row block, the
@@ -33,22 +35,23 @@ from kvcanary.ops.triton.constants import REQ_PADDING
 from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
 
 _ROW_BLOCK = 4096
+_MAX_TILE_ROWS = 256
 _NO_ERROR = 2**62
 _NO_ERROR_K = tl.constexpr(_NO_ERROR)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlanLaunchConfig:
-    """entry_block / programs_per_sm / num_warps: the gather's launch shape; small_rows: largest
-    batch planned in one launch (0: never; at most 64); small_block: entries per step there;
+    """entry_block / programs_per_sm / num_warps: the gather's launch shape; tile_rows: largest
+    batch planned in one launch (0: never; at most 256); tile_block: positions per tile there;
     check_lut: run the host-read LUT range check (always skipped under graph capture, where an
     out-of-range lookup stores -1); pdl: programmatic dependent launch."""
 
     entry_block: int = 1024
     programs_per_sm: int = 4
     num_warps: int = 4
-    small_rows: int = 64
-    small_block: int = 128
+    tile_rows: int = 256
+    tile_block: int = 1024
     check_lut: bool = True
     pdl: bool = True
 
@@ -264,22 +267,24 @@ def _gather_kernel(
 
 
 @triton.jit
-def _small_plan_kernel(
+def _tile_plan_kernel(
     rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, bs, window,
     lut_ptr, lut_len,
     table_ptr, table_stride, valid_ptr, token_offset,
     v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
-    w_off_ptr, w_seed_ptr, w_num_ptr, w_cap,
+    w_off_ptr, w_seed_ptr, w_num_ptr, w_cap, tiles_per_row,
     HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ZBLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The whole plan of a batch of at most ROWS rows in one launch (bs <= ROWS)."""
+    """The whole plan of a batch of at most ROWS rows in one launch. Tile t = (row t // tiles_per_row,
+    positions block t % tiles_per_row of that row's window); each program takes every nprog-th tile
+    and finds its row's first entry and window start with masked sums over the row vector."""
     pdl_wait(PDL)
     pdl_release(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     rows = tl.arange(0, ROWS)
-    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window)
+    nv, nw, lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window)
     starts = tl.cumsum(nv, 0) - nv
     total = tl.sum(nv, 0)
     overflow = total > v_cap
@@ -295,21 +300,25 @@ def _small_plan_kernel(
     for start in range(bs + 1 + pid * ZBLOCK, w_cap + 1, nprog * ZBLOCK):  # offsets past the batch
         i = start + tl.arange(0, ZBLOCK)
         tl.store(w_off_ptr + i, tl.zeros([ZBLOCK], tl.int64), mask=i <= w_cap)
-    n = tl.where(overflow, 0, total)
-    # Without overflow every start is at most v_cap < 2**31 (checked by the launcher): int32.
-    starts32 = tl.minimum(starts, v_cap).to(tl.int32)
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
-        e = start + tl.arange(0, BLOCK).to(tl.int64)
-        m = e < n
-        # The entry's row is the last row starting at or before it (zero-entry rows share the
-        # next row's start and rows past the batch start at the total, so they never win).
-        before = starts32[None, :] <= e.to(tl.int32)[:, None]
-        row = tl.sum(before.to(tl.int32), 1) - 1
-        row_start = tl.max(tl.where(before, starts32[None, :], 0), 1).to(tl.int64)
-        rp, pos, slot_raw, prev_raw, _hp = _fields_in_row(
-            e, m, row, row_start, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, window)
-        _store_entries(e, m, row, rp, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr, table_stride,
-                       valid_ptr, token_offset, v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, HAS_LUT, HAS_TABLE)
+    n_tiles = tl.where(overflow, 0, bs * tiles_per_row)
+    k = tl.arange(0, BLOCK).to(tl.int64)
+    for t in range(pid, n_tiles, nprog):
+        r = t // tiles_per_row
+        first = (t % tiles_per_row) * BLOCK
+        mine = rows == r
+        count = tl.sum(tl.where(mine, nv, 0), 0)
+        if first < count:
+            e0 = tl.sum(tl.where(mine, starts, 0), 0) + first
+            pos0 = tl.sum(tl.where(mine, lo, 0), 0) + first
+            rp = tl.load(rp_ptr + r).to(tl.int64)
+            m = first + k < count
+            pos = pos0 + k
+            line = rtt_ptr + rp * rtt_stride
+            slot_raw = tl.load(line + pos, mask=m, other=0).to(tl.int64)
+            prev_raw = tl.load(line + pos - 1, mask=m & (pos > 0), other=-1).to(tl.int64)
+            _store_entries(e0 + k, m, r + k * 0, rp + k * 0, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr,
+                           table_stride, valid_ptr, token_offset, v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr,
+                           HAS_LUT, HAS_TABLE)
 
 
 def _nsteps(bs: int) -> int:
@@ -368,13 +377,15 @@ def launch_plan(
         table if table is not None else req_to_token, table.stride(0) if table is not None else 0,
         valid if valid is not None else req_pool_indices, int(kv_token_id_vs_position_offset),
     )
-    if 0 < bs <= min(config.small_rows, 64) and not lut_check and v_cap < 2**31:
+    if 0 < bs <= min(config.tile_rows, _MAX_TILE_ROWS) and not lut_check:
         rows = max(16, triton.next_power_of_2(bs))
-        block = config.small_block
-        grid = (max(1, min(triton.cdiv(max(v_cap, w_cap + 1), block), sms * config.programs_per_sm * 4)),)
-        _small_plan_kernel[grid](
+        width = int(req_to_token.shape[1])
+        block = config.tile_block
+        tiles_per_row = max(1, triton.cdiv(min(width, window) if window > 0 else width, block))
+        grid = (max(1, min(bs * tiles_per_row, sms * config.programs_per_sm)),)
+        _tile_plan_kernel[grid](
             req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, bs, window,
-            *lut_args, *table_args, *outputs,
+            *lut_args, *table_args, *outputs, tiles_per_row,
             HAS_LUT=lut is not None, HAS_TABLE=table is not None, ROWS=rows, BLOCK=block, ZBLOCK=1024,
             PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
         )

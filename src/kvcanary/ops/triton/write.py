@@ -23,6 +23,12 @@ The chain recurrence is serial per request; everything else is parallel:
    every store lands before the next request reads its seed, and within a chunk only a slot's
    last entry stores. Program 0 also closes the launch: slot counter (parallel mode), epoch.
 
+Small launches (request capacity and entries both <= ``WriteLaunchConfig.small_lanes``, known from
+shapes: decode batches) run ``_write_small_kernel`` instead: one CTA holds every entry and request
+in lanes, so the aliasing check needs no second launch (its table atomics return before the same
+program decides), and a one-entry request is chained in its lane; two dependent memory round trips
+instead of the two kernels' four to six.
+
 Scratch words: the epoch (tags the table), the entry count, and two conflict counters used in
 turns (launch e adds to word e % 2 after zeroing word (e + 1) % 2, so the chain kernel reads
 their sum without knowing e). No host sync: counts are read on the device, grids come from
@@ -58,7 +64,9 @@ class WriteLaunchConfig:
     unroll: unroll factor of the serial loop; prefetch: L1 prefetch two chunks ahead (GPU only);
     prep_block / prep_warps / prep_programs_per_sm: the prepare kernel's block of entries, warps
     and resident programs per multiprocessor; chain_programs_per_sm: chain programs per
-    multiprocessor (each owns every P-th request); pdl: programmatic dependent launch.
+    multiprocessor (each owns every P-th request); small_lanes: a launch whose request capacity and
+    entry count are both at most this (decode batches) runs as one single-CTA kernel instead
+    (0: never; at most 256); pdl: programmatic dependent launch.
     """
 
     chunk: int = 32
@@ -68,6 +76,7 @@ class WriteLaunchConfig:
     prep_warps: int = 4
     prep_programs_per_sm: int = 16
     chain_programs_per_sm: int = 8
+    small_lanes: int = 256
     pdl: bool = True
 
 
@@ -78,6 +87,7 @@ _EPOCH = tl.constexpr(0)
 _COUNT = tl.constexpr(1)
 _CONFLICTS = tl.constexpr(2)  # two words: 2 + epoch % 2
 _STATE_WORDS = 8
+_MAX_SMALL_LANES = 256
 
 
 @triton.jit
@@ -345,31 +355,11 @@ def _write_chain_kernel(
             o0 = tl.load(off_ptr + rr, mask=mr, other=0).to(tl.int64)
             o1 = tl.load(off_ptr + rr + 1, mask=mr, other=0).to(tl.int64)
             seed = tl.load(seed_ptr + rr, mask=mr, other=-1).to(tl.int64)
-            n = tl.maximum(tl.minimum(o1, end_all) - o0, 0)
             # One-entry requests, one per lane (no aliasing in parallel mode: order is free).
-            one = mr & (n == 1)
-            e = tl.where(one, o0, 0)
-            slot = tl.load(slot_ptr + e, mask=one, other=-1).to(tl.int64)
-            tok = tl.load(tok_ptr + e, mask=one, other=0).to(tl.int64)
-            pos = tl.load(pos_ptr + e, mask=one, other=0).to(tl.int64)
-            valid = one & (slot >= 0)
-            running, seed_pos = _seed_state(fields_ptr, stride_words, tl.where(valid, seed, -1), h0)
-            hs = as_i64(running)
-            rec = fields_ptr + tl.where(valid, slot, 0) * stride_words
-            tl.store(rec + F_TOKEN, tok, mask=valid)
-            tl.store(rec + F_POSITION, pos, mask=valid)
-            tl.store(rec + F_PREV_HASH, hs, mask=valid)
-            chain_on = (seed >= 0) & chain_flag
-            if INPUT_ASSERT:
-                etok = tl.load(exp_tok_ptr + e, mask=valid, other=0).to(tl.int64)
-                epos = tl.load(exp_pos_ptr + e, mask=valid, other=0).to(tl.int64)
-            else:
-                etok = tok
-                epos = pos
-            _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, seed_pos, valid,
-                        chain_on, INPUT_ASSERT)
+            todo = _one_entry_lanes(o0, o1, seed, mr, end_all, chain_flag, fields_ptr, stride_words, tok_ptr,
+                                    pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind,
+                                    h0, INPUT_ASSERT)
             # Longer requests, one at a time on the per-request path.
-            todo = mr & (n > 1)
             for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
                 k = tl.min(tl.where(todo, lanes, CHUNK), 0)
                 todo = todo & (lanes != k)
@@ -379,6 +369,108 @@ def _write_chain_kernel(
                     tl.sum(tl.where(pick, o0, 0), 0), tl.sum(tl.where(pick, o1, 0), 0), end_all,
                     tl.sum(tl.where(pick, seed, 0), 0), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
                     INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
+
+
+@triton.jit
+def _one_entry_lanes(
+    o0, o1, seed, mr, end_all, chain_flag, fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr,
+    exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind, h0, INPUT_ASSERT: tl.constexpr,
+):
+    """Parallel mode: the requests (one per lane, mask ``mr``) that have exactly one entry are
+    chained and stored in their lanes. Returns the mask of the longer requests."""
+    n = tl.maximum(tl.minimum(o1, end_all) - o0, 0)
+    one = mr & (n == 1)
+    e = tl.where(one, o0, 0)
+    slot = tl.load(slot_ptr + e, mask=one, other=-1).to(tl.int64)
+    tok = tl.load(tok_ptr + e, mask=one, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + e, mask=one, other=0).to(tl.int64)
+    valid = one & (slot >= 0)
+    running, seed_pos = _seed_state(fields_ptr, stride_words, tl.where(valid, seed, -1), h0)
+    hs = as_i64(running)
+    rec = fields_ptr + tl.where(valid, slot, 0) * stride_words
+    tl.store(rec + F_TOKEN, tok, mask=valid)
+    tl.store(rec + F_POSITION, pos, mask=valid)
+    tl.store(rec + F_PREV_HASH, hs, mask=valid)
+    if INPUT_ASSERT:
+        etok = tl.load(exp_tok_ptr + e, mask=valid, other=0).to(tl.int64)
+        epos = tl.load(exp_pos_ptr + e, mask=valid, other=0).to(tl.int64)
+    else:
+        etok = tok
+        epos = pos
+    _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, seed_pos, valid,
+                (seed >= 0) & chain_flag, INPUT_ASSERT)
+    return mr & (n > 1)
+
+
+@triton.jit
+def _write_small_kernel(
+    fields_ptr, stride_words, num_slots,
+    tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,   # flattened entries (<= LANES)
+    off_ptr, seed_ptr, num_reqs_ptr, seed_cap,                          # write plan (seed_cap <= LANES)
+    table_ptr, state_ptr, chain_assert_ptr,
+    ring_ptr, widx_ptr, ring_cap, slot_counter_ptr, kernel_counter_ptr,
+    kind, h0,
+    s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
+    NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+    INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+    LANES: tl.constexpr, PDL: tl.constexpr,
+):
+    """The whole write in one program: lane i holds entry i and request i."""
+    pdl_wait(PDL)
+    pdl_release(PDL)
+    lanes = tl.arange(0, LANES)
+    epoch = tl.load(state_ptr + _EPOCH)
+    tl.atomic_add(kernel_counter_ptr, 1)
+    rc = lanes < seed_cap
+    o0 = tl.load(off_ptr + lanes, mask=rc, other=0).to(tl.int64)
+    o1 = tl.load(off_ptr + lanes + 1, mask=rc, other=0).to(tl.int64)
+    sd = tl.load(seed_ptr + lanes, mask=rc, other=-1).to(tl.int64)
+    s = tl.load(slot_ptr + lanes, mask=lanes < n_entries, other=-1).to(tl.int64)
+    a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
+    chain_flag = tl.load(chain_assert_ptr) != 0
+    begin = tl.sum(tl.where(lanes == 0, o0, 0), 0)
+    end_all = tl.sum(tl.where(lanes == a - 1, o1, 0), 0)  # offsets[a], 0 when a == 0 (the work gate)
+    a = tl.where(end_all > 0, a, 0)
+    # Aliasing, as the prepare kernel detects it (same epoch-tagged table).
+    writer_tag = epoch * 4 + 2
+    seed_tag = epoch * 4 + 1
+    w = (lanes < end_all) & (lanes >= begin) & (s >= 0)
+    inside = w & (s < num_slots)
+    rm = lanes < a
+    reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
+    old_w = tl.atomic_max(table_ptr + s, tl.zeros([LANES], tl.int64) + writer_tag, mask=inside)
+    old_r = tl.atomic_max(table_ptr + sd, tl.zeros([LANES], tl.int64) + seed_tag, mask=reads)
+    fp = fingerprint(s, inside, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
+                     NSRC, W0, W1, W2, W3)
+    tl.store(fields_ptr + s * stride_words + F_REAL_KV, as_i64(fp), mask=inside)
+    conflicts = tl.sum((inside & (old_w >= seed_tag)).to(tl.int32), 0)
+    conflicts += tl.sum((rm & (o1 < o0)).to(tl.int32), 0)
+    conflicts += tl.sum((reads & (old_r == writer_tag)).to(tl.int32), 0)
+    tl.store(state_ptr + _EPOCH, epoch + 1)
+    tl.store(state_ptr + _CONFLICTS + (epoch + 1) % 2, 0)  # the word the next two-kernel launch uses
+    if conflicts != 0:
+        total = tl.zeros([], tl.int64)
+        for r in range(0, a):
+            total += _chain_request(
+                fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                tl.load(off_ptr + r).to(tl.int64), tl.load(off_ptr + r + 1).to(tl.int64), end_all,
+                tl.load(seed_ptr + r).to(tl.int64), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
+                INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
+        tl.atomic_add(slot_counter_ptr, total)
+    else:
+        tl.atomic_add(slot_counter_ptr, tl.sum(w.to(tl.int64), 0))
+        todo = _one_entry_lanes(o0, o1, sd, rm, end_all, chain_flag, fields_ptr, stride_words, tok_ptr, pos_ptr,
+                                slot_ptr, exp_tok_ptr, exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind, h0,
+                                INPUT_ASSERT)
+        for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
+            k = tl.min(tl.where(todo, lanes, LANES), 0)
+            todo = todo & (lanes != k)
+            pick = lanes == k
+            _chain_request(
+                fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                tl.sum(tl.where(pick, o0, 0), 0), tl.sum(tl.where(pick, o1, 0), 0), end_all,
+                tl.sum(tl.where(pick, sd, 0), 0), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
+                INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
 
 
 class _Scratch:
@@ -443,6 +535,23 @@ def launch_write(
     n_entries = out_cache_loc.shape[0]
     sms = num_sms(dev)
     pdl = pdl_enabled(dev, config.pdl)
+    assert_on = bool(enable_write_input_assert)
+    exp_tok = expected_input_tokens if assert_on else input_ids
+    exp_pos = expected_input_positions if assert_on else positions
+    prefetch = config.prefetch and dev.type == "cuda"
+    if max(seed_cap, n_entries) <= min(config.small_lanes, _MAX_SMALL_LANES):
+        lanes = max(32, triton.next_power_of_2(max(seed_cap, n_entries)))
+        _write_small_kernel[(1,)](
+            fields, stride_words, num_slots, input_ids, positions, out_cache_loc, exp_tok, exp_pos, n_entries,
+            plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
+            table, state, ctx.enable_chain_position_assert,
+            ctx.violation_ring, ctx.violation_write_index, ctx.violation_ring.shape[0], ctx.slot_run_counter,
+            ctx.kernel_run_counter, int(ctx.kernel_kind), H0_SIGNED,
+            *srcs.args, **srcs.consts,
+            INPUT_ASSERT=assert_on, CHUNK=config.chunk, UNROLL=config.unroll, PREFETCH=prefetch, LANES=lanes,
+            PDL=pdl, num_warps=lanes // 32, launch_pdl=pdl,
+        )
+        return
     pb = config.prep_block
     grid = (max(1, min(triton.cdiv(max(n_entries, seed_cap), pb), sms * config.prep_programs_per_sm)),)
     _write_prepare_kernel[grid](
@@ -451,15 +560,12 @@ def launch_write(
         table, state, ctx.kernel_run_counter,
         *srcs.args, **srcs.consts, BLOCK=pb, PDL=pdl, num_warps=config.prep_warps, launch_pdl=pdl,
     )
-    assert_on = bool(enable_write_input_assert)
     grid = (max(1, min(seed_cap, sms * config.chain_programs_per_sm)),)
     _write_chain_kernel[grid](
-        fields, stride_words, input_ids, positions, out_cache_loc,
-        expected_input_tokens if assert_on else input_ids, expected_input_positions if assert_on else positions,
-        n_entries, plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
+        fields, stride_words, input_ids, positions, out_cache_loc, exp_tok, exp_pos, n_entries, plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
         state, ctx.enable_chain_position_assert,
         ctx.violation_ring, ctx.violation_write_index, ctx.violation_ring.shape[0], ctx.slot_run_counter,
         int(ctx.kernel_kind), H0_SIGNED,
         INPUT_ASSERT=assert_on, CHUNK=config.chunk, UNROLL=config.unroll,
-        PREFETCH=config.prefetch and dev.type == "cuda", PDL=pdl, num_warps=1, launch_pdl=pdl,
+        PREFETCH=prefetch, PDL=pdl, num_warps=1, launch_pdl=pdl,
     )
