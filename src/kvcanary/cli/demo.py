@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from kvcanary.engines.transformers_cb.attach import attach
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.faults.transformers import FlipSharedBlockByte, RedirectRead, match  # noqa: F401  (demo's injectors)
 
 PAGE_SIZE = 16
@@ -49,7 +50,7 @@ def tiny_model(kind: str, device: torch.device, seed: int = 0):
         model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=4, sliding_window=SLIDING_WINDOW, use_sliding_window=True,
                                              max_window_layers=4, layer_types=layer_types, **common))
     else:
-        raise ValueError(f"kv-canary: unknown demo model {kind!r}")
+        raise KvCanaryValueError(f"kv-canary: unknown demo model {kind!r}")
     return model.to(device).eval()
 
 
