@@ -73,8 +73,11 @@ def move_tags(groups: Sequence[CanaryGroup]) -> list[CanaryLaunchTag]:
 
 
 def record_tables(g: CanaryGroup) -> tuple[torch.Tensor, ...]:
-    """The group's record tables in export order: HEAD, then TAIL per hashed side (k, v)."""
-    return (g.head_buf,) + tuple(g.tail_bufs[s] for s in g.tail_sides)
+    """The group's record tables in export order: HEAD, then TAIL per hashed side (k, v), then the deep
+    fingerprint buffers (every layer's bytes; sorted by (chunk, side)) when the group has them — the sweep
+    verifies those too, so they must move with the KV like the rest."""
+    deep = getattr(g, "deep_bufs", {})
+    return (g.head_buf,) + tuple(g.tail_bufs[s] for s in g.tail_sides) + tuple(deep[k] for k in sorted(deep))
 
 
 class SlotMoves:

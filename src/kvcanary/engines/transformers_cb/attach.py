@@ -8,7 +8,10 @@
   bracket even when the forward raises (TAIL checks skipped, the step still ends).
 
 Eager forwards (``use_cuda_graph=False``) are driven by the hooks alone: the pre-hook also runs the host
-half (``host_step`` + ``begin_step``), the post-hook ``end_step``. Nothing is patched. On CUDA the canary's
+half (``host_step`` + ``begin_step``), the post-hook ``end_step``. The forward itself is not patched; KV the
+engine moves between forwards (fork copies, CPU offload / restore) is seen through instance attributes shadowing
+three methods of the session's cache and offloading manager (`moves.MoveObserver`, removed when the session
+closes, so by `detach`). On CUDA the canary's
 own HEAD / TAIL launches are captured once after the first forward (`Canary.capture_graphs`), and so is the
 translation (``describe`` + ``stage``) over fixed-shape copies of the kwargs (`forward_view.StaticKwargs`):
 per forward a few copies and three graph replays.
@@ -59,6 +62,7 @@ import torch
 from kvcanary.engines.transformers_cb import compat
 from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator, StaticKwargs, StepInfo
 from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_views
+from kvcanary.engines.transformers_cb.moves import MoveObserver
 from kvcanary.errors import (
     KvCanaryCapacityError,
     KvCanaryRuntimeError,
@@ -120,6 +124,7 @@ class _Session:
     warmup_forwards: int = 0  # of which the runner's warmup (fake requests over never-written KV: padding rows)
     graphs_captured: int = 0
     graphs_dropped: int = 0
+    moves: Optional[MoveObserver] = None  # fork / CPU offload / restore wrappers (moves.py), removed at close
 
 
 @dataclass(frozen=True)
@@ -446,8 +451,26 @@ class TransformersCbHandle:
             # graphs captured before attaching replay without the canary: drop them (recaptured on demand)
             session.graphs_dropped += compat.drop_graphs(processor, list(compat.graph_store(processor)))
             compat.install_compute_wrapper(processor, lambda original: self._wrap_compute_batch(session, original))
+        self._observe_moves(session)
         self._sessions.append(session)
         return session
+
+    def _observe_moves(self, s: _Session) -> None:
+        """Install the KV-move wrappers of a new session (moves.py); `_close_session` removes them."""
+        s.moves = MoveObserver(cache=s.cache, processor=s.processor, layouts=s.translator.layouts,
+                               enter=lambda: self._enter_move(s),
+                               failed=lambda exc: self._canary_failed(s, s.cache, exc))
+        s.moves.install()
+
+    def _enter_move(self, s: _Session) -> Optional[Canary]:
+        """The canary a KV move between forwards is recorded in: None when ``s`` is no longer the live
+        session (pass through); a step left open by the hooks (graph mode) is ended first."""
+        if self._current is not s or self._detached:
+            return None
+        if s.phase not in (IDLE, DEFERRED_END) or s.head_open:
+            raise KvCanaryRuntimeError(f"kv-canary: the engine moved KV inside an open forward (phase {s.phase})")
+        self._end_deferred(s)
+        return s.canary
 
     def _close_session(self, session: _Session) -> None:
         """Close a session's canary and keep only its results. In graph mode the compute_batch wrapper is
@@ -459,6 +482,8 @@ class TransformersCbHandle:
             if session.graphs:
                 compat.restore_compute_batch(session.processor)
                 session.graphs_dropped += compat.drop_graphs(session.processor, list(compat.graph_store(session.processor)))
+            if session.moves is not None:
+                session.moves.remove()
             try:
                 session.canary.close()
             finally:
@@ -553,6 +578,8 @@ def _result(s: _Session) -> _SessionResult:
         counters["coverage"] = dict(coverage())
     counters.update(engine_forwards=s.engine_forwards, warmup_forwards=s.warmup_forwards,
                     graphs_captured=s.graphs_captured, graphs_dropped=s.graphs_dropped)
+    if s.moves is not None:
+        counters["moves"] = s.moves.counts()
     return _SessionResult(forwards=s.canary.step, stats=s.canary.stats(), violations=s.canary.violations(),
                           counters=counters)
 
@@ -649,25 +676,13 @@ def _capturing() -> bool:
 def _refuse_unobservable_paths(processor) -> None:
     """torch.compile'd forwards do not run the hooks as Python (and the compiled graph would bake in the
     canary's host-side choices); async batching prepares batch N+1 while N runs, from a second IO pair
-    whose inputs are carried over on the device. The canary refuses them rather than silently stop
-    checking. CUDA graphs are supported (see the module docstring)."""
+    whose inputs are carried over on the device (and its CPU offload rolls a token back after the copy). The
+    canary refuses them rather than silently stop checking. CUDA graphs, forks and synchronous CPU offload are
+    supported (see the module docstring)."""
     if any(compat.compiled_paths(processor)):
         raise KvCanaryRuntimeError(
             "kv-canary: torch.compile is on for continuous batching (varlen/decode_compile_config); compiled "
             "forwards do not run the canary's hooks. Leave the compile configs unset to run checked"
-        )
-    # KV moves (issue 9): the runtime can carry records with moved KV (Canary.copy_slots / import_records), but
-    # this adapter does not observe transformers' fork copies or CPU offload / restore yet; unobserved moves
-    # would read as corruption (false violations), so they are refused.
-    if compat.forked_children(processor):
-        raise RuntimeError(
-            "kv-canary: num_return_sequences > 1 forks requests (shared and copied KV blocks) that this adapter "
-            "does not observe yet; generate with num_return_sequences=1 to run checked"
-        )
-    if compat.cpu_offload_enabled(processor):
-        raise RuntimeError(
-            "kv-canary: CPU offloading is on (ContinuousBatchingConfig.cpu_offload_space); restored KV lands in "
-            "other blocks that this adapter does not observe yet. Pass cpu_offload_space=0 to run checked"
         )
     if compat.uses_async_batching(processor):
         raise KvCanaryRuntimeError(

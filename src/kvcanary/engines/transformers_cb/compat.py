@@ -2,8 +2,8 @@
 
 All of it was read from ``transformers==5.24.0`` (``transformers/generation/continuous_batching/``); the
 adapter refuses any other version (`attach.check_transformers_version`). Nothing here writes engine
-state except `install_compute_wrapper` / `restore_compute_batch` and `drop_graphs`, which the handle's
-``detach()`` undoes or accounts for (see the package docstring). When transformers changes, this file
+state except `install_compute_wrapper` / `restore_compute_batch`, `shadow_method` / `unshadow_method` (the KV-move
+wrappers) and `drop_graphs`, which the handle's ``detach()`` undoes or accounts for (see the package docstring). When transformers changes, this file
 and ``layout.py``'s arithmetic are what to re-read.
 
 Public, documented surfaces are used directly elsewhere: the forward's keyword arguments
@@ -186,18 +186,82 @@ def persistent_manager(model) -> Optional[object]:
     return getattr(model, "_cached_continuous_batching_manager", None)
 
 
-# ---- KV moves the adapter does not observe yet (refused at attach, attach._refuse_unobservable_paths) --------
+# ---- KV moves outside the forward (observed by moves.MoveObserver) ------------------------------------------
+# Each move is seen through one method shadowed by an instance attribute (`shadow_method`), removed exactly by
+# `unshadow_method` when the session closes. All read from transformers 5.24.0:
+#
+# * cache.py ``PagedAttentionCache.perform_cache_copy(copy_src_and_dst)``: ``copy_src_and_dst`` maps an allocator
+#   name (its layer type) to (source block ids, destination block ids); each allocator's ``copy_blocks`` copies
+#   whole blocks (K and V of every layer of the group). Called once per ``update_batch`` that forks
+#   (continuous_api.py, ``num_return_sequences > 1``), after ``prepare_fork_request`` gave every child its block
+#   table (full blocks shared, the rest fresh), inside ``stream_context(compute_stream)``.
+# * offloading_manager.py ``OffloadingManager._offload_to_cpu(victims, victim_block_tables)``: copies the blocks
+#   of the victims (``victim_block_tables``: request id -> allocator name -> block ids, in logical order, taken
+#   before ``free_blocks`` freed them) to the host pool; returns the set of request ids it copied (the others are
+#   soft-reset: re-prefilled from scratch). A copied victim's KV covers positions ``[0, state.position_offset)``
+#   (synchronous batching; async batching is refused at attach).
+# * offloading_manager.py ``OffloadingManager.restore_scheduled_requests(requests_in_batch)``: for every
+#   ``FutureRequestState`` whose ``state.is_cpu_offloaded``, pops ``_request_id_to_cpu_blocks[request_id]``
+#   (allocator name -> host block ids) and copies the first ``min(len(host ids), len(block_table[request_id]))``
+#   blocks, positionally, into the request's new blocks. Called from ``prepare_next_batch`` before the forward.
+FORK_COPY_METHOD = "perform_cache_copy"
+OFFLOAD_METHOD = "_offload_to_cpu"
+RESTORE_METHOD = "restore_scheduled_requests"
+
+
+def shadow_method(obj, name: str, make: Callable[[Callable], Callable]) -> Callable:
+    """Shadow ``obj.name`` with an instance attribute ``make(original)``; returns the original bound method."""
+    if name in vars(obj):
+        raise KvCanaryRuntimeError(f"kv-canary: {type(obj).__name__}.{name} is already wrapped on this object (attached twice?)")
+    original = getattr(obj, name)
+    setattr(obj, name, make(original))
+    return original
+
+
+def unshadow_method(obj, name: str) -> None:
+    """Remove the instance attribute: the class method is visible again, exactly as before."""
+    vars(obj).pop(name, None)
+
+
+def offloading_manager(processor):
+    """``processor.offloading_manager`` (continuous_api.py ``__init__``): the ``OffloadingManager``."""
+    return processor.offloading_manager
+
+
 def cpu_offload_enabled(processor) -> bool:
-    """``processor.offloading_manager._cpu_pool`` is set (offloading_manager.py): an offloaded request's KV goes to
-    a pinned host pool (``_offload_to_cpu``) and comes back into other blocks (``restore_scheduled_requests``)."""
+    """``offloading_manager._cpu_pool`` is set: offloaded requests go to the host pool (``_offload_to_cpu``) and
+    come back into other blocks (``restore_scheduled_requests``); None when ``cpu_offload_space`` gave no sector."""
     manager = getattr(processor, "offloading_manager", None)
     return manager is not None and getattr(manager, "_cpu_pool", None) is not None
 
 
-def forked_children(processor) -> int:
-    """``num_return_sequences - 1`` of the ``ContinuousBatchingManager`` that holds ``processor`` as its
-    ``batch_processor`` (or of the processor itself): children forked per request (``cache.prepare_fork_request``
-    shares full blocks, ``perform_cache_copy`` -> allocator ``copy_blocks`` copies the partial one)."""
-    owners = [processor] + [ref for ref in gc.get_referrers(processor) if getattr(ref, "batch_processor", None) is processor]
-    n = max(int(getattr(o, "num_return_sequences", 1) or 1) for o in owners)
-    return max(0, n - 1)
+def offloaded_block_counts(manager, request_id: str) -> Optional[dict]:
+    """Allocator name -> host blocks holding ``request_id``'s offloaded KV (``_request_id_to_cpu_blocks``), or None."""
+    blocks = manager._request_id_to_cpu_blocks.get(request_id)
+    return None if blocks is None else {name: len(ids) for name, ids in blocks.items()}
+
+
+def host_kv_blocks(manager, request_id: str, layer_type: str):
+    """(host pool view ``[blocks, bytes_per_block]`` uint8 of one allocator, ``request_id``'s block ids in it):
+    where ``_offload_to_cpu`` put the request's KV (``_cpu_views[name]``, ``_request_id_to_cpu_blocks``)."""
+    return manager._cpu_views[layer_type], list(manager._request_id_to_cpu_blocks[request_id][layer_type])
+
+
+def request_state(future_state):
+    """The ``RequestState`` of a ``FutureRequestState`` (requests.py)."""
+    return future_state.state
+
+
+def is_cpu_offloaded(state) -> bool:
+    """``state.is_cpu_offloaded`` (requests.py): its KV is in the host pool."""
+    return bool(state.is_cpu_offloaded)
+
+
+def kv_length(state) -> int:
+    """Positions whose KV the cache holds for a request between forwards: ``state.position_offset``."""
+    return int(state.position_offset)
+
+
+def request_tokens(state) -> list:
+    """The request's tokens by position: ``initial_tokens`` then ``generated_tokens`` (requests.py)."""
+    return list(state.initial_tokens) + list(state.generated_tokens)
