@@ -58,7 +58,7 @@ def test_cross_context_hit_is_caught():
     assert all(o.detected for o in run.outcomes)
 
 
-@pytest.mark.xfail(strict=True, reason="default fingerprints cover 16 bytes of 2 layers; no per-(slot, layer) table yet")
 def test_default_mode_catches_cached_bit_flips():
+    """Deep fingerprints (every byte of every layer, swept): the default config catches every flip."""
     run = run_class("kv_flip_cached", SimCampaignConfig(seed=5, per_class=6), clean_twin=False)
     assert sum(o.detected for o in run.outcomes) == len(run.outcomes)

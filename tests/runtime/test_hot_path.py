@@ -95,8 +95,9 @@ def test_device_halves_read_nothing_back_and_cost_the_same_for_any_batch(op_call
         with mode:
             _device_halves(c, _meta_batch(bs, tables))
         counts.append((mode.n, len(op_calls) - calls_before))
-    # per group: plan, HEAD verify + write, TAIL verify + write x 2 sides, 3 stamps; sweep: 2 verifies + 2 stamps
-    assert counts[1][1] == 2 * (3 + 4 + 3 + 4)
+    # per group: plan, HEAD verify + write, (TAIL verify + write + deep write) x 2 sides, 3 stamps;
+    # sweep: (verify + deep verify + stamp) x 2 sides
+    assert counts[1][1] == 2 * (3 + 6 + 3 + 6)
     # steady state (same batch size as the step before: no stale padding to clear) costs the same torch calls
     # whatever the batch size: O(1) Python per forward
     assert counts[1] == counts[3], counts

@@ -85,7 +85,7 @@ def test_reentrant_forward_passes_through(manual):
     with m.canary.forward(batch):
         with m.canary.forward(batch):
             m.store(batch)
-    assert m.canary.stats().kernel_launches == 1 + 1 + 2 + 2  # HEAD verify+write, TAIL K/V verify+write
+    assert m.canary.stats().kernel_launches == 1 + 1 + 2 + 2 + 2  # HEAD verify+write, TAIL K/V verify+write, deep K/V write
     assert m.canary.step == 1
 
 

@@ -49,10 +49,17 @@ def hashed_layers(target: SimTarget, group: str) -> tuple[int, ...]:
 
 
 def byte_hashed(target: SimTarget, group: str, layer: int, byte: int) -> bool:
-    """Whether a flip of ``byte`` of ``layer``'s K or V changes the group's fingerprint."""
+    """Whether a flip of ``byte`` of ``layer``'s K or V changes a fingerprint the canary checks (the TAIL
+    fingerprints of the picked layers, or — deep fingerprints, on by default — every byte of every layer,
+    checked by the sweep within one pass)."""
+    cfg = target.canary.config
+    if cfg.real_kv_hash == "none":
+        return False
+    if cfg.deep_fingerprints:
+        return True
     if layer not in hashed_layers(target, group):
         return False
-    return target.canary.config.real_kv_hash == "all" or byte < 16
+    return cfg.real_kv_hash == "all" or byte < 16
 
 
 def slot_writer(canary: Canary, group: str, slot: int) -> Optional[str]:

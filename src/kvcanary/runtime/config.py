@@ -46,6 +46,9 @@ class CanaryConfig:
     health_interval: check that the canary's kernels are running every N forwards (0 = never).
     jsonl_path: append one JSON object per violation to this file (None = no file).
     readable_per_step: violations per step also reported as a multi-line readable block.
+    deep_fingerprints: also fingerprint every byte of every layer of each written slot (one 32-byte record
+        per 4 layers and side, written at TAIL) and verify them in the rotating sweep, so a flipped bit
+        anywhere in cached KV is caught within one sweep pass (off with ``real_kv_hash="none"``).
     log_lines_per_slot: log lines per (reason, group, slot) before that slot's further rows are only
         counted (and summarised per drain); every row still goes to the counters and the JSON lines.
     """
@@ -63,6 +66,7 @@ class CanaryConfig:
     jsonl_path: Optional[str] = None
     readable_per_step: int = 4
     log_lines_per_slot: int = 3
+    deep_fingerprints: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -91,7 +95,7 @@ class CanaryConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise KvCanaryValueError(f"kv-canary: {name} must be an integer >= {low}, got {value!r}")
-        for name in ("verify_token", "write_input_assert"):
+        for name in ("verify_token", "write_input_assert", "deep_fingerprints"):
             if not isinstance(getattr(self, name), bool):
                 raise KvCanaryValueError(f"kv-canary: {name} must be True or False, got {getattr(self, name)!r}")
         if self.jsonl_path is not None:

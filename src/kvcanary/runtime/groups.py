@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
-from kvcanary.ops import CANARY_FIELDS_PER_SLOT, CanaryLaunchTag, RealKvHashMode, RealKvSource, VerifyOrWriteContext
+from kvcanary.ops import CANARY_FIELDS_PER_SLOT, MAX_REAL_KV_SOURCES, CanaryLaunchTag, RealKvHashMode, RealKvSource, VerifyOrWriteContext
 from kvcanary.runtime.batch import GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 
@@ -82,6 +82,11 @@ class CanaryGroup:
         self.tail_bufs = {side: self._new_buffer() for side in self.tail_sides}
         self.records = SlotRecords(spec.num_slots, device)
         self.sources: dict[str, tuple[RealKvSource, ...]] = {side: () for side in self.tail_sides}
+        # Deep fingerprints: every byte of every layer, MAX_REAL_KV_SOURCES layers per buffer and side, written
+        # at TAIL, verified by the sweep (key: (chunk, side)).
+        self.deep = config.deep_fingerprints and self.hash_mode != RealKvHashMode.NONE
+        self.deep_bufs: dict[tuple[int, str], torch.Tensor] = {}
+        self.deep_sources: dict[tuple[int, str], tuple[RealKvSource, ...]] = {}
         self.hashed_layers: tuple[int, ...] = ()
         self._contexts: dict[tuple, VerifyOrWriteContext] = {}
 
@@ -132,7 +137,32 @@ class CanaryGroup:
             sources = {"k": []}
         self.sources = {side: tuple(sources[side]) for side in self.tail_sides}
         self.hashed_layers = tuple(picked)
+        if self.deep:
+            self._set_deep_sources(layers, layer_ids, page_size)
         self._contexts.clear()
+
+    def _set_deep_sources(self, layers: KvLayers, layer_ids: tuple[int, ...], page_size: int) -> None:
+        """One ALL-mode source per layer, grouped MAX_REAL_KV_SOURCES layers to a buffer per side."""
+        deep_sources: dict[tuple[int, str], tuple[RealKvSource, ...]] = {}
+        for chunk, start in enumerate(range(0, len(layer_ids), MAX_REAL_KV_SOURCES)):
+            pairs = {}
+            for layer in layer_ids[start : start + MAX_REAL_KV_SOURCES]:
+                try:
+                    pairs[layer] = layers(layer) if callable(layers) else layers[layer]
+                except KeyError:
+                    raise ValueError(
+                        f"kv-canary: set_kv_cache for group {self.name!r} has no tensors for layer {layer} "
+                        "(deep_fingerprints hash every layer of the group)"
+                    ) from None
+            for i, side in enumerate("kv"):
+                deep_sources[(chunk, side)] = tuple(self._source(p[i], page_size, l, side) for l, p in pairs.items())
+                if (chunk, side) not in self.deep_bufs:
+                    self.deep_bufs[(chunk, side)] = self._new_buffer()
+        self.deep_sources = deep_sources
+
+    def deep_chunks(self) -> list[int]:
+        """Chunk indices of the deep buffers that have sources (empty when deep fingerprints are off)."""
+        return sorted({c for c, _ in self.deep_sources})
 
     def _source(self, tensor: torch.Tensor, page_size: int, layer: int, side: str) -> RealKvSource:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
@@ -154,30 +184,37 @@ class CanaryGroup:
         return RealKvSource(tensor=tensor, page_size=page_size, num_bytes_per_token=per_token, read_bytes=per_token)
 
     # ---- launch contexts -------------------------------------------------------------------
-    def context(self, phase: str, side: str, op: str, *, rings, counters, chain_assert: torch.Tensor) -> VerifyOrWriteContext:
-        """The (cached) context for ``op`` (verify/write) on the ``phase``/``side`` buffer."""
-        key = (phase, side, op, id(chain_assert))
+    def context(self, phase: str, side: str, op: str, *, rings, counters, chain_assert: torch.Tensor,
+                deep: Optional[int] = None) -> VerifyOrWriteContext:
+        """The (cached) context for ``op`` (verify/write) on the ``phase``/``side`` buffer, or on deep
+        buffer ``deep`` of that side (ALL-mode sources of its layers; TAIL writes, SWEEP verifies)."""
+        key = (phase, side, op, id(chain_assert), deep)
         ctx = self._contexts.get(key)
         if ctx is None:
             tag = self.tag(phase, side)
             ring, write_index = rings.ring_for(tag)
             slot_counter, kernel_counter = counters.views(op, tag)
+            if deep is None:
+                buf, sources, mode = self.buffer(phase, side), () if phase == "head" else self.sources[side], self.hash_mode
+            else:
+                buf, sources, mode = self.deep_bufs[(deep, side)], self.deep_sources[(deep, side)], RealKvHashMode.ALL
             ctx = VerifyOrWriteContext(
-                canary_buf=self.buffer(phase, side),
+                canary_buf=buf,
                 kernel_kind=tag,
                 violation_ring=ring,
                 violation_write_index=write_index,
                 slot_run_counter=slot_counter,
                 kernel_run_counter=kernel_counter,
-                real_kv_sources=() if phase == "head" else self.sources[side],
-                real_kv_hash_mode=self.hash_mode,
+                real_kv_sources=sources,
+                real_kv_hash_mode=mode,
                 enable_chain_position_assert=chain_assert,
             )
             self._contexts[key] = ctx
         return ctx
 
     def memory_bytes(self) -> int:
-        return (1 + len(self.tail_bufs)) * self.num_slots * RECORD_BYTES + self.records.memory_bytes()
+        bufs = 1 + len(self.tail_bufs) + len(self.deep_bufs)
+        return bufs * self.num_slots * RECORD_BYTES + self.records.memory_bytes()
 
     def describe_sources(self) -> Optional[str]:
         if not self.hashing:

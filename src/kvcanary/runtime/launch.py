@@ -6,7 +6,8 @@
              -> HEAD write (new tokens) -> slot records (position, predecessor, step, owner)
     ... engine forward: stores K/V into the staged out_loc slots ...
     tail()   per group and hashed side: TAIL verify (prefix, real KV re-hashed)
-             -> TAIL write (fingerprints of the KV just stored); then stamp the step's ring rows
+             -> TAIL write (fingerprints of the KV just stored; with deep fingerprints also one ALL-mode
+             write per 4 layers, checked later by the sweep); then stamp the step's ring rows
 
 Every launch reads the `StaticBatch` and device tensors only — no host reads — so both halves can be
 captured in a CUDA graph. Outside capture, the launches are sliced to the staged batch's size (host-known
@@ -159,12 +160,13 @@ class ForwardLaunches:
                         context=self._context(g, "tail", side, "verify", self.no_chain_assert),
                         plan=vplan, check_verify_expected_token=False,
                     )
-                    launch_canary_write_kernel(
-                        context=self._context(g, "tail", side, "write", self.no_chain_assert),
-                        plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n],
-                        out_cache_loc=s.out_loc[name][:n], enable_write_input_assert=False,
-                        expected_input_tokens=None, expected_input_positions=None,
-                    )
+                    for deep in (None, *g.deep_chunks()):  # the TAIL record, then every layer's bytes (sweep-checked)
+                        launch_canary_write_kernel(
+                            context=self._context(g, "tail", side, "write", self.no_chain_assert, deep=deep),
+                            plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n],
+                            out_cache_loc=s.out_loc[name][:n], enable_write_input_assert=False,
+                            expected_input_tokens=None, expected_input_positions=None,
+                        )
             for tag in [g.tag("head")] + [g.tag("tail", side) for side in g.tail_sides]:
                 launch_stamp_violation_rows(
                     **self.rings.stamp_args(tag), step=self.step, verify_plan=vplan, write_plan=wplan,
@@ -173,8 +175,8 @@ class ForwardLaunches:
                 )
 
     # ---- helpers -----------------------------------------------------------------------------------
-    def _context(self, g: CanaryGroup, phase: str, side: str, op: str, chain_assert: torch.Tensor):
-        return g.context(phase, side, op, rings=self.rings, counters=self.counters, chain_assert=chain_assert)
+    def _context(self, g: CanaryGroup, phase: str, side: str, op: str, chain_assert: torch.Tensor, deep=None):
+        return g.context(phase, side, op, rings=self.rings, counters=self.counters, chain_assert=chain_assert, deep=deep)
 
     def _token_rows(self, wplan: WritePlan, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(batch row of each staged token, its offset within the row, valid: inside the write range)."""

@@ -2,7 +2,7 @@
 bounded cost per forward.
 
 Rotating slices: each forward verifies the next ``ceil(num_slots / sweep_interval)`` slots of each group
-(SWEEP_K / SWEEP_V over the TAIL buffers), so a full pass over the slot space takes ``sweep_interval``
+(SWEEP_K / SWEEP_V over the TAIL buffers and, with deep fingerprints, over every byte of every layer), so a full pass over the slot space takes ``sweep_interval``
 forwards and no forward pays for a stop-the-world pass. The slice's plan is built on the device from the
 runtime's slot records (the position each slot was written at and the slot it chained from; a slot
 outside the live set, or never written, becomes the padding slot 0, which verify skips), with a device
@@ -178,8 +178,10 @@ class Sweeper:
         row is the plan entry; without, rows are attributed from the slot records when drained)."""
         stamp_plan = dict(verify_plan=plan, req_pool_indices=entry_rows, prefix_lens=entry_rows) if entry_rows is not None else {}
         for side in g.tail_sides:
-            ctx = g.context("sweep", side, "verify", rings=self.rings, counters=self.counters, chain_assert=self._no_assert)
-            launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False)
+            for deep in (None, *g.deep_chunks()):  # the TAIL record, then every layer's bytes
+                ctx = g.context("sweep", side, "verify", rings=self.rings, counters=self.counters,
+                                chain_assert=self._no_assert, deep=deep)
+                launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False)
             launch_stamp_violation_rows(**self.rings.stamp_args(g.tag("sweep", side)), step=self.step, **stamp_plan)
 
     def owner_at_sweep(self, group: str, step: int, entry: int, current_step: int) -> Optional[int]:
