@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcanary.engines.vllm.compat import check_vllm_version
 from kvcanary.engines.vllm.forward_view import WorkerView, find_model_runner
-from kvcanary.engines.vllm.layout import build_group_layouts, layer_kv_views, probe_cpu_layout
+from kvcanary.engines.vllm.layout import StripMirror, build_group_layouts, layer_kv_views, probe_cpu_layout
 from kvcanary.engines.vllm.metrics import KvCanaryPromMetrics, KvCanaryStats
 from kvcanary.runtime import Canary, CanaryConfig, GroupSpec, Violation
 
@@ -125,6 +125,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.canary_seconds = 0.0
         self.rank = 0
         self.hash_layout: dict[str, Optional[str]] = {}
+        self._mirrors: dict[str, list[StripMirror]] = {}
 
     # ---- configuration checks ------------------------------------------------------------------
     @staticmethod
@@ -255,8 +256,19 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("kv-canary: no KV byte layout fits vLLM's CPU cache (isa=%s) for group %s; "
                                "TAIL checks run without real-KV fingerprints", isa, g.name)
                 continue
-            views = {lid: layer_kv_views(self._kv_caches[ln], name) for lid, ln in zip(g.layer_ids, g.layer_names)}
-            self.canary.set_kv_cache(g.name, views, page_size=g.block_size)
+            if config.real_kv_hash == "partial":
+                # 16 bytes per slot: hash dense mirrors refreshed from the cache before each read
+                picked = {g.layer_ids[i] for i in config.real_kv_layers if -len(g.layer_ids) <= i < len(g.layer_ids)}
+                pairs = {}
+                for lid, ln in zip(g.layer_ids, g.layer_names):
+                    if lid in picked:
+                        k, v = (StripMirror(self._kv_caches[ln], name, side, g.block_size) for side in (0, 1))
+                        self._mirrors.setdefault(g.name, []).extend((k, v))
+                        pairs[lid] = (k.mirror, v.mirror)
+                self.canary.set_kv_cache(g.name, pairs, page_size=1)
+            else:
+                views = {lid: layer_kv_views(self._kv_caches[ln], name) for lid, ln in zip(g.layer_ids, g.layer_names)}
+                self.canary.set_kv_cache(g.name, views, page_size=g.block_size)
         logger.info("kv-canary: vLLM worker rank %d attached to %s (KV layout %s)", self.rank,
                     ", ".join(f"{g.name}: {g.num_blocks} blocks x {g.block_size}" for g in self._layouts), self.hash_layout)
 
@@ -302,11 +314,21 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             return
         t0 = time.perf_counter()
         self._open = False
+        self._refresh_mirrors(self.view.read_slots)
         self.canary.after_forward()
         meta = self._meta
         if meta is not None and meta.cached_blocks is not None:
-            self.canary.sweep(self.view.live_slots(meta.cached_blocks))
+            live = self.view.live_slots(meta.cached_blocks)
+            self._refresh_mirrors(live)
+            self.canary.sweep(live)
         self.canary_seconds += time.perf_counter() - t0
+
+    def _refresh_mirrors(self, slots_by_group: dict[str, torch.Tensor]) -> None:
+        for name, mirrors in self._mirrors.items():
+            slots = slots_by_group.get(name)
+            if slots is not None:
+                for m in mirrors:
+                    m.refresh(slots)
 
     def _on_violation(self, v: Violation) -> None:
         rid = v.request_id if v.request_id is not None else "-"
@@ -324,7 +346,9 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> Optional[KvCanaryStats]:
         if self.canary is None:
             return None
+        t0 = time.perf_counter()
         now = self.totals()
+        self.canary_seconds += time.perf_counter() - t0
         delta: dict[str, Any] = {}
         for key, value in now.items():
             if key == "by_reason":
@@ -353,6 +377,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             "resumed": ev.resumed if ev else 0,
             "same_step_shares": ev.same_step_shared if ev else 0,
             "slots_reused": ev.slots_reused if ev else 0,
+            "canary_microseconds": int(self.canary_seconds * 1e6),
             "by_reason": dict(stats.violations_by_reason),
         }
 

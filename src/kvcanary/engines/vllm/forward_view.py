@@ -136,6 +136,7 @@ class WorkerView:
         self.computed: dict[str, int] = {}  # request id -> positions stored as of its latest forward
         self.preempted: set[str] = set()
         self.events = ForwardEvents()
+        self.read_slots: dict[str, torch.Tensor] = {}  # per group: slots of positions < seq_len of the last forward
         full = next((g for g in layouts if g.name == "full"), None)
         self._ever_written = torch.zeros(full.num_slots if full else 0, dtype=torch.bool, device=self.device)
 
@@ -225,6 +226,7 @@ class WorkerView:
         slots = bt[:, pos // g.block_size] * g.block_size + pos % g.block_size
         slots = torch.where(pos[None, :] < seq[:, None], slots, torch.zeros_like(slots))
         table[rows_t, :max_s] = slots.to(device=self.device, dtype=torch.int32)
+        self.read_slots[g.name] = slots[slots > 0].to(self.device)  # what TAIL re-hashes (with the writes)
         return table
 
     def _same_step_shares(self, rows, prefix, first, written, positions) -> list[int]:

@@ -217,3 +217,37 @@ def probe_cpu_layout(kv: torch.Tensor, isa: str) -> Optional[str]:
 def layer_kv_views(kv: torch.Tensor, layout_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-major K and V views (row = kernel block) of one layer's CPU cache tensor."""
     return CANDIDATES[layout_name](kv)
+
+
+class StripMirror:
+    """Dense copy of the first ``nbytes`` of each slot's token-major strip, for one layer and side.
+
+    The generic strided read of a permuted view costs a byte-offset computation per slot and launch;
+    in ``partial`` hash mode (16 bytes per slot) the adapter instead gathers those bytes into this
+    ``[num_slots, nbytes / element_size]`` tensor right before the canary reads real KV (TAIL, sweep),
+    with per-token element offsets computed once from the view. The canary hashes the mirror — the
+    same bytes, read from the engine's cache at the same moment.
+    """
+
+    def __init__(self, kv: torch.Tensor, layout_name: str, side: int, block_size: int, nbytes: int = 16) -> None:
+        if not kv.is_contiguous():
+            raise ValueError("kv-canary: StripMirror needs a contiguous KV cache tensor")
+        es = kv.element_size()
+        if nbytes % es:
+            raise ValueError(f"kv-canary: StripMirror nbytes={nbytes} is not a multiple of the element size {es}")
+        self.kv = kv
+        self.block_size = block_size
+        self.block_stride = int(kv.stride(0))
+        n_el = nbytes // es
+        one = torch.arange(self.block_stride, dtype=torch.int64).view(1, *kv.shape[1:])
+        view = CANDIDATES[layout_name](one)[side]
+        self.offsets = token_rows(view, block_size)[:, :n_el].contiguous()  # [block_size, n_el] element offsets
+        self.mirror = torch.zeros(int(kv.shape[0]) * block_size, n_el, dtype=kv.dtype, device=kv.device)
+
+    def refresh(self, slots: torch.Tensor) -> None:
+        """Copy the strips of ``slots`` (int64, any order, repeats allowed) from the engine's cache."""
+        if slots.numel() == 0:
+            return
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        index = blocks[:, None] * self.block_stride + self.offsets[slots % self.block_size]
+        self.mirror[slots] = self.kv.view(-1)[index]

@@ -26,6 +26,7 @@ COUNTS = (
     "resumed",  # first forwards after a preemption
     "same_step_shares",  # rows reading prefix blocks another row writes in the same forward
     "slots_reused",  # slots written again after their block was freed and reallocated (eviction, reuse)
+    "canary_microseconds",  # wall time the worker spent in the canary (bracket + sweeps), summed over ranks
 )
 
 
