@@ -24,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed for models, workload and fault injectors")
     demo.add_argument("--verbose", action="store_true", help="show the engine log and one log line per violation")
     demo.add_argument("--models", default="llama,qwen3_swa", help="comma list of: llama, qwen3_swa")
+    demo.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                      help="transformers continuous batching (default) or vLLM (needs the vLLM venv: scripts/setup_vllm.sh)")
+    demo.add_argument("--processes", action="store_true",
+                      help="vllm: vLLM's default engine-core + worker processes (batches then depend on timing)")
     pd = sub.add_parser("pd", help="two-process prefill -> decode KV transfer, checked on receipt (clean + faulted)")
     pd.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     pd.add_argument("--seed", type=int, default=0, help="seed for prompts and engines")
@@ -38,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "demo" and args.engine == "vllm":
+        return _demo_vllm(args)
     if args.command == "demo":
         try:
             check_output_path("--json", args.json)  # before the run, not after it
@@ -73,6 +79,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return 2
             raise
     return 2
+
+
+def _demo_vllm(args) -> int:
+    """``kvcanary demo --engine vllm`` (kvcanary.cli.demo_vllm)."""
+    try:
+        check_output_path("--json", args.json)
+        from kvcanary.cli.demo_vllm import format_table, run_demo
+
+        result = run_demo(seed=args.seed, processes=args.processes)
+    except Exception as exc:
+        if is_kvcanary_message(exc):
+            print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
+            return 2
+        raise
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2, default=str)
+    clean_ok = result["clean"]["violations"] == 0 and result["models"]["llama"]["clean"]["outputs_identical"]
+    return 0 if clean_ok and all(f["caught"] for f in result["faults"]) else 1
 
 
 def check_output_path(flag: str, path: Optional[str]) -> None:
