@@ -202,6 +202,8 @@ class WorkerView:
                 rows, prefix, shared, qsl.tolist(), input_ids, positions, written)
         for rid, s in zip(req_ids, seq_l):
             self.computed[rid] = s
+        for name, w in written.items():  # TAIL re-hashes the slots actually written, too
+            self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
         groups = {g.name: GroupBatch(req_to_token=tables[g.name], out_cache_loc=written[g.name]) for g in self.layouts}
         self.events.same_step_shared += sum(1 for k in shared if k)
         return BatchDescription(
