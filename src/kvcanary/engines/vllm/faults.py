@@ -6,7 +6,8 @@ model runs — acts before the canary's. It never knows about the canary; each f
 the first forward after ``after_forward`` that offers a target, and appends what it did (forward
 number, request id, slot, expected reasons) as a JSON line to ``ledger_path``.
 
-Faults (``{"name": ..., "after_forward": N, "seed": S, "ledger_path": PATH}``):
+Faults (``{"name": ..., "after_forward": N, "seed": S, "ledger_path": PATH, "rank": R}``; with ``rank``
+only that tensor-parallel rank injects, into its own KV shard):
 
 * ``flip_cached_block_byte`` — a request's first forward reuses cached prefix blocks (computed in an
   earlier forward); one bit of one token's K bytes (first hashed layer, inside the 16 bytes the
@@ -41,6 +42,7 @@ class Injection:
 
     name: str
     forward: int
+    rank: int
     request_id: str
     slot: int
     expected: tuple[str, ...]
@@ -70,6 +72,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.layouts = []
         self.runner = None
         self._restore: list = []
+        self.rank = 0
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -92,6 +95,12 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = dict(kv_caches)
         self.layouts = build_group_layouts(self._kv_cache_config, self.kv_caches)
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.rank = get_tensor_model_parallel_rank()
+        except (AssertionError, RuntimeError, ImportError):
+            self.rank = 0
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None
@@ -129,6 +138,8 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         for k, spec in enumerate(self.specs):
             if self.fired[k] or self.forward <= int(spec.get("after_forward", 0)):
                 continue
+            if spec.get("rank") is not None and int(spec["rank"]) != self.rank:
+                continue  # another tensor-parallel rank's shard
             fire = self._flip if spec["name"] == "flip_cached_block_byte" else self._redirect
             injection = fire(self.rngs[k], full, meta, req_ids, prefix, written)
             if injection is not None:
@@ -169,7 +180,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
             element = _token_element(k_view, block, offset, B)
             bit = rng.randrange(15)
             element.view(torch.int16).bitwise_xor_(torch.tensor(1 << bit, dtype=torch.int16))
-            return Injection(name="flip_cached_block_byte", forward=self.forward, request_id=rid, slot=block * B + offset,
+            return Injection(name="flip_cached_block_byte", forward=self.forward, rank=self.rank, request_id=rid, slot=block * B + offset,
                              expected=("verify_real_kv_hash",),
                              detail=f"block {block} offset {offset} layer {layer} K element 0 bit {bit}")
         return None
@@ -186,7 +197,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         old, new = int(table[i, j]), int(table[i, j2])
         self._restore.append((table, (i, j), old))
         table[i, j] = new
-        return Injection(name="redirect_block_table", forward=self.forward, request_id=req_ids[i], slot=new * B,
+        return Injection(name="redirect_block_table", forward=self.forward, rank=self.rank, request_id=req_ids[i], slot=new * B,
                          expected=("verify_position", "verify_chain_hash", "verify_token"),
                          detail=f"block-table entry {j} of {req_ids[i]} (block {old}, positions {j * B}-{j * B + B - 1}) "
                                 f"-> block {new} (its positions {j2 * B}-{j2 * B + B - 1})")

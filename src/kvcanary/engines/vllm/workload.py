@@ -143,7 +143,7 @@ FAULT_PLAN = (
 
 
 def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
-               faults: tuple = FAULT_PLAN, processes: bool = False) -> dict[str, Any]:
+               faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1) -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
     verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger."""
@@ -156,8 +156,9 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     if mode not in ("ref", "clean", "faults"):
         raise ValueError(f"kv-canary: run_engine mode must be ref, clean or faults, got {mode!r}")
     model = write_tiny_model(os.path.join(workdir, "tiny-llama"))
-    vpath, lpath = os.path.join(workdir, f"{mode}.violations.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
-    for p in (vpath, lpath):
+    vpath, lpath = os.path.join(workdir, f"{mode}.violations.{{rank}}.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
+    vpaths = [vpath.replace("{rank}", str(r)) for r in range(tensor_parallel)]
+    for p in vpaths + [lpath]:
         if os.path.exists(p):
             os.remove(p)
     ktc = None
@@ -169,13 +170,22 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     # steps them, so every run batches the same requests together (identical forwards with and
     # without the canary) and starts in seconds. processes=True: vLLM's default layout — engine-core
     # process, worker process (where the canary lives) — whose batches depend on request arrival.
+    # tensor_parallel > 1: one worker process per rank, each rank's threads on a core of its own.
+    processes = processes or tensor_parallel > 1
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if processes else "0"
+    kwargs = engine_kwargs(model, kv_transfer_config=ktc)
+    if tensor_parallel > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tensor_parallel)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        kwargs["tensor_parallel_size"] = tensor_parallel
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(model, kv_transfer_config=ktc))
+    llm = LLM(**kwargs)
     t1 = time.perf_counter()
     out = generate(llm, workload(seed))
     t2 = time.perf_counter()
-    out.update(mode=mode, processes=processes, pid=os.getpid(), metrics=vllm_metrics(llm), violations=read_jsonl(vpath), ledger=read_jsonl(lpath),
+    violations = [dict(v, rank=r) for r, p in enumerate(vpaths) for v in read_jsonl(p)]
+    out.update(mode=mode, processes=processes, tensor_parallel=tensor_parallel, pid=os.getpid(),
+               metrics=vllm_metrics(llm), violations=violations, ledger=read_jsonl(lpath),
                start_seconds=round(t1 - t0, 2), generate_seconds=round(t2 - t1, 3))
     return out
 
@@ -191,9 +201,13 @@ def main(argv=None) -> int:
     parser.add_argument("out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--processes", action="store_true", help="vLLM's engine-core and worker processes")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel ranks (worker processes)")
+    parser.add_argument("--fault-rank", type=int, default=None, help="faults: inject on this rank only")
     args = parser.parse_args(argv)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
-    result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes)
+    faults = tuple(dict(f, rank=args.fault_rank) for f in FAULT_PLAN) if args.fault_rank is not None else FAULT_PLAN
+    result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes,
+                        tensor_parallel=args.tensor_parallel, faults=faults)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0
