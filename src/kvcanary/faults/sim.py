@@ -342,7 +342,8 @@ class PrefixCollision(SimInjector):
 class CrossContextHit(SimInjector):
     """A request of another context (LoRA adapter / tenant / cache salt) reuses a cached prefix
     written under a different context, on identical tokens. The sim engine (like the bug) ignores
-    contexts; without a context key in the chain nothing is inconsistent."""
+    contexts in its prefix cache; the batch's context key, mixed into the chain at position 0, makes the
+    hit a chain mismatch."""
 
     fault = "cross_context_hit"
 
@@ -354,12 +355,12 @@ class CrossContextHit(SimInjector):
         node = self.rng.choice(nodes)
         prompt = list(node.key) + [self.rng.randrange(1, 32000) for _ in range(3)]
         rid = f"ctx{len(self.t.ledger)}@adapterB"
-        e.add_request(prompt, 4, rid=rid)
+        e.add_request(prompt, 4, rid=rid, context=0xADA97E2B)  # adapter B; the cached prefix was written with none
+        e.waiting.insert(0, e.waiting.pop())  # admitted next, while the node is still cached
         if self.t.register is not None:
             self.t.register(rid, prompt)
         return self.record(group="full", slot=node.full_slots[0], position=0, request_id=rid,
-                           expected=("verify_chain_hash",), expected_detectable=False,
-                           why_not="no context key in BatchDescription / the chain (issue 11 item 6, runtime)",
+                           expected=("verify_chain_hash",), expected_detectable=True, why_not="",
                            detail=f"{rid} hits a block cached under another context")
 
 

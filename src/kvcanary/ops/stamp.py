@@ -19,7 +19,10 @@ arguments, lenient). Contract:
 * Verify row (needs ``verify_plan``, ``req_pool_indices``, ``prefix_lens``, else ``(step, -1, -1)``):
   entries ``[0, n)``, ``n = clamp(verify_num_valid, 0, capacity)`` (none if ``enable == 0``).
   ``fits(i)``: (the row's EXPECTED_TOKEN is -1 or ``verify_expected_tokens[i]`` equals it) and
-  (``verify_expected_positions[i] != row.POSITION``) equals (the row has VERIFY_POSITION_MISMATCH).
+  (``verify_expected_positions[i] != row.POSITION``) equals (the row has VERIFY_POSITION_MISMATCH) and
+  (``verify_prev_slot_indices[i] == 0`` — unreachable, any expected chain — or (the predecessor is the
+  chain head, ``< 0``) equals (the row's EXPECTED_AUX is H0)): among readers of one slot, a row that
+  expected another chain than H0 is not charged to a reader whose predecessor is the chain head.
   Entry: the first ``i > cursor`` with ``verify_slot_indices[i] == row.SLOT_IDX`` and fits(i); else
   the first ``i > cursor`` with the slot; else the first ``i`` with the slot that fits; else the
   first with the slot. Found: cursor = i, ``batch_row`` = the row r whose verify range holds i

@@ -68,6 +68,9 @@ class BatchDescription:
     forward_kind: one of ``prefill | decode | mixed | idle``.
     expected_input_ids: optional token oracle, [num_tokens] — the tokens the engine *should* be
     writing (for the write-input assert); without it the assert reads them from token_table.
+    context_keys: optional int64 [bs], who produced each row's KV (LoRA adapter, tenant, cache salt; 0 =
+    no context): mixed into the chain at position 0, so a prefix-cache hit across contexts on identical
+    tokens is a ``verify_chain_hash`` violation.
 
     Host syncs: the runtime reads prefix_lens, extend_lens and req_pool_indices on the host once
     per forward (to size and attribute); pass CPU copies of those three if the engine has them.
@@ -84,6 +87,7 @@ class BatchDescription:
     token_table_lens: Optional[torch.Tensor] = None
     forward_kind: str = "mixed"
     expected_input_ids: Optional[torch.Tensor] = None
+    context_keys: Optional[torch.Tensor] = None
     extra: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -111,6 +115,8 @@ class BatchDescription:
                 f"kv-canary: BatchDescription expected_input_ids {tuple(self.expected_input_ids.shape)} and "
                 f"input_ids {tuple(self.input_ids.shape)} differ in shape"
             )
+        if self.context_keys is not None and int(self.context_keys.shape[0]) != bs:
+            raise ValueError(f"kv-canary: BatchDescription.context_keys has {self.context_keys.shape[0]} rows for {bs}")
         if (self.token_table is None) != (self.token_table_lens is None):
             raise ValueError("kv-canary: BatchDescription token_table and token_table_lens go together")
 

@@ -137,8 +137,10 @@ class Canary:
                 raise ValueError(f"kv-canary: Canary {name} must be a positive integer, got {value!r}")
         self.config = config
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": tensors compare by index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.groups: dict[str, CanaryGroup] = {
-            spec.name: CanaryGroup(spec, config=config, device=self.device) for spec in groups
+            spec.name: CanaryGroup(spec, config=config, device=self.device, anchor_rows=max_requests) for spec in groups
         }
         self.launch_counters = LaunchCounters(self.device)
         self.rings = ViolationRings(
@@ -399,10 +401,10 @@ class Canary:
 
     def memory_report(self) -> str:
         slots = sum(g.num_slots for g in self.groups.values())
-        per_slot = sum(g.memory_bytes() for g in self.groups.values()) / max(slots, 1)
+        per_slot = sum(g.bytes_per_slot() * g.num_slots for g in self.groups.values()) / max(slots, 1)
         return (
             f"{self.memory_bytes() / 2**20:.2f} MiB on {self.device} for {slots} slots in "
-            f"{len(self.groups)} group(s) ({per_slot:.0f} B/slot + static buffers, plans and rings)"
+            f"{len(self.groups)} group(s) ({per_slot:.0f} B/slot + context anchors, static buffers, plans and rings)"
         )
 
     def close(self) -> CanaryStats:

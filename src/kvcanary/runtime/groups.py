@@ -16,11 +16,23 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
-from kvcanary.ops import CANARY_FIELDS_PER_SLOT, MAX_REAL_KV_SOURCES, CanaryLaunchTag, RealKvHashMode, RealKvSource, VerifyOrWriteContext
+from kvcanary.ops import (
+    CANARY_FIELD_POSITION,
+    CANARY_FIELD_PREV_HASH,
+    CANARY_FIELD_TOKEN,
+    CANARY_FIELDS_PER_SLOT,
+    MAX_REAL_KV_SOURCES,
+    CanaryLaunchTag,
+    RealKvHashMode,
+    RealKvSource,
+    VerifyOrWriteContext,
+)
+from kvcanary.ops.hashing import CHAIN_HEAD_HASH, to_signed64
 from kvcanary.runtime.batch import GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 
 RECORD_BYTES = CANARY_FIELDS_PER_SLOT * 8
+CHAIN_HEAD = to_signed64(CHAIN_HEAD_HASH)  # H0 as the int64 the buffers store
 NEVER_WRITTEN = -1
 
 KvLayers = Union[Mapping[int, tuple[torch.Tensor, torch.Tensor]], Callable[[int], tuple[torch.Tensor, torch.Tensor]]]
@@ -69,8 +81,9 @@ class SlotRecords:
 class CanaryGroup:
     """The canary state of one attention group (see the module docstring)."""
 
-    def __init__(self, spec: GroupSpec, *, config: CanaryConfig, device: torch.device) -> None:
+    def __init__(self, spec: GroupSpec, *, config: CanaryConfig, device: torch.device, anchor_rows: int = 0) -> None:
         self.spec = spec
+        self.anchor_rows = anchor_rows  # context anchors: buffer rows past the slot space, one per batch row
         self.name = spec.name
         self.num_slots = spec.num_slots
         self.window = spec.sliding_window
@@ -91,7 +104,21 @@ class CanaryGroup:
         self._contexts: dict[tuple, VerifyOrWriteContext] = {}
 
     def _new_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.num_slots, RECORD_BYTES, dtype=torch.uint8, device=self.device)
+        buf = torch.zeros(self.num_slots + self.anchor_rows, RECORD_BYTES, dtype=torch.uint8, device=self.device)
+        anchors = buf.view(torch.int64)[self.num_slots :]
+        anchors[:, CANARY_FIELD_POSITION] = -1  # an anchor is "position -1" of its row's context
+        anchors[:, CANARY_FIELD_PREV_HASH] = CHAIN_HEAD
+        return buf
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every canary buffer of the group (HEAD, TAIL sides, deep)."""
+        return [self.head_buf, *self.tail_bufs.values(), *self.deep_bufs.values()]
+
+    def set_anchor_keys(self, keys: torch.Tensor) -> None:
+        """Store ``keys`` (int64 [anchor_rows], 0 = none) as the token of every buffer's anchor rows: a row's
+        first token then chains from ``mix3(H0, key, -1)`` instead of H0. Device copies (capturable)."""
+        for buf in self.buffers():
+            buf.view(torch.int64)[self.num_slots :, CANARY_FIELD_TOKEN].copy_(keys[: self.anchor_rows])
 
     # ---- tags ------------------------------------------------------------------------------
     def tag(self, phase: str, side: str = "k") -> CanaryLaunchTag:
@@ -212,9 +239,13 @@ class CanaryGroup:
             self._contexts[key] = ctx
         return ctx
 
+    def bytes_per_slot(self) -> int:
+        """Canary bytes per slot: one 32-byte record per buffer plus the slot records."""
+        return len(self.buffers()) * RECORD_BYTES + 5 * 8
+
     def memory_bytes(self) -> int:
         bufs = 1 + len(self.tail_bufs) + len(self.deep_bufs)
-        return bufs * self.num_slots * RECORD_BYTES + self.records.memory_bytes()
+        return bufs * (self.num_slots + self.anchor_rows) * RECORD_BYTES + self.records.memory_bytes()
 
     def describe_sources(self) -> Optional[str]:
         if not self.hashing:

@@ -131,6 +131,8 @@ class ForwardLaunches:
                 kv_token_id_vs_position_offset=0,
             )
             self.plans_disabled[gi : gi + 1] += 1 - vplan.enable
+            if s.has_context and g.anchor_rows:
+                self._chain_from_context_anchors(g, vplan, wplan, bs)
             if tokens_row is None:  # rows and extends are shared by the groups: one token -> row map
                 tokens_row = self._token_rows(wplan, bs, n)
             expected_tokens, expected_positions = self._oracle(tokens_row, bs, n)
@@ -178,6 +180,27 @@ class ForwardLaunches:
     def _context(self, g: CanaryGroup, phase: str, side: str, op: str, chain_assert: torch.Tensor, deep=None):
         return g.context(phase, side, op, rings=self.rings, counters=self.counters, chain_assert=chain_assert, deep=deep)
 
+    def _chain_from_context_anchors(self, g: CanaryGroup, vplan: VerifyPlan, wplan: WritePlan, bs: int) -> None:
+        """Rows with a context key chain their first token from their anchor row (``num_slots + row``, holding
+        the key) instead of the chain head: the write seeds them there, the verify expects them there."""
+        s = self.static
+        k = min(bs, g.anchor_rows)
+        keys, prefix = s.context_keys[:k], s.prefix[:k]
+        anchors = g.num_slots + self.static.row_arange[:k]
+        g.set_anchor_keys(s.context_keys)
+        keyed = (keys != 0) & (s.rows[:k] != 0)
+        seeds = wplan.write_seed_slot_indices[:k]
+        seeds.copy_(torch.where(keyed & (prefix <= 0), anchors, seeds))
+        # verify: the entry of position 0 of a keyed row (its row from the plan's entry order, SPEC §3.5)
+        lo = (prefix - g.window).clamp(min=0) if g.window else torch.zeros_like(prefix)
+        counts = torch.where(s.rows[:k] != 0, (prefix - lo).clamp(min=0), 0)
+        cap = vplan.capacity
+        entry = self.static.entry_arange(cap)
+        row = torch.searchsorted(counts.cumsum(0), entry, right=True).clamp_(max=max(k - 1, 0))
+        first = (vplan.verify_expected_positions == 0) & keyed[row] & (entry < vplan.verify_num_valid)
+        prev = vplan.verify_prev_slot_indices
+        prev.copy_(torch.where(first, anchors[row], prev))
+
     def _token_rows(self, wplan: WritePlan, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(batch row of each staged token, its offset within the row, valid: inside the write range)."""
         offsets = wplan.write_offsets[: bs + 1]
@@ -216,6 +239,7 @@ class ForwardLaunches:
         row, local, valid = tokens_row
         seeds = wplan.write_seed_slot_indices[row]
         prev = torch.where(local == 0, seeds, out_loc.roll(1))
+        prev = torch.where(prev >= g.num_slots, g.num_slots, prev)  # a context anchor: no slot to link to (trash)
         owners = self.step * self.owner_span + row
         g.records.record(
             slots=out_loc, valid=valid, positions=self.static.positions[:n], prev_slots=prev, owners=owners,

@@ -48,6 +48,7 @@ class StaticBatch:
         self.inputs: dict[str, GroupInputs] = {}
         self.token_table: Optional[torch.Tensor] = None
         self.has_oracle = False
+        self.has_context = False  # a batch carried context keys (from then on they are staged every step)
         self._allocate(max_rows, max_tokens)
 
     def _allocate(self, max_rows: int, max_tokens: int) -> None:
@@ -57,12 +58,21 @@ class StaticBatch:
             return torch.zeros(n, dtype=torch.int64, device=dev)
 
         self.max_rows, self.max_tokens = max_rows, max_tokens
-        self.rows, self.prefix, self.extend, self.token_lens = (zeros(max_rows) for _ in range(4))
+        self.rows, self.prefix, self.extend, self.token_lens, self.context_keys = (zeros(max_rows) for _ in range(5))
         self.input_ids, self.positions, self.expected_ids = (zeros(max_tokens) for _ in range(3))
         self.out_loc = {g: torch.full((max_tokens,), NOT_STORED, dtype=torch.int64, device=dev) for g in self.groups}
         self.token_arange = torch.arange(max_tokens, dtype=torch.int64, device=dev)
+        self.row_arange = torch.arange(max_rows, dtype=torch.int64, device=dev)
+        self._entry_aranges: dict[int, torch.Tensor] = {}
         self._bs = max_rows  # rows / tokens filled by the last stage (everything, initially)
         self._n = max_tokens
+
+    def entry_arange(self, n: int) -> torch.Tensor:
+        """``arange(n)`` on the device, cached per length (plan capacities)."""
+        t = self._entry_aranges.get(n)
+        if t is None:
+            t = self._entry_aranges[n] = torch.arange(n, dtype=torch.int64, device=self.device)
+        return t
 
     @property
     def num_rows(self) -> int:
@@ -108,13 +118,21 @@ class StaticBatch:
                 "keep the same token_table object and oracle setting while graphs are held"
             )
         self.token_table = batch.token_table
+        if batch.context_keys is not None:
+            if self.frozen and not self.has_context:
+                raise ValueError("kv-canary: context_keys appeared after the canary's graphs were captured; "
+                                 "stage a batch with context_keys before capturing")
+            self.has_context = True
+            self._fill_rows(self.context_keys, batch.context_keys, bs)
+        elif self.has_context:
+            self.context_keys.zero_()
         if batch.token_table_lens is not None:
             self._fill_rows(self.token_lens, batch.token_table_lens, bs)
         self._bs, self._n = bs, n
 
     def clear(self) -> None:
         """Pad everything (an empty batch: no active row, no stored token). Keeps the by-reference inputs."""
-        for buf in (self.rows, self.prefix, self.extend, self.token_lens):
+        for buf in (self.rows, self.prefix, self.extend, self.token_lens, self.context_keys):
             buf.zero_()
         for buf in self.out_loc.values():
             buf.fill_(NOT_STORED)
@@ -148,7 +166,7 @@ class StaticBatch:
         self._allocate(rows, tokens)
 
     def memory_bytes(self) -> int:
-        return 8 * (4 * self.max_rows + (4 + len(self.groups)) * self.max_tokens)
+        return 8 * (5 * self.max_rows + (4 + len(self.groups)) * self.max_tokens)
 
 
 def _same_inputs(a: GroupInputs, b: GroupInputs) -> bool:

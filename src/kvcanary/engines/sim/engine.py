@@ -84,6 +84,7 @@ class SimRequest:
     swa_dropped_upto: int = 0
     path: list[RadixNode] = field(default_factory=list)
     state: str = "waiting"
+    context: int = 0  # who produces this request's KV (adapter / tenant / salt); 0 = none
 
 
 def kv_bytes(tokens: torch.Tensor, positions: torch.Tensor, layer: int, side: int, nbytes: int) -> torch.Tensor:
@@ -123,6 +124,7 @@ class SimEngine:
         self.bypass_canary = False
         self.sampler: Optional[Callable[[str, int], int]] = None  # (request id, position) -> token; None = seeded random
         self._next_rid = 0
+        self._contexts_used = False
         self.canary = None
         if canary is not None:
             self.attach(canary)
@@ -141,10 +143,13 @@ class SimEngine:
         return live
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, prompt: list[int], max_new: int, rid: Optional[str] = None) -> SimRequest:
+    def add_request(self, prompt: list[int], max_new: int, rid: Optional[str] = None, *, context: int = 0) -> SimRequest:
+        """Queue a request. ``context``: its adapter / tenant / salt key (the radix cache ignores it, as the
+        real bugs do; the batch hands it to the canary as ``context_keys``)."""
         if not prompt or len(prompt) + max_new > self.config.max_context:
             raise ValueError(f"kv-canary: sim request needs 1 <= prompt and prompt + max_new <= {self.config.max_context}")
-        req = SimRequest(rid=rid or f"r{self._next_rid}", tokens=list(prompt), max_new=max_new)
+        req = SimRequest(rid=rid or f"r{self._next_rid}", tokens=list(prompt), max_new=max_new, context=context)
+        self._contexts_used = self._contexts_used or context != 0
         self._next_rid += 1
         self.waiting.append(req)
         return req
@@ -312,6 +317,7 @@ class SimEngine:
             token_table=self.table.tokens,
             token_table_lens=torch.tensor([len(r.tokens) for r in reqs], dtype=torch.int64),
             forward_kind=kind,
+            context_keys=torch.tensor([r.context for r in reqs], dtype=torch.int64) if self._contexts_used else None,
         )
 
     def _model(self, batch: BatchDescription) -> None:

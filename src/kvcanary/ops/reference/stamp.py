@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from kvcanary.ops.constants import (
+    VIOLATION_FIELD_EXPECTED_AUX,
     REQ_POOL_IDX_PADDING,
     STAMP_UNKNOWN,
     VIOLATION_FIELD_EXPECTED_TOKEN,
@@ -19,7 +20,10 @@ from kvcanary.ops.constants import (
     WRITE_FAIL_REASONS,
     FailReason,
 )
+from kvcanary.ops.hashing import CHAIN_HEAD_HASH, to_signed64
 from kvcanary.ops.records import VerifyPlan, WritePlan
+
+H0_SIGNED = to_signed64(CHAIN_HEAD_HASH)
 
 
 def _first(mask: torch.Tensor) -> int:
@@ -53,6 +57,7 @@ class _VerifySide:
         self.slots = plan.verify_slot_indices[:n].to(torch.int64)
         self.tokens = plan.verify_expected_tokens[:n].to(torch.int64)
         self.positions = plan.verify_expected_positions[:n].to(torch.int64)
+        self.prev = plan.verify_prev_slot_indices[:n].to(torch.int64)
         rp = req_pool_indices.to(torch.int64)
         p = prefix_lens.to(torch.int64)[: rp.shape[0]]
         lo = torch.clamp(p - window, min=0) if window > 0 else torch.zeros_like(p)
@@ -60,11 +65,13 @@ class _VerifySide:
         self.ends = torch.cumsum(count, 0)
         self.cursor = -1
 
-    def stamp(self, slot: int, position: int, expected_token: int, bits: int) -> tuple[int, int]:
+    def stamp(self, slot: int, position: int, expected_token: int, bits: int, expected_chain: int) -> tuple[int, int]:
         same_slot = self.slots == slot
         token_fits = (self.tokens == expected_token) if expected_token != -1 else torch.ones_like(same_slot)
         position_fits = (self.positions != position) == bool(bits & FailReason.VERIFY_POSITION_MISMATCH)
-        i = _pick_entry(self.cursor, same_slot & token_fits & position_fits, same_slot)
+        # an entry whose predecessor is the chain head expected H0; an unreachable one (0) expected anything
+        chain_fits = (self.prev == 0) | ((self.prev < 0) == (expected_chain == H0_SIGNED))
+        i = _pick_entry(self.cursor, same_slot & token_fits & position_fits & chain_fits, same_slot)
         if i < 0:
             return STAMP_UNKNOWN, STAMP_UNKNOWN
         self.cursor = i
@@ -131,7 +138,8 @@ def stamp_violation_rows_torch_reference(
         if bits & WRITE_FAIL_REASONS:
             batch_row, expected = write.stamp(slot, position) if write else (STAMP_UNKNOWN, STAMP_UNKNOWN)
         elif verify is not None:
-            batch_row, expected = verify.stamp(slot, position, row[VIOLATION_FIELD_EXPECTED_TOKEN], bits)
+            batch_row, expected = verify.stamp(slot, position, row[VIOLATION_FIELD_EXPECTED_TOKEN], bits,
+                                               row[VIOLATION_FIELD_EXPECTED_AUX])
         else:
             batch_row, expected = STAMP_UNKNOWN, STAMP_UNKNOWN
         out.append((step_value, batch_row, expected))

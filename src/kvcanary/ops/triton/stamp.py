@@ -14,18 +14,21 @@ import triton.language as tl
 
 from kvcanary.ops.records import VerifyPlan, WritePlan
 from kvcanary.ops.triton.constants import (
-    R_BITS, R_EXPECTED_TOKEN, R_POSITION, R_SLOT, REQ_PADDING, RING_FIELDS, S_BATCH_ROW, S_EXPECTED_POSITION,
+    R_AUX, R_BITS, R_EXPECTED_TOKEN, R_POSITION, R_SLOT, REQ_PADDING, RING_FIELDS, S_BATCH_ROW, S_EXPECTED_POSITION,
     S_STEP, STAMP_FIELDS, UNKNOWN, VERIFY_POSITION, WRITE_REASONS,
 )
+from kvcanary.ops.triton.hashing import H0_SIGNED
 from kvcanary.ops.triton.launch import pdl_enabled, pdl_release, pdl_wait
 
 _NONE = tl.constexpr(2**62)
+H0 = tl.constexpr(H0_SIGNED)
 _BLOCK = 1024
 _WARPS = 4
 
 
 @triton.jit
-def _verify_entry(slot, position, exp_tok, pos_bad, cursor, v_slot_ptr, v_tok_ptr, v_pos_ptr, n, BLOCK: tl.constexpr):
+def _verify_entry(slot, position, exp_tok, pos_bad, aux_is_head, cursor, v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, n,
+                  BLOCK: tl.constexpr):
     """The verify entry of a ring row: first entry after ``cursor`` with the row's slot that
     fits it, else the first after ``cursor`` with the slot, else the same two from entry 0
     (``_NONE`` when the slot is nowhere)."""
@@ -40,7 +43,10 @@ def _verify_entry(slot, position, exp_tok, pos_bad, cursor, v_slot_ptr, v_tok_pt
         same = m & (tl.load(v_slot_ptr + i, mask=m, other=0) == slot)
         tok = tl.load(v_tok_ptr + i, mask=same, other=0)
         pos = tl.load(v_pos_ptr + i, mask=same, other=0)
-        fits = same & ((exp_tok == -1) | (tok == exp_tok)) & ((pos != position) == pos_bad)
+        prev = tl.load(v_prev_ptr + i, mask=same, other=0)
+        # an entry whose predecessor is the chain head expected H0; an unreachable one (0) expected anything
+        chain_fits = (prev == 0) | ((prev < 0) == aux_is_head)
+        fits = same & ((exp_tok == -1) | (tok == exp_tok)) & ((pos != position) == pos_bad) & chain_fits
         after = i > cursor
         fit_after = tl.minimum(fit_after, tl.min(tl.where(fits & after, i, _NONE), 0))
         slot_after = tl.minimum(slot_after, tl.min(tl.where(same & after, i, _NONE), 0))
@@ -106,7 +112,7 @@ def _write_row_of(e, off_ptr, a, BLOCK: tl.constexpr):
 @triton.jit
 def _stamp_kernel(
     ring_ptr, widx_ptr, from_ptr, stamps_ptr, step_ptr, cap,     # one tag's ring, counts, stamps
-    v_slot_ptr, v_tok_ptr, v_pos_ptr, v_num_ptr, v_enable_ptr, v_cap,
+    v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
     rp_ptr, prefix_ptr, bs, window,                              # batch rows (verify ranges)
     w_off_ptr, w_num_ptr, seed_cap, loc_ptr, wpos_ptr, n_loc,    # write plan + flattened entries
     HAS_VERIFY: tl.constexpr, HAS_WRITE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -145,8 +151,9 @@ def _stamp_kernel(
                 if HAS_VERIFY:
                     exp_tok = tl.load(row + R_EXPECTED_TOKEN)
                     pos_bad = (bits & VERIFY_POSITION) != 0
-                    e = _verify_entry(slot, position, exp_tok, pos_bad, v_cursor, v_slot_ptr, v_tok_ptr, v_pos_ptr,
-                                      n, BLOCK)
+                    aux_is_head = tl.load(row + R_AUX) == H0
+                    e = _verify_entry(slot, position, exp_tok, pos_bad, aux_is_head, v_cursor, v_slot_ptr, v_tok_ptr,
+                                      v_pos_ptr, v_prev_ptr, n, BLOCK)
                     if e < _NONE:
                         v_cursor = e
                         batch_row = _verify_row_of(e, rp_ptr, prefix_ptr, bs, window, BLOCK)
@@ -180,10 +187,10 @@ def launch_stamp(
     dummy_i64, dummy_i32 = step, violation_write_index
     if has_verify:
         v = (verify_plan.verify_slot_indices, verify_plan.verify_expected_tokens, verify_plan.verify_expected_positions,
-             verify_plan.verify_num_valid, verify_plan.enable, verify_plan.verify_slot_indices.shape[0],
+             verify_plan.verify_prev_slot_indices, verify_plan.verify_num_valid, verify_plan.enable, verify_plan.verify_slot_indices.shape[0],
              req_pool_indices, prefix_lens, req_pool_indices.shape[0], int(swa_window_size))
     else:
-        v = (dummy_i64, dummy_i64, dummy_i64, dummy_i32, dummy_i32, 0, dummy_i64, dummy_i64, 0, 0)
+        v = (dummy_i64, dummy_i64, dummy_i64, dummy_i64, dummy_i32, dummy_i32, 0, dummy_i64, dummy_i64, 0, 0)
     if has_write:
         n_loc = min(out_cache_loc.shape[0], positions.shape[0])
         w = (write_plan.write_offsets, write_plan.write_num_valid_reqs, write_plan.write_seed_slot_indices.shape[0],
