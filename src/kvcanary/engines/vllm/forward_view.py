@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from kvcanary.engines.vllm.layout import GroupLayout
+from kvcanary.errors import KvCanaryRuntimeError
 from kvcanary.runtime.batch import BatchDescription, GroupBatch
 
 
@@ -46,7 +47,7 @@ def find_model_runner(kv_tensor: Optional[torch.Tensor] = None):
         ptr = kv_tensor.data_ptr()
         found = [r for r in found if any(t.data_ptr() == ptr for t in getattr(r, "kv_caches", []) or [])] or found
     if len(found) != 1:
-        raise RuntimeError(
+        raise KvCanaryRuntimeError(
             f"kv-canary: expected one vLLM model runner in this worker, found {len(found)}; "
             "the vLLM adapter supports the V1 model runner"
         )
@@ -65,7 +66,7 @@ class RequestRows:
         row = self.row_of.get(request_id)
         if row is None:
             if not self.free:
-                raise RuntimeError(
+                raise KvCanaryRuntimeError(
                     f"kv-canary: more than max_requests={self.max_requests} live vLLM requests; raise "
                     "kvcanary max_requests (kv_connector_extra_config) to at least max_num_seqs"
                 )
@@ -161,7 +162,7 @@ class WorkerView:
         num_reqs = int(first.query_start_loc.shape[0]) - 1
         req_ids = list(self.runner.input_batch.req_ids[:num_reqs])
         if len(req_ids) != num_reqs:
-            raise RuntimeError(
+            raise KvCanaryRuntimeError(
                 f"kv-canary: the attention metadata has {num_reqs} rows, the model runner's batch "
                 f"{len(req_ids)}; unexpected vLLM batch layout"
             )
@@ -174,7 +175,7 @@ class WorkerView:
         if num_tokens == 0:
             return None
         if max(seq_l) > self.max_context:
-            raise RuntimeError(
+            raise KvCanaryRuntimeError(
                 f"kv-canary: a request reaches {max(seq_l)} tokens, beyond max_context={self.max_context}"
             )
         rows = [self.rows.get(rid) for rid in req_ids]
@@ -225,8 +226,12 @@ class WorkerView:
         max_s = int(seq.max())
         pos = torch.arange(max_s, dtype=torch.int64)
         bt = meta.block_table[:num_reqs, : (max_s + g.block_size - 1) // g.block_size].to(torch.int64).cpu()
-        slots = bt[:, pos // g.block_size] * g.block_size + pos % g.block_size
-        slots = torch.where(pos[None, :] < seq[:, None], slots, torch.zeros_like(slots))
+        blocks = bt[:, pos // g.block_size]
+        slots = blocks * g.block_size + pos % g.block_size
+        keep = pos[None, :] < seq[:, None]
+        if g.sliding_window:
+            keep &= blocks > 0  # blocks vLLM dropped behind the window: null block -> padding, never verified
+        slots = torch.where(keep, slots, torch.zeros_like(slots))
         table[rows_t, :max_s] = slots.to(device=self.device, dtype=torch.int32)
         self.read_slots[g.name] = slots[slots > 0].to(self.device)  # what TAIL re-hashes (with the writes)
         return table

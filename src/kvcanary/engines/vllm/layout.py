@@ -29,6 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
+
 logger = logging.getLogger("kvcanary")
 
 FULL = "full"
@@ -94,20 +96,20 @@ def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], ker
         elif kind == "FullAttentionSpec":
             name, window = FULL, 0
         else:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: vLLM KV cache group {index} is {kind}; the canary checks full-attention and "
                 "sliding-window groups only"
             )
         names = tuple(n for n in group.layer_names if n in kv_caches)
         if not names:
-            raise ValueError(f"kv-canary: vLLM KV cache group {index} has no registered KV tensors")
+            raise KvCanaryValueError(f"kv-canary: vLLM KV cache group {index} has no registered KV tensors")
         manager_bs = int(spec.block_size)
         tensor = kv_caches[names[0]]
         kernel_bs = int(kernel_block_sizes[index]) if kernel_block_sizes else int(tensor.shape[2])
         if manager_bs % kernel_bs:
-            raise ValueError(f"kv-canary: block size {manager_bs} is not a multiple of the kernel block size {kernel_bs}")
+            raise KvCanaryValueError(f"kv-canary: block size {manager_bs} is not a multiple of the kernel block size {kernel_bs}")
         if tensor.dim() != 4 or int(tensor.shape[2]) != kernel_bs:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: unexpected vLLM KV cache tensor {tuple(tensor.shape)} for layer {names[0]}; the canary "
                 f"expects the CPU layout [num_blocks, num_kv_heads, {kernel_bs}, 2 * head_size]"
             )
@@ -119,7 +121,7 @@ def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], ker
         ))
     names = [g.name for g in layouts]
     if len(set(names)) != len(names):
-        raise ValueError(f"kv-canary: more than one vLLM KV cache group of one kind ({names}); not supported")
+        raise KvCanaryValueError(f"kv-canary: more than one vLLM KV cache group of one kind ({names}); not supported")
     return layouts
 
 
@@ -231,10 +233,10 @@ class StripMirror:
 
     def __init__(self, kv: torch.Tensor, layout_name: str, side: int, block_size: int, nbytes: int = 16) -> None:
         if not kv.is_contiguous():
-            raise ValueError("kv-canary: StripMirror needs a contiguous KV cache tensor")
+            raise KvCanaryValueError("kv-canary: StripMirror needs a contiguous KV cache tensor")
         es = kv.element_size()
         if nbytes % es:
-            raise ValueError(f"kv-canary: StripMirror nbytes={nbytes} is not a multiple of the element size {es}")
+            raise KvCanaryValueError(f"kv-canary: StripMirror nbytes={nbytes} is not a multiple of the element size {es}")
         self.kv = kv
         self.block_size = block_size
         self.block_stride = int(kv.stride(0))

@@ -21,12 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from kvcanary.errors import KvCanaryValueError
+
 MODELS = {
     # head_dim 64: the CPU attention backend refuses 16
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
               "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
               "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
               "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+    # every layer sliding-window (48 tokens): one SlidingWindowSpec KV cache group -> the canary's swa group
+    "mistral_swa": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 256,
+                    "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                    "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                    "torch_dtype": "bfloat16", "sliding_window": 48, "bos_token_id": 1, "eos_token_id": 2,
+                    "tie_word_embeddings": False},
 }
 BLOCK_SIZE = 32
 
@@ -34,7 +42,7 @@ BLOCK_SIZE = 32
 def write_tiny_model(directory: str, kind: str = "llama") -> str:
     """Write ``config.json`` of the tiny ``kind`` model into ``directory``; returns the directory."""
     if kind not in MODELS:
-        raise ValueError(f"kv-canary: unknown tiny vLLM model {kind!r}; have {sorted(MODELS)}")
+        raise KvCanaryValueError(f"kv-canary: unknown tiny vLLM model {kind!r}; have {sorted(MODELS)}")
     Path(directory).mkdir(parents=True, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(MODELS[kind], fh)
@@ -143,7 +151,8 @@ FAULT_PLAN = (
 
 
 def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
-               faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1) -> dict[str, Any]:
+               faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1,
+               model_kind: str = "llama") -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
     verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger."""
@@ -154,8 +163,8 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     from kvcanary.engines.vllm import kv_transfer_config
 
     if mode not in ("ref", "clean", "faults"):
-        raise ValueError(f"kv-canary: run_engine mode must be ref, clean or faults, got {mode!r}")
-    model = write_tiny_model(os.path.join(workdir, "tiny-llama"))
+        raise KvCanaryValueError(f"kv-canary: run_engine mode must be ref, clean or faults, got {mode!r}")
+    model = write_tiny_model(os.path.join(workdir, f"tiny-{model_kind}"), model_kind)
     vpath, lpath = os.path.join(workdir, f"{mode}.violations.{{rank}}.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
     vpaths = [vpath.replace("{rank}", str(r)) for r in range(tensor_parallel)]
     for p in vpaths + [lpath]:
@@ -184,7 +193,7 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     out = generate(llm, workload(seed))
     t2 = time.perf_counter()
     violations = [dict(v, rank=r) for r, p in enumerate(vpaths) for v in read_jsonl(p)]
-    out.update(mode=mode, processes=processes, tensor_parallel=tensor_parallel, pid=os.getpid(),
+    out.update(mode=mode, model=model_kind, processes=processes, tensor_parallel=tensor_parallel, pid=os.getpid(),
                metrics=vllm_metrics(llm), violations=violations, ledger=read_jsonl(lpath),
                start_seconds=round(t1 - t0, 2), generate_seconds=round(t2 - t1, 3))
     return out
@@ -203,11 +212,12 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", action="store_true", help="vLLM's engine-core and worker processes")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel ranks (worker processes)")
     parser.add_argument("--fault-rank", type=int, default=None, help="faults: inject on this rank only")
+    parser.add_argument("--model", default="llama", choices=sorted(MODELS), help="tiny model")
     args = parser.parse_args(argv)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
     faults = tuple(dict(f, rank=args.fault_rank) for f in FAULT_PLAN) if args.fault_rank is not None else FAULT_PLAN
     result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes,
-                        tensor_parallel=args.tensor_parallel, faults=faults)
+                        tensor_parallel=args.tensor_parallel, faults=faults, model_kind=args.model)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0
