@@ -88,6 +88,10 @@ def main() -> int:
     lines.append(f"{'ratio with / without':<28}{min(per_fwd['clean']) / min(per_fwd['ref']):>10.2f}"
                  f"{statistics.median(per_fwd['clean']) / statistics.median(per_fwd['ref']):>10.2f}")
     lines.append("")
+    for mode, label in (("ref", "without"), ("clean", "with")):
+        lines.append(f"per run, {label + ' canary:':<16}" + " ".join(f"{x:.2f}" for x in per_fwd[mode]))
+    lines.append(f"per run, canary in worker:  " + " ".join(f"{x:.2f}" for x in canary_ms))
+    lines.append("")
     lines.append(f"outputs identical in all {2 * args.repeats} runs; violations in clean runs: "
                  f"{sum(r['metrics']['kv_canary_violations'] for r in runs['clean'])}; bench took {time.time() - t0:.0f} s")
     report = "\n".join(lines)
