@@ -46,3 +46,27 @@ def test_is_kvcanary_message():
     assert is_kvcanary_message(KvCanaryValueError("kv-canary: a"))
     assert is_kvcanary_message(ValueError("kv-canary: legacy"))
     assert not is_kvcanary_message(ValueError("other"))
+
+
+def test_runtime_errors_are_kvcanary_errors():
+    from kvcanary.runtime import Canary
+
+    with pytest.raises(KvCanaryValueError, match=r"^kv-canary: Canary needs at least one GroupSpec"):
+        Canary(CanaryConfig(), groups=[], max_requests=4, max_context=8)
+
+
+def test_no_kvcanary_message_is_raised_with_a_bare_builtin_type():
+    """Every ``raise <builtin>("kv-canary: ...")`` in the converted layers uses a KvCanary* type instead."""
+    import pathlib
+    import re
+
+    import kvcanary
+
+    root = pathlib.Path(kvcanary.__file__).parent
+    pattern = re.compile(r'raise (ValueError|TypeError|RuntimeError|IndexError)\(\s*f?["\']kv-canary:')
+    files = [p for layer in ("ops", "runtime", "engines/transformers_cb") for p in sorted((root / layer).rglob("*.py"))]
+    files += [root / "cli" / "demo.py", root / "cli" / "main.py"]
+    bare = [f"{p.relative_to(root)}:{text[: m.start()].count(chr(10)) + 1}"
+            for p in files
+            for text in [p.read_text()] for m in pattern.finditer(text)]
+    assert bare == []

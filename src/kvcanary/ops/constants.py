@@ -6,6 +6,7 @@ The facts about a launch tag (which phase, which buffer side, which group) live 
 from __future__ import annotations
 
 import enum
+from kvcanary.errors import KvCanaryValueError
 
 CANARY_CHAIN_ANCHOR = 0xC0FFEE1234567890
 REQ_POOL_IDX_PADDING = 0
@@ -123,7 +124,7 @@ class CanaryLaunchTag(enum.IntEnum):
         """The tag for a phase (head/tail/sweep/move), side (k/v) and group (full/swa)."""
         phases = ("head", "tail", "sweep")
         if phase not in phases + ("move",) or side not in ("k", "v") or group not in ("full", "swa"):
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: no launch tag for phase={phase!r} side={side!r} group={group!r}"
             )
         if phase == "move":

@@ -47,6 +47,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.checks import INDEX_DTYPES, check_tensor
 from kvcanary.ops.copy_format import canary_records_shape, check_canary_records
 from kvcanary.ops.dispatch import triton_backend
@@ -83,7 +84,7 @@ def launch_canary_copy_slots_kernel(
     src = check_tensor(_COPY, "src_slots", src_slots, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
     dst = check_tensor(_COPY, "dst_slots", dst_slots, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
     if src.shape[0] != dst.shape[0]:
-        raise ValueError(f"kv-canary: {_COPY} src_slots has {src.shape[0]} entries, dst_slots has {dst.shape[0]}")
+        raise KvCanaryValueError(f"kv-canary: {_COPY} src_slots has {src.shape[0]} entries, dst_slots has {dst.shape[0]}")
     _check_entries(_COPY, dst.shape[0])
     if num_valid is not None:
         check_tensor(_COPY, "num_valid", num_valid, dtypes=(torch.int32,), numel=1, device=dev)
@@ -118,7 +119,7 @@ def export_canary_records(
         check_tensor(_EXPORT, "out", out, dtypes=(torch.int64,), ndim=2, device=dev, contiguous=True)
         want = canary_records_shape(int(s.shape[0]), len(canary_bufs))
         if tuple(out.shape) != want:
-            raise ValueError(f"kv-canary: {_EXPORT} out must have shape {want}, got {tuple(out.shape)}")
+            raise KvCanaryValueError(f"kv-canary: {_EXPORT} out must have shape {want}, got {tuple(out.shape)}")
     if not _capturing(dev):
         _check_range(_EXPORT, "slots", s, num_slots)
     impl = export_canary_records_torch_reference
@@ -148,7 +149,7 @@ def import_canary_records(
     s = check_tensor(_IMPORT, "slots", slots, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
     _check_entries(_IMPORT, s.shape[0])
     if isinstance(records, torch.Tensor) and records.device not in (dev, torch.device("cpu")):
-        raise ValueError(f"kv-canary: {_IMPORT} records is on {records.device}, expected cpu or {dev}")
+        raise KvCanaryValueError(f"kv-canary: {_IMPORT} records is on {records.device}, expected cpu or {dev}")
     check_canary_records(_IMPORT, records, num_records=int(s.shape[0]), num_buffers=len(canary_bufs))
     _check_counters(_IMPORT, dev, slot_run_counter, kernel_run_counter)
     _check_range(_IMPORT, "slots", s, num_slots)
@@ -166,16 +167,16 @@ def import_canary_records(
 def _check_tables(op: str, tables: object) -> tuple[torch.device, int]:
     """Check the record tables; returns (device, num_slots)."""
     if not isinstance(tables, (tuple, list)) or not tables:
-        raise TypeError(f"kv-canary: {op} canary_bufs must be a non-empty tuple of tensors, got {type(tables).__name__}")
+        raise KvCanaryTypeError(f"kv-canary: {op} canary_bufs must be a non-empty tuple of tensors, got {type(tables).__name__}")
     dev = num_slots = None
     spans = []
     for i, t in enumerate(tables):
         name = f"canary_bufs[{i}]"
         check_tensor(op, name, t, dtypes=(torch.uint8, torch.int64), ndim=2, device=dev)
         if t.shape[1] > 1 and t.stride(1) != 1:
-            raise ValueError(f"kv-canary: {op} {name} rows must be contiguous, got strides {tuple(t.stride())}")
+            raise KvCanaryValueError(f"kv-canary: {op} {name} rows must be contiguous, got strides {tuple(t.stride())}")
         if (t.stride(0) * t.element_size()) % 8 or t.data_ptr() % 8:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: {op} {name} rows must start on 8-byte boundaries, got row stride "
                 f"{t.stride(0) * t.element_size()} bytes"
             )
@@ -183,12 +184,12 @@ def _check_tables(op: str, tables: object) -> tuple[torch.device, int]:
         if dev is None:
             dev, num_slots = t.device, int(t.shape[0])
         elif t.shape[0] != num_slots:
-            raise ValueError(f"kv-canary: {op} {name} has {t.shape[0]} slots, canary_bufs[0] has {num_slots}")
+            raise KvCanaryValueError(f"kv-canary: {op} {name} has {t.shape[0]} slots, canary_bufs[0] has {num_slots}")
         spans.append(_byte_span(t))
     for b in range(len(spans)):
         for a in range(b):
             if _overlap(spans[a], spans[b]):
-                raise ValueError(f"kv-canary: {op} canary_bufs[{a}] and canary_bufs[{b}] overlap in memory")
+                raise KvCanaryValueError(f"kv-canary: {op} canary_bufs[{a}] and canary_bufs[{b}] overlap in memory")
     return dev, num_slots
 
 
@@ -215,7 +216,7 @@ def _overlap(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool
 
 def _check_entries(op: str, n: int) -> None:
     if n > _MAX_ENTRIES:
-        raise ValueError(f"kv-canary: {op} supports at most {_MAX_ENTRIES} entries per launch, got {n}")
+        raise KvCanaryValueError(f"kv-canary: {op} supports at most {_MAX_ENTRIES} entries per launch, got {n}")
 
 
 def _check_counters(op: str, dev: torch.device, slot_run_counter, kernel_run_counter) -> None:
@@ -229,7 +230,7 @@ def _check_range(op: str, name: str, slots: torch.Tensor, num_slots: int) -> Non
     bad = slots >= num_slots
     if slots.numel() and bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {op} {name}[{i}]={int(slots[i])} is out of range for tables of {num_slots} slots"
         )
 

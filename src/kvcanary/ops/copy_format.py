@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.constants import CANARY_FIELDS_PER_SLOT
 
 CANARY_RECORDS_MAGIC = int.from_bytes(b"KVCANARY", "little")
@@ -52,31 +53,31 @@ def check_canary_records(op: str, records: object, *, num_records: int, num_buff
     tensor, ValueError otherwise; every message starts with ``kv-canary:``.
     """
     if not isinstance(records, torch.Tensor):
-        raise TypeError(f"kv-canary: {op} records must be a torch.Tensor, got {type(records).__name__}")
+        raise KvCanaryTypeError(f"kv-canary: {op} records must be a torch.Tensor, got {type(records).__name__}")
     if records.dtype != torch.int64:
-        raise TypeError(f"kv-canary: {op} records must be torch.int64, got {records.dtype}")
+        raise KvCanaryTypeError(f"kv-canary: {op} records must be torch.int64, got {records.dtype}")
     if records.dim() != 2 or records.shape[0] < 1 or records.shape[1] < _HEADER_WORDS:
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {op} records must be int64 [1 + n, 4 * num_buffers] with a header row, "
             f"got shape {tuple(records.shape)}"
         )
     magic, version, n, b = (int(v) for v in records[0, :_HEADER_WORDS].tolist())
     if magic != CANARY_RECORDS_MAGIC:
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {op} records header magic is 0x{magic & (2**64 - 1):016X}, expected "
             f"0x{CANARY_RECORDS_MAGIC:016X} (not a kvcanary record export, or another byte order)"
         )
     if version != CANARY_RECORDS_VERSION:
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {op} records layout version {version} is not supported "
             f"(this kvcanary reads version {CANARY_RECORDS_VERSION})"
         )
     if b != num_buffers:
-        raise ValueError(f"kv-canary: {op} records hold {b} table(s) per slot, canary_bufs has {num_buffers}")
+        raise KvCanaryValueError(f"kv-canary: {op} records hold {b} table(s) per slot, canary_bufs has {num_buffers}")
     if n != num_records:
-        raise ValueError(f"kv-canary: {op} records hold {n} slot(s), slots has {num_records}")
+        raise KvCanaryValueError(f"kv-canary: {op} records hold {n} slot(s), slots has {num_records}")
     if tuple(records.shape) != canary_records_shape(n, b):
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {op} records shape {tuple(records.shape)} does not match its header "
             f"(n={n}, tables={b} -> {canary_records_shape(n, b)})"
         )
@@ -85,7 +86,7 @@ def check_canary_records(op: str, records: object, *, num_records: int, num_buff
 def canary_records_to_bytes(records: torch.Tensor) -> bytes:
     """The export as little-endian bytes (copies to the host)."""
     if not isinstance(records, torch.Tensor) or records.dtype != torch.int64 or records.dim() != 2:
-        raise TypeError("kv-canary: canary_records_to_bytes needs the int64 [1 + n, 4 * B] tensor from export_canary_records")
+        raise KvCanaryTypeError("kv-canary: canary_records_to_bytes needs the int64 [1 + n, 4 * B] tensor from export_canary_records")
     return records.detach().cpu().contiguous().numpy().astype(_LE_INT64, copy=False).tobytes()
 
 
@@ -97,7 +98,7 @@ def canary_records_from_bytes(data: bytes) -> torch.Tensor:
     """
     op = "canary_records_from_bytes"
     if len(data) < 8 * _HEADER_WORDS or len(data) % 8:
-        raise ValueError(f"kv-canary: {op} needs a whole number of int64 words with a header, got {len(data)} bytes")
+        raise KvCanaryValueError(f"kv-canary: {op} needs a whole number of int64 words with a header, got {len(data)} bytes")
     words = np.frombuffer(data, dtype=_LE_INT64)
     magic, version, n, b = (int(v) for v in words[:_HEADER_WORDS])
     if magic != CANARY_RECORDS_MAGIC or version != CANARY_RECORDS_VERSION:
@@ -105,10 +106,10 @@ def canary_records_from_bytes(data: bytes) -> torch.Tensor:
         header = torch.tensor([[magic, version, n, b]], dtype=torch.int64)
         check_canary_records(op, header, num_records=n, num_buffers=b)
     if n < 0 or b < 1:
-        raise ValueError(f"kv-canary: {op} header has n={n}, tables={b}; need n >= 0 and tables >= 1")
+        raise KvCanaryValueError(f"kv-canary: {op} header has n={n}, tables={b}; need n >= 0 and tables >= 1")
     shape = canary_records_shape(n, b)
     if words.size != shape[0] * shape[1]:
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {op} got {len(data)} bytes, the header (n={n}, tables={b}) needs {8 * shape[0] * shape[1]}"
         )
     return torch.from_numpy(words.astype(np.int64).reshape(shape))

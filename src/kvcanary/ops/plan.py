@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.checks import INDEX_DTYPES, check_tensor
 from kvcanary.ops.dispatch import triton_backend
 from kvcanary.ops.records import VerifyPlan, WritePlan
@@ -19,15 +20,15 @@ def _check_plan_args(
     req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset,
 ) -> None:
     if not isinstance(verify_plan_out, VerifyPlan):
-        raise TypeError(f"kv-canary: {_OP} verify_plan_out must be a VerifyPlan, got {type(verify_plan_out).__name__}")
+        raise KvCanaryTypeError(f"kv-canary: {_OP} verify_plan_out must be a VerifyPlan, got {type(verify_plan_out).__name__}")
     if not isinstance(write_plan_out, WritePlan):
-        raise TypeError(f"kv-canary: {_OP} write_plan_out must be a WritePlan, got {type(write_plan_out).__name__}")
+        raise KvCanaryTypeError(f"kv-canary: {_OP} write_plan_out must be a WritePlan, got {type(write_plan_out).__name__}")
     for name, value in (
         ("swa_window_size", swa_window_size), ("verify_capacity", verify_capacity),
         ("kv_token_id_vs_position_offset", kv_token_id_vs_position_offset),
     ):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"kv-canary: {_OP} {name} must be an int, got {type(value).__name__}")
+            raise KvCanaryTypeError(f"kv-canary: {_OP} {name} must be an int, got {type(value).__name__}")
     dev = check_tensor(_OP, "req_to_token", req_to_token, dtypes=(torch.int32,), ndim=2).device
     bs = None
     for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens), ("extend_lens", extend_lens)):
@@ -35,7 +36,7 @@ def _check_plan_args(
         if bs is None:
             bs = t.shape[0]
         elif t.shape[0] != bs:
-            raise ValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} rows, req_pool_indices has {bs}")
+            raise KvCanaryValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} rows, req_pool_indices has {bs}")
     for name in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices"):
         check_tensor(_OP, f"verify_plan_out.{name}", getattr(verify_plan_out, name), dtypes=(torch.int64,), ndim=1, device=dev, contiguous=True)
     check_tensor(_OP, "verify_plan_out.verify_num_valid", verify_plan_out.verify_num_valid, dtypes=(torch.int32,), numel=1, device=dev)
@@ -53,21 +54,21 @@ def _check_plan_args(
             dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True,
         )
         if t.shape[0] < bs:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: {_OP} req_to_verify_expected_tokens_valid_lens has {t.shape[0]} rows, batch has {bs}"
             )
     cap = verify_plan_out.verify_slot_indices.shape[0]
     if verify_capacity != cap:
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {_OP} verify_capacity={verify_capacity} does not match "
             f"verify_plan_out.verify_slot_indices.shape[0]={cap}"
         )
     if req_to_verify_expected_tokens is not None and req_to_verify_expected_tokens_valid_lens is None:
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {_OP} requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
         )
     if swa_window_size > 0 and full_to_swa_index_mapping is None:
-        raise ValueError(f"kv-canary: {_OP} requires full_to_swa_index_mapping when swa_window_size > 0")
+        raise KvCanaryValueError(f"kv-canary: {_OP} requires full_to_swa_index_mapping when swa_window_size > 0")
 
 
 def launch_canary_plan_kernels(

@@ -7,6 +7,7 @@ from typing import Union
 
 import torch
 
+from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.constants import CanaryLaunchTag, RealKvHashMode
 
 
@@ -28,28 +29,28 @@ class RealKvSource:
     def __post_init__(self) -> None:
         p, n, rb, t = self.page_size, self.num_bytes_per_token, self.read_bytes, self.tensor
         if not isinstance(p, int) or p < 1:
-            raise ValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {p}")
+            raise KvCanaryValueError(f"kv-canary: RealKvSource.page_size must be >= 1, got {p}")
         if not isinstance(n, int) or n <= 0 or n % 16:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, got {n}"
             )
         if not isinstance(rb, int) or rb <= 0 or rb % 16 or rb > n:
-            raise ValueError(
+            raise KvCanaryValueError(
                 "kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in "
                 f"(0, num_bytes_per_token={n}], got {rb}"
             )
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"kv-canary: RealKvSource.tensor must be a torch.Tensor, got {type(t).__name__}")
+            raise KvCanaryTypeError(f"kv-canary: RealKvSource.tensor must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() < 2:
-            raise ValueError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape {tuple(t.shape)}")
+            raise KvCanaryValueError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape {tuple(t.shape)}")
         row_stride_bytes = t.stride(0) * t.element_size()
         if row_stride_bytes % 16:
-            raise ValueError(
+            raise KvCanaryValueError(
                 "kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, got "
                 f"{row_stride_bytes} bytes (shape={tuple(t.shape)}, strides={tuple(t.stride())}, dtype={t.dtype})"
             )
         if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(
+            raise KvCanaryValueError(
                 "kv-canary: RealKvSource.tensor last dimension must be contiguous, got "
                 f"shape={tuple(t.shape)}, strides={tuple(t.stride())}"
             )
@@ -91,11 +92,11 @@ class VerifyOrWriteContext:
         if not isinstance(self.real_kv_sources, tuple) or not all(
             isinstance(s, RealKvSource) for s in self.real_kv_sources
         ):
-            raise TypeError("kv-canary: VerifyOrWriteContext.real_kv_sources must be a tuple of RealKvSource")
+            raise KvCanaryTypeError("kv-canary: VerifyOrWriteContext.real_kv_sources must be a tuple of RealKvSource")
         try:
             RealKvHashMode(int(self.real_kv_hash_mode))
         except (TypeError, ValueError):
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: VerifyOrWriteContext.real_kv_hash_mode must be 0, 1 or 2, got {self.real_kv_hash_mode!r}"
             ) from None
 
@@ -121,7 +122,7 @@ class VerifyPlan:
     def allocate(cls, verify_capacity: int, device: Union[str, torch.device, None] = None) -> "VerifyPlan":
         """Uninitialised arrays of ``verify_capacity`` entries, ``verify_num_valid = 0``, ``enable = 1``."""
         if verify_capacity <= 0:
-            raise ValueError(f"kv-canary: VerifyPlan verify_capacity must be positive, got {verify_capacity}")
+            raise KvCanaryValueError(f"kv-canary: VerifyPlan verify_capacity must be positive, got {verify_capacity}")
 
         def arr() -> torch.Tensor:
             return torch.empty(verify_capacity, dtype=torch.int64, device=device)
@@ -153,7 +154,7 @@ class WritePlan:
     def allocate(cls, write_req_capacity: int, device: Union[str, torch.device, None] = None) -> "WritePlan":
         """Zeroed offsets, seeds of -1, ``write_num_valid_reqs = 0``."""
         if write_req_capacity <= 0:
-            raise ValueError(f"kv-canary: WritePlan write_req_capacity must be positive, got {write_req_capacity}")
+            raise KvCanaryValueError(f"kv-canary: WritePlan write_req_capacity must be positive, got {write_req_capacity}")
         return cls(
             write_offsets=torch.zeros(write_req_capacity + 1, dtype=torch.int64, device=device),
             write_seed_slot_indices=torch.full((write_req_capacity,), -1, dtype=torch.int64, device=device),

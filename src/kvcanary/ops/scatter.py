@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.dispatch import triton_backend
 from kvcanary.ops.reference.scatter import scatter_req_token_ids_torch_reference
 
@@ -20,19 +21,19 @@ def launch_scatter_req_token_ids_kernel(
     args = (("flat_in", flat_in, 1), ("offsets", offsets, 1), ("req_pool_indices", req_pool_indices, 1), ("pool_out", pool_out, 2))
     for name, t, ndim in args:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"kv-canary: {_OP} {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise KvCanaryTypeError(f"kv-canary: {_OP} {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != ndim:
-            raise ValueError(f"kv-canary: {_OP} {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+            raise KvCanaryValueError(f"kv-canary: {_OP} {name} must be {ndim}-D, got shape {tuple(t.shape)}")
     for name, t, _ in args:
         want = torch.int32 if name == "pool_out" else torch.int64
         if t.dtype != want:
-            raise TypeError(f"kv-canary: {_OP} {name} must be {str(want).removeprefix('torch.')}, got {t.dtype}")
+            raise KvCanaryTypeError(f"kv-canary: {_OP} {name} must be {str(want).removeprefix('torch.')}, got {t.dtype}")
     bs = req_pool_indices.shape[0]
     if offsets.shape[0] != bs + 1:
-        raise ValueError(f"kv-canary: {_OP} offsets length {offsets.shape[0]} != bs+1 ({bs + 1})")
+        raise KvCanaryValueError(f"kv-canary: {_OP} offsets length {offsets.shape[0]} != bs+1 ({bs + 1})")
     for name, t, _ in args:
         if t.device != pool_out.device:
-            raise ValueError(f"kv-canary: {_OP} {name} is on {t.device}, expected {pool_out.device}")
+            raise KvCanaryValueError(f"kv-canary: {_OP} {name} is on {t.device}, expected {pool_out.device}")
     backend = triton_backend(pool_out.device)
     impl = backend.launch_scatter if backend else scatter_req_token_ids_torch_reference
     impl(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices, pool_out=pool_out)

@@ -49,6 +49,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.checks import INDEX_DTYPES, check_tensor, check_verify_plan, check_write_plan
 from kvcanary.ops.constants import STAMP_FIELDS, VIOLATION_FIELDS
 from kvcanary.ops.dispatch import triton_backend
@@ -65,26 +66,26 @@ def _check_stamp_args(
     ring = check_tensor(_OP, "violation_ring", violation_ring, dtypes=(torch.int64,), ndim=2, contiguous=True)
     dev = ring.device
     if ring.shape[1] != VIOLATION_FIELDS:
-        raise ValueError(f"kv-canary: {_OP} violation_ring must be int64 [cap, 8], got shape {tuple(ring.shape)}")
+        raise KvCanaryValueError(f"kv-canary: {_OP} violation_ring must be int64 [cap, 8], got shape {tuple(ring.shape)}")
     check_tensor(_OP, "violation_write_index", violation_write_index, dtypes=(torch.int32,), numel=1, device=dev)
     check_tensor(_OP, "rows_from", rows_from, dtypes=(torch.int32,), numel=1, device=dev)
     check_tensor(_OP, "step", step, dtypes=(torch.int64,), numel=1, device=dev)
     out = check_tensor(_OP, "stamps", stamps, dtypes=(torch.int64,), ndim=2, device=dev, contiguous=True)
     if tuple(out.shape) != (ring.shape[0], STAMP_FIELDS):
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {_OP} stamps must be int64 [cap, {STAMP_FIELDS}] with the ring's cap={ring.shape[0]}, "
             f"got shape {tuple(out.shape)}"
         )
     if isinstance(swa_window_size, bool) or not isinstance(swa_window_size, int):
-        raise TypeError(f"kv-canary: {_OP} swa_window_size must be an int, got {type(swa_window_size).__name__}")
+        raise KvCanaryTypeError(f"kv-canary: {_OP} swa_window_size must be an int, got {type(swa_window_size).__name__}")
     if verify_plan is not None:
         check_verify_plan(_OP, verify_plan, dev)
         if req_pool_indices is None or prefix_lens is None:
-            raise ValueError(f"kv-canary: {_OP} needs req_pool_indices and prefix_lens with verify_plan")
+            raise KvCanaryValueError(f"kv-canary: {_OP} needs req_pool_indices and prefix_lens with verify_plan")
     if write_plan is not None:
         check_write_plan(_OP, write_plan, dev)
         if out_cache_loc is None or positions is None:
-            raise ValueError(f"kv-canary: {_OP} needs out_cache_loc and positions with write_plan")
+            raise KvCanaryValueError(f"kv-canary: {_OP} needs out_cache_loc and positions with write_plan")
     lengths = {}
     for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
                     ("out_cache_loc", out_cache_loc), ("positions", positions)):
@@ -92,7 +93,7 @@ def _check_stamp_args(
             lengths[name] = check_tensor(_OP, name, t, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True).shape[0]
     for a, b in (("req_pool_indices", "prefix_lens"), ("out_cache_loc", "positions")):
         if a in lengths and b in lengths and lengths[a] != lengths[b]:
-            raise ValueError(f"kv-canary: {_OP} {b} has {lengths[b]} entries, {a} has {lengths[a]}")
+            raise KvCanaryValueError(f"kv-canary: {_OP} {b} has {lengths[b]} entries, {a} has {lengths[a]}")
 
 
 def launch_stamp_violation_rows(

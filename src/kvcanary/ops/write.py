@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.checks import INDEX_DTYPES, check_context, check_tensor, check_write_plan
 from kvcanary.ops.dispatch import triton_backend
 from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
@@ -37,12 +38,12 @@ def launch_canary_write_kernel(
         if n is None:
             n = t.shape[0]
         elif t.shape[0] != n:
-            raise ValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} entries, input_ids has {n}")
+            raise KvCanaryValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} entries, input_ids has {n}")
     for name, t in (("expected_input_tokens", expected_input_tokens), ("expected_input_positions", expected_input_positions)):
         if t is not None:
             check_tensor(_OP, name, t, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
             if t.shape[0] < n:
-                raise ValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} entries, fewer than input_ids ({n})")
+                raise KvCanaryValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} entries, fewer than input_ids ({n})")
     backend = triton_backend(dev)
     impl = backend.launch_write if backend else launch_canary_write_kernel_torch_reference
     impl(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 import torch
+from kvcanary.errors import KvCanaryValueError
 
 FORWARD_KINDS = ("prefill", "decode", "mixed", "idle")
 
@@ -30,11 +31,11 @@ class GroupSpec:
 
     def __post_init__(self) -> None:
         if self.name not in ("full", "swa"):
-            raise ValueError(f"kv-canary: GroupSpec.name must be 'full' or 'swa', got {self.name!r}")
+            raise KvCanaryValueError(f"kv-canary: GroupSpec.name must be 'full' or 'swa', got {self.name!r}")
         if self.num_slots < 2:
-            raise ValueError(f"kv-canary: GroupSpec.num_slots must be >= 2 (slot 0 is padding), got {self.num_slots}")
+            raise KvCanaryValueError(f"kv-canary: GroupSpec.num_slots must be >= 2 (slot 0 is padding), got {self.num_slots}")
         if self.sliding_window < 0 or (self.name == "swa") != (self.sliding_window > 0):
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: GroupSpec {self.name!r} needs sliding_window > 0 exactly when name == 'swa', "
                 f"got {self.sliding_window}"
             )
@@ -92,33 +93,33 @@ class BatchDescription:
 
     def __post_init__(self) -> None:
         if self.forward_kind not in FORWARD_KINDS:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: BatchDescription.forward_kind must be one of {', '.join(FORWARD_KINDS)}, "
                 f"got {self.forward_kind!r}"
             )
         bs = int(self.req_pool_indices.shape[0])
         for name in ("prefix_lens", "extend_lens"):
             if int(getattr(self, name).shape[0]) != bs:
-                raise ValueError(
+                raise KvCanaryValueError(
                     f"kv-canary: BatchDescription.{name} has {getattr(self, name).shape[0]} rows, "
                     f"req_pool_indices has {bs}"
                 )
         if self.input_ids.shape != self.positions.shape:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: BatchDescription input_ids {tuple(self.input_ids.shape)} and positions "
                 f"{tuple(self.positions.shape)} differ in shape"
             )
         if self.request_ids is not None and len(self.request_ids) != bs:
-            raise ValueError(f"kv-canary: BatchDescription.request_ids has {len(self.request_ids)} ids for {bs} rows")
+            raise KvCanaryValueError(f"kv-canary: BatchDescription.request_ids has {len(self.request_ids)} ids for {bs} rows")
         if self.expected_input_ids is not None and self.expected_input_ids.shape != self.input_ids.shape:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: BatchDescription expected_input_ids {tuple(self.expected_input_ids.shape)} and "
                 f"input_ids {tuple(self.input_ids.shape)} differ in shape"
             )
         if self.context_keys is not None and int(self.context_keys.shape[0]) != bs:
-            raise ValueError(f"kv-canary: BatchDescription.context_keys has {self.context_keys.shape[0]} rows for {bs}")
+            raise KvCanaryValueError(f"kv-canary: BatchDescription.context_keys has {self.context_keys.shape[0]} rows for {bs}")
         if (self.token_table is None) != (self.token_table_lens is None):
-            raise ValueError("kv-canary: BatchDescription token_table and token_table_lens go together")
+            raise KvCanaryValueError("kv-canary: BatchDescription token_table and token_table_lens go together")
 
     @property
     def batch_size(self) -> int:

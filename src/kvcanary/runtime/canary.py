@@ -62,6 +62,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
 from kvcanary.ops import CANARY_FIELD_REAL_KV_HASH
 from kvcanary.ops.reference.real_kv import fingerprint_slots
 from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violation, device_rows
@@ -125,16 +126,16 @@ class Canary:
         device: Union[str, torch.device] = "cpu",
     ) -> None:
         if not config.enabled:
-            raise ValueError("kv-canary: Canary needs mode 'log' or 'raise'; mode 'none' attaches nothing (use create_canary)")
+            raise KvCanaryValueError("kv-canary: Canary needs mode 'log' or 'raise'; mode 'none' attaches nothing (use create_canary)")
         if not groups:
-            raise ValueError("kv-canary: Canary needs at least one GroupSpec")
+            raise KvCanaryValueError("kv-canary: Canary needs at least one GroupSpec")
         names = [g.name for g in groups]
         if len(set(names)) != len(names):
-            raise ValueError(f"kv-canary: GroupSpec names must be unique, got {names}")
+            raise KvCanaryValueError(f"kv-canary: GroupSpec names must be unique, got {names}")
         for name, value in (("max_requests", max_requests), ("max_context", max_context),
                             ("max_batch_tokens", max_batch_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"kv-canary: Canary {name} must be a positive integer, got {value!r}")
+                raise KvCanaryValueError(f"kv-canary: Canary {name} must be a positive integer, got {value!r}")
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": tensors compare by index
@@ -251,7 +252,7 @@ class Canary:
         In ``raise`` mode raises `CanaryViolationError` listing this step's violations.
         """
         if self._depth == 0:
-            raise RuntimeError("kv-canary: after_forward() without a matching before_forward()")
+            raise KvCanaryRuntimeError("kv-canary: after_forward() without a matching before_forward()")
         if self._depth > 1:
             self._depth -= 1
             return
@@ -298,9 +299,9 @@ class Canary:
         any open forward; the static buffers no longer grow afterwards."""
         self._check_open()
         if self._depth:
-            raise RuntimeError("kv-canary: capture_graphs() inside an open forward")
+            raise KvCanaryRuntimeError("kv-canary: capture_graphs() inside an open forward")
         if not self.static.inputs:
-            raise RuntimeError("kv-canary: capture_graphs() needs one forward first (it reads the engine's tables)")
+            raise KvCanaryRuntimeError("kv-canary: capture_graphs() needs one forward first (it reads the engine's tables)")
         self._flush()
         self._graphs = CanaryGraphs(
             launches=self.launches, sweeper=self.sweeper, static=self.static, counters=self.launch_counters,
@@ -340,7 +341,7 @@ class Canary:
         """Verify every live slot now (default: from the live-slots provider); drains at once."""
         self._check_open()
         if self._depth:
-            raise RuntimeError("kv-canary: sweep() inside an open forward; sweeps run between forwards")
+            raise KvCanaryRuntimeError("kv-canary: sweep() inside an open forward; sweeps run between forwards")
         self._flush()
         self.rings.mark()
         report = self.sweeper.run(self._resolve_live(live))
@@ -550,29 +551,29 @@ class Canary:
     def _check_groups(self, batch: BatchDescription) -> None:
         have, want = set(batch.groups), set(self.groups)
         if have != want:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: BatchDescription.groups has {sorted(have)}, the canary's groups are {sorted(want)}"
             )
 
     def _resolve_live(self, live: Optional[Mapping[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
         if live is None:
             if self._live_slots is None:
-                raise ValueError("kv-canary: sweep() needs live slots: pass them or call set_live_slots_provider()")
+                raise KvCanaryValueError("kv-canary: sweep() needs live slots: pass them or call set_live_slots_provider()")
             live = self._live_slots()
         unknown = set(live) - set(self.groups)
         if unknown:
-            raise ValueError(f"kv-canary: live slots for unknown group(s) {sorted(unknown)}; groups are {sorted(self.groups)}")
+            raise KvCanaryValueError(f"kv-canary: live slots for unknown group(s) {sorted(unknown)}; groups are {sorted(self.groups)}")
         return live
 
     def _group(self, name: str) -> CanaryGroup:
         try:
             return self.groups[name]
         except KeyError:
-            raise ValueError(f"kv-canary: no group {name!r}; groups are {sorted(self.groups)}") from None
+            raise KvCanaryValueError(f"kv-canary: no group {name!r}; groups are {sorted(self.groups)}") from None
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("kv-canary: this Canary is closed")
+            raise KvCanaryRuntimeError("kv-canary: this Canary is closed")
 
 
 def _verify_capacity(g: CanaryGroup, max_requests: int, max_context: int) -> int:

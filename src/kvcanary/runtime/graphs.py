@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.runtime.launch import ForwardLaunches
 from kvcanary.runtime.staging import StaticBatch
 from kvcanary.runtime.sweep import Sweeper
@@ -27,7 +28,7 @@ class CanaryGraphs:
 
     def __init__(self, *, launches: ForwardLaunches, sweeper: Sweeper, static: StaticBatch, counters) -> None:
         if static.device.type != "cuda":
-            raise ValueError(f"kv-canary: CUDA graphs need a CUDA canary, this one is on {static.device}")
+            raise KvCanaryValueError(f"kv-canary: CUDA graphs need a CUDA canary, this one is on {static.device}")
         self.launches, self.sweeper, self.static = launches, sweeper, static
         static.clear()
         static.frozen = True

@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops import (
     CANARY_FIELD_POSITION,
     CANARY_FIELD_PREV_HASH,
@@ -140,13 +141,13 @@ class CanaryGroup:
         """Pick the configured layers from ``layers`` and build one RealKvSource per layer and side."""
         layer_ids = self.spec.layer_ids or (tuple(sorted(layers)) if isinstance(layers, Mapping) else ())
         if not layer_ids:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: group {self.name!r} has no layer_ids; give GroupSpec.layer_ids or a mapping of layers"
             )
         picked: list[int] = []
         for pick in self._layer_picks:
             if not -len(layer_ids) <= pick < len(layer_ids):
-                raise ValueError(
+                raise KvCanaryValueError(
                     f"kv-canary: real_kv_layers index {pick} is out of range for group {self.name!r} "
                     f"with {len(layer_ids)} layer(s) {layer_ids}"
                 )
@@ -157,7 +158,7 @@ class CanaryGroup:
             try:
                 pair = layers(layer) if callable(layers) else layers[layer]
             except KeyError:
-                raise ValueError(f"kv-canary: set_kv_cache for group {self.name!r} has no tensors for layer {layer}") from None
+                raise KvCanaryValueError(f"kv-canary: set_kv_cache for group {self.name!r} has no tensors for layer {layer}") from None
             for side, tensor in zip("kv", pair):
                 sources[side].append(self._source(tensor, page_size, layer, side))
         if self.hash_mode == RealKvHashMode.NONE:
@@ -177,7 +178,7 @@ class CanaryGroup:
                 try:
                     pairs[layer] = layers(layer) if callable(layers) else layers[layer]
                 except KeyError:
-                    raise ValueError(
+                    raise KvCanaryValueError(
                         f"kv-canary: set_kv_cache for group {self.name!r} has no tensors for layer {layer} "
                         "(deep_fingerprints hash every layer of the group)"
                     ) from None
@@ -193,17 +194,17 @@ class CanaryGroup:
 
     def _source(self, tensor: torch.Tensor, page_size: int, layer: int, side: str) -> RealKvSource:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: group {self.name!r} layer {layer} {side.upper()} must be a tensor of >= 2 dims "
                 f"(slot or page rows), got {getattr(tensor, 'shape', type(tensor).__name__)}"
             )
         if tensor.device != self.device:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: group {self.name!r} layer {layer} {side.upper()} is on {tensor.device}, canary on {self.device}"
             )
         row_bytes = tensor[0].numel() * tensor.element_size()
         if row_bytes % page_size:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: group {self.name!r} layer {layer} {side.upper()} row of {row_bytes} bytes "
                 f"does not split into page_size={page_size} slots"
             )

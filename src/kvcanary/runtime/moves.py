@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
+from kvcanary.errors import KvCanaryRuntimeError, KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops import CanaryLaunchTag, TOKEN_TO_KV_SLOT_PADDING, VerifyPlan, launch_canary_verify_kernel, launch_stamp_violation_rows
 from kvcanary.ops.copy import export_canary_records, import_canary_records, launch_canary_copy_slots_kernel
 from kvcanary.ops.copy_format import CANARY_RECORDS_HEADER_ROWS, check_canary_records
@@ -108,7 +109,7 @@ class SlotMoves:
         src_t = self._slots("copy_slots", "src", src, g)
         dst_t = self._slots("copy_slots", "dst", dst, g)
         if src_t.numel() != dst_t.numel():
-            raise ValueError(f"kv-canary: copy_slots src has {src_t.numel()} entries, dst has {dst_t.numel()}")
+            raise KvCanaryValueError(f"kv-canary: copy_slots src has {src_t.numel()} entries, dst has {dst_t.numel()}")
         ids, lens = self._requests("copy_slots", request_ids, request_lens, int(dst_t.numel()))
         step = c.begin_step(request_ids=ids, forward_kind=f"copy:{label}" if label else "copy")
         launch_canary_copy_slots_kernel(canary_bufs=record_tables(g), src_slots=src_t, dst_slots=dst_t)
@@ -178,14 +179,14 @@ class SlotMoves:
         c = self.canary
         c._check_open()
         if c._depth:
-            raise RuntimeError(f"kv-canary: {op}() inside an open forward; KV moves are recorded between forwards")
+            raise KvCanaryRuntimeError(f"kv-canary: {op}() inside an open forward; KV moves are recorded between forwards")
         return c
 
     @staticmethod
     def _slots(op: str, name: str, slots: Slots, g: CanaryGroup) -> torch.Tensor:
         t = slots if isinstance(slots, torch.Tensor) else torch.tensor(list(slots), dtype=torch.int64)
         if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
-            raise TypeError(f"kv-canary: {op} {name} must be a 1-D int32/int64 slot list, got {t.dtype} {tuple(t.shape)}")
+            raise KvCanaryTypeError(f"kv-canary: {op} {name} must be a 1-D int32/int64 slot list, got {t.dtype} {tuple(t.shape)}")
         return t.to(device=g.device, dtype=torch.int64).contiguous()
 
     @staticmethod
@@ -194,17 +195,17 @@ class SlotMoves:
             return None
         t = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.int64)
         if t.dim() != 1 or t.numel() != n:
-            raise ValueError(f"kv-canary: {op} {name} must have {n} entries, got shape {tuple(t.shape)}")
+            raise KvCanaryValueError(f"kv-canary: {op} {name} must have {n} entries, got shape {tuple(t.shape)}")
         return t.to(device=device, dtype=torch.int64)
 
     @staticmethod
     def _requests(op: str, ids: Optional[Sequence[Optional[str]]], lens: Optional[Sequence[int]], n: int):
         lens = [n] if lens is None else [int(x) for x in lens]
         if any(x < 0 for x in lens) or sum(lens) != n:
-            raise ValueError(f"kv-canary: {op} request_lens {lens} must be non-negative and sum to {n} entries")
+            raise KvCanaryValueError(f"kv-canary: {op} request_lens {lens} must be non-negative and sum to {n} entries")
         ids = tuple(ids) if ids is not None else (None,) * len(lens)
         if len(ids) != len(lens):
-            raise ValueError(f"kv-canary: {op} has {len(ids)} request_ids for {len(lens)} request_lens runs")
+            raise KvCanaryValueError(f"kv-canary: {op} has {len(ids)} request_ids for {len(lens)} request_lens runs")
         return ids, lens
 
     @staticmethod

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.runtime.batch import BatchDescription
 
 logger = logging.getLogger("kvcanary")
@@ -106,21 +107,21 @@ class StaticBatch:
                 table = table.to(torch.int32)  # a copy per forward: give int32 tables to avoid it
             inputs = GroupInputs(req_to_token=table, lut=gb.full_to_group_lut)
             if self.frozen and name in self.inputs and not _same_inputs(self.inputs[name], inputs):
-                raise ValueError(
+                raise KvCanaryValueError(
                     f"kv-canary: group {name!r} req_to_token / full_to_group_lut are not the tensors the canary's graphs "
                     "were captured with; keep the same (int32) tensor objects while graphs are held"
                 )
             self.inputs[name] = inputs
         if self.frozen and (batch.token_table is not self.token_table or
                             (batch.expected_input_ids is not None) != self.has_oracle):
-            raise ValueError(
+            raise KvCanaryValueError(
                 "kv-canary: token_table / expected_input_ids changed since the canary's graphs were captured; "
                 "keep the same token_table object and oracle setting while graphs are held"
             )
         self.token_table = batch.token_table
         if batch.context_keys is not None:
             if self.frozen and not self.has_context:
-                raise ValueError("kv-canary: context_keys appeared after the canary's graphs were captured; "
+                raise KvCanaryValueError("kv-canary: context_keys appeared after the canary's graphs were captured; "
                                  "stage a batch with context_keys before capturing")
             self.has_context = True
             self._fill_rows(self.context_keys, batch.context_keys, bs)
@@ -152,7 +153,7 @@ class StaticBatch:
 
     def _grow(self, bs: int, n: int) -> None:
         if self.frozen:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: batch of {bs} rows / {n} tokens exceeds the captured buffers "
                 f"({self.max_rows} rows / {self.max_tokens} tokens); raise max_requests / max_batch_tokens"
             )

@@ -20,6 +20,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, VerifyPlan, launch_canary_verify_kernel, launch_stamp_violation_rows
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
@@ -138,7 +139,7 @@ class Sweeper:
             slots = slots.to(g.device, torch.int64).flatten()
             slots = slots[slots != TOKEN_TO_KV_SLOT_PADDING]
             if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= g.num_slots):
-                raise ValueError(
+                raise KvCanaryValueError(
                     f"kv-canary: live slots of group {name!r} must be in [1, {g.num_slots}), got "
                     f"[{int(slots.min())}, {int(slots.max())}]"
                 )

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.constants import (
     CANARY_FIELD_POSITION,
     CANARY_FIELD_PREV_HASH,
@@ -18,14 +19,14 @@ H0_SIGNED = to_signed64(CHAIN_HEAD_HASH)
 def canary_fields(canary_buf: torch.Tensor) -> torch.Tensor:
     """int64 view [num_slots, row_bytes // 8] of a uint8 canary buffer; checks the stride."""
     if canary_buf.dim() != 2 or canary_buf.shape[1] % 8:
-        raise ValueError(
+        raise KvCanaryValueError(
             "kv-canary: canary_buf must be uint8 [num_slots, stride_bytes] with stride_bytes a "
             f"multiple of 8, got shape {tuple(canary_buf.shape)}"
         )
     fields = canary_buf.view(torch.int64)
     slot_stride_i64 = int(fields.shape[1])
     if slot_stride_i64 < CANARY_FIELDS_PER_SLOT:
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {slot_stride_i64}"
         )
     return fields

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvcanary.errors import KvCanaryIndexError, KvCanaryValueError
 from kvcanary.ops.constants import CANARY_FIELDS_PER_SLOT, TOKEN_TO_KV_SLOT_PADDING
 from kvcanary.ops.copy_format import (
     CANARY_RECORDS_HEADER_ROWS,
@@ -29,18 +30,18 @@ def record_fields(table: torch.Tensor, *, name: str = "canary_bufs[0]") -> torch
     ValueError when a row is not a whole number of int64 words or holds fewer than four.
     """
     if table.dim() != 2:
-        raise ValueError(f"kv-canary: {name} must be 2-D [num_slots, row], got shape {tuple(table.shape)}")
+        raise KvCanaryValueError(f"kv-canary: {name} must be 2-D [num_slots, row], got shape {tuple(table.shape)}")
     if table.dtype == torch.int64:
         fields = table
     else:
         if table.dtype != torch.uint8 or table.shape[1] % 8:
-            raise ValueError(
+            raise KvCanaryValueError(
                 f"kv-canary: {name} must be uint8 [num_slots, stride_bytes] with stride_bytes a multiple of 8 "
                 f"or int64 [num_slots, words], got {table.dtype} shape {tuple(table.shape)}"
             )
         fields = table.view(torch.int64)
     if fields.shape[1] < _F:
-        raise ValueError(f"kv-canary: {name} rows must hold at least 4 int64 fields, got {int(fields.shape[1])}")
+        raise KvCanaryValueError(f"kv-canary: {name} rows must hold at least 4 int64 fields, got {int(fields.shape[1])}")
     return fields
 
 
@@ -56,7 +57,7 @@ def _last_entries(dst: torch.Tensor, num_slots: int) -> Optional[torch.Tensor]:
     entry is (no duplicates). Raises IndexError for a destination outside the tables."""
     n = dst.numel()
     if n and int(dst.max()) >= num_slots:
-        raise IndexError(f"kv-canary: destination slot {int(dst.max())} is outside tables of {num_slots} slots")
+        raise KvCanaryIndexError(f"kv-canary: destination slot {int(dst.max())} is outside tables of {num_slots} slots")
     if n < 2 or bool((dst[1:] > dst[:-1]).all()):
         return None
     order = torch.arange(n, device=dst.device)

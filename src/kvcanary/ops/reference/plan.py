@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.constants import REQ_POOL_IDX_PADDING
 from kvcanary.ops.records import VerifyPlan, WritePlan
 from kvcanary.ops.reference.common import segment_ids
@@ -26,7 +27,7 @@ def _check_lut_range(slot_raw: torch.Tensor, prev_raw: torch.Tensor, prev_looked
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
         value = int(torch.stack([slot_raw, prev_raw], dim=1).flatten()[first])
-        raise ValueError(f"kv-canary: SWA slot {value} is outside full_to_swa_index_mapping length {lut_len}")
+        raise KvCanaryValueError(f"kv-canary: SWA slot {value} is outside full_to_swa_index_mapping length {lut_len}")
 
 
 def launch_canary_plan_kernels_torch_reference(
@@ -48,13 +49,13 @@ def launch_canary_plan_kernels_torch_reference(
     offsets / seeds of its extend. Mutates only the nine plan tensors; unchanged if it raises."""
     capacity = int(verify_plan_out.verify_slot_indices.shape[0])
     if verify_capacity != capacity:
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {_NAME} verify_capacity={verify_capacity} does not match "
             f"verify_plan_out.verify_slot_indices.shape[0]={capacity}"
         )
     table, valid_lens = req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens
     if table is not None and valid_lens is None:
-        raise ValueError(
+        raise KvCanaryValueError(
             f"kv-canary: {_NAME} requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
         )
     lut = full_to_swa_index_mapping

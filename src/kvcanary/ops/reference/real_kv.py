@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.constants import PARTIAL_REAL_KV_READ_BYTES, RealKvHashMode
 from kvcanary.ops.hashing import splitmix64_xor_tensor
 from kvcanary.ops.records import RealKvSource
@@ -16,7 +17,7 @@ def check_row_widths(sources: tuple[RealKvSource, ...]) -> None:
     """Raise for the first source whose logical row is narrower than its slot layout."""
     for src in sources:
         if src.row_bytes < src.slot_layout_bytes:
-            raise ValueError(
+            raise KvCanaryValueError(
                 "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is "
                 f"{src.row_bytes} bytes but page_size={src.page_size} x num_bytes_per_token="
                 f"{src.num_bytes_per_token} needs {src.slot_layout_bytes}"

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.constants import (
     CANARY_FIELD_POSITION,
     CANARY_FIELD_REAL_KV_HASH,
@@ -33,9 +34,9 @@ from kvcanary.ops.reference.real_kv import check_row_widths, fingerprint_slots
 
 def _check_input_assert_args(flag: bool, tokens: Optional[torch.Tensor], positions: Optional[torch.Tensor]) -> None:
     if flag and (tokens is None or positions is None):
-        raise ValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
+        raise KvCanaryValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
     if not flag and (tokens is not None or positions is not None):
-        raise ValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
+        raise KvCanaryValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
 
 
 def _first_dependent_request(

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.records import VerifyPlan, WritePlan
 from kvcanary.ops.triton.constants import REQ_PADDING
 from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
@@ -355,7 +356,7 @@ def launch_plan(
     table = req_to_verify_expected_tokens
     valid = req_to_verify_expected_tokens_valid_lens
     if table is not None and valid is None:  # the public launcher raised already; twin message here
-        raise ValueError(
+        raise KvCanaryValueError(
             "kv-canary: launch_canary_plan_kernels_torch_reference requires "
             "req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
         )
@@ -432,4 +433,4 @@ def _raise_lut_error(key, starts, rp, prefix, rtt, bs, window, lut_len) -> None:
     lo = max(p - window, 0) if window > 0 else 0
     pos = lo + entry - int(row_starts[row]) - is_prev
     value = int(rtt[int(rp[row]), pos])
-    raise ValueError(f"kv-canary: SWA slot {value} is outside full_to_swa_index_mapping length {lut_len}")
+    raise KvCanaryValueError(f"kv-canary: SWA slot {value} is outside full_to_swa_index_mapping length {lut_len}")
