@@ -58,7 +58,8 @@ def test_cross_context_hit_is_caught():
     assert all(o.detected for o in run.outcomes)
 
 
-def test_default_mode_catches_cached_bit_flips():
-    """Deep fingerprints (every byte of every layer, swept): the default config catches every flip."""
-    run = run_class("kv_flip_cached", SimCampaignConfig(seed=5, per_class=6), clean_twin=False)
+def test_deep_fingerprints_catch_every_cached_bit_flip():
+    """Deep fingerprints (every byte of every layer, swept) with PARTIAL TAIL hashing catch every flip."""
+    run = run_class("kv_flip_cached", SimCampaignConfig(seed=5, per_class=6, deep_fingerprints=True), clean_twin=False)
+    assert run.outcomes and all(o.injection.expected_detectable for o in run.outcomes)
     assert sum(o.detected for o in run.outcomes) == len(run.outcomes)

@@ -40,7 +40,7 @@ def op_calls(monkeypatch):
 def _meta_canary() -> Canary:
     groups = [GroupSpec(name="full", num_slots=256, layer_ids=(0, 1)),
               GroupSpec(name="swa", num_slots=64, sliding_window=8, layer_ids=(1,))]
-    c = Canary(CanaryConfig(**QUIET, sweep_interval=4), groups=groups, max_requests=64, max_context=64,
+    c = Canary(CanaryConfig(**QUIET, sweep_interval=4, deep_fingerprints=True), groups=groups, max_requests=64, max_context=64,
                max_batch_tokens=512, device=META)
     kv = {layer: (torch.empty(256, 64, dtype=torch.uint8, device=META),) * 2 for layer in (0, 1)}
     c.set_kv_cache("full", kv)

@@ -33,6 +33,7 @@ class SimCampaignConfig:
     per_class: int = 20
     real_kv_hash: str = "partial"
     real_kv_layers: tuple[int, ...] = (0, -1)
+    deep_fingerprints: bool = False
     sweep_interval: int = 4
     warm: int = 16
     oracle: bool = True
@@ -49,6 +50,7 @@ class SimDriver:
     def __init__(self, cfg: SimCampaignConfig, seed: int, *, swa: bool) -> None:
         sc = SimConfig(seed=seed, num_layers=4, sliding_window=16 if swa else 0)
         config = CanaryConfig(mode="log", real_kv_hash=cfg.real_kv_hash, real_kv_layers=cfg.real_kv_layers,
+                              deep_fingerprints=cfg.deep_fingerprints,
                               sweep_interval=cfg.sweep_interval, **QUIET)
         self.canary = Canary(config, groups=sc.group_specs(), max_requests=sc.max_requests,
                              max_context=sc.max_context, max_batch_tokens=sc.max_batch_tokens)
