@@ -314,8 +314,7 @@ BUG_MODES = {m.name: m for m in (
             mechanism="the full->swa LUT of a position leaving the window points at a freed slot"),
     BugMode(name="lora-cross-adapter-hit", injector=CrossContextHit, engines=("sim",),
             source="bug class: prefix-cache hit across LoRA adapters / tenants / cache salts",
-            mechanism="identical tokens under another context reuse the cached prefix",
-            expect_caught=False),
+            mechanism="identical tokens under another context reuse the cached prefix (context keys in the chain)"),
 )}
 
 
