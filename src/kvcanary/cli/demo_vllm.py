@@ -70,12 +70,16 @@ def run_demo(*, seed: int = 0, processes: bool = False, workdir: Optional[str] =
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = workdir or tmp
-        reference = _run("ref", work, seed, processes)
-        clean = _run("clean", work, seed, processes)
-        faulted = _run("faults", work, seed, processes)
+        runs = [_run(mode, work, seed, processes) for mode in ("ref", "clean", "faults")]
+    return summarize(*runs, engine=f"vllm {version} (cpu)", processes=processes,
+                     seconds=round(time.perf_counter() - t0, 2))
+
+
+def summarize(reference: dict, clean: dict, faulted: dict, *, engine: str, processes: bool, seconds: float) -> dict:
+    """The demo result from the three runs' outputs (`kvcanary.engines.vllm.workload.run_engine`)."""
     summary = _summary(clean)
     summary["outputs_identical"] = clean["tokens"] == reference["tokens"]
-    result = {"engine": f"vllm {version} (cpu)", "device": "cpu", "processes": processes,
+    result = {"engine": engine, "device": "cpu", "processes": processes,
               "models": {"llama": {"clean": summary}},
               "clean": {k: summary[k] for k in ("forwards", "slots_verified", "violations")}, "faults": []}
     violations = faulted["violations"]
@@ -92,7 +96,7 @@ def run_demo(*, seed: int = 0, processes: bool = False, workdir: Optional[str] =
         if name not in fired:
             result["faults"].append({"name": f"llama/{name}", "caught": False, "reasons": [], "request": None,
                                      "latency_forwards": None, "injected": None, "violations_in_run": len(violations)})
-    result["seconds"] = round(time.perf_counter() - t0, 2)
+    result["seconds"] = seconds
     return result
 
 

@@ -154,3 +154,18 @@ def test_sliding_window_model_identical_and_clean(swa_pair, clean):
     full = clean["metrics"]
     assert 0 < m["kv_canary_slots_verified"] / m["kv_canary_forwards"] < \
         0.75 * full["kv_canary_slots_verified"] / full["kv_canary_forwards"]
+
+
+def test_demo_table_from_the_same_runs(reference, clean, faulted):
+    """`kvcanary demo --engine vllm` summarises exactly these three runs."""
+    from kvcanary.cli.demo_vllm import format_table, summarize
+
+    result = summarize(reference, clean, faulted, engine="vllm 0.32.0 (cpu)", processes=False, seconds=0.0)
+    assert result["clean"]["violations"] == 0 and result["models"]["llama"]["clean"]["outputs_identical"]
+    assert [f["caught"] for f in result["faults"]] == [True, True]
+    assert {f["latency_forwards"] for f in result["faults"]} == {0}
+    for f in result["faults"]:
+        assert f["request"] == f["injected"]["request_id"]
+    table = format_table(result)
+    assert "llama/redirect_block_table" in table and "llama/flip_cached_block_byte" in table
+    assert " NO " not in table
