@@ -5,6 +5,7 @@ import pytest
 from kvcanary.runtime.canary import OWNER_SPAN
 from kvcanary.runtime.launch import ROW_HISTORY
 from kvcanary.ops import CanaryLaunchTag, FailReason
+from kvcanary.faults.sim_hooks import cached_idle_slots, flip_kv_bit, free_and_reuse, redirect_slot, shift_positions
 
 from tests.runtime.conftest import make_sim, warm_sim
 
@@ -39,7 +40,7 @@ def test_slot_redirected_to_another_live_slot():
     other = next(r for r in engine.running if r is not req and r.num_computed > 2)
     target = other.full_slots[1]  # another live slot, at position 1 of another request
     assert pos != 1
-    engine.redirect_slot(req.rid, pos, target)
+    redirect_slot(engine, req.rid, pos, target)
     engine.step()
     vs = _first(canary, launch_tag=CanaryLaunchTag.HEAD_K_FULL, slot=target, request_id=req.rid,
                 request_row=req.row, expected_position=pos, stored_position=1, op="verify")
@@ -51,7 +52,7 @@ def test_slot_freed_and_reused_while_referenced():
     engine, canary = make_sim(seed=4)
     warm_sim(engine, seed=4)
     req, pos = _victim(engine)
-    slot = engine.free_and_reuse(req.rid, pos)
+    slot = free_and_reuse(engine, req.rid, pos)
     engine.step()  # the next allocation takes the slot and overwrites its record
     engine.step()
     vs = [v for v in canary.violations() if v.slot == slot and v.request_id == req.rid]
@@ -73,7 +74,7 @@ def test_flipped_kv_byte_in_running_request(side):
     warm_sim(engine, seed=5)
     req, pos = _victim(engine)
     slot = req.full_slots[pos]
-    engine.flip_kv_byte("full", slot, side=side, byte=3, bit=5)
+    flip_kv_bit(engine, "full", slot, side=side, byte=3, bit=5)
     engine.step()
     tag = CanaryLaunchTag.of(phase="tail", side=side, group="full")
     vs = _first(canary, launch_tag=tag, slot=slot, request_id=req.rid, request_row=req.row,
@@ -85,13 +86,13 @@ def test_flipped_kv_byte_in_running_request(side):
 def test_flipped_byte_in_idle_cached_slot_is_caught_only_by_the_sweep():
     engine, canary = make_sim(seed=6)
     engine.run(60)
-    idle = engine.cached_idle_slots()
+    idle = cached_idle_slots(engine)
     assert idle, "the workload should leave cached prefixes"
     slot = idle[-1]
     owner = int(canary.groups["full"].records.owner[slot])
     written_step, batch_row = divmod(owner, OWNER_SPAN)
     writer = canary.step_log.get(written_step)
-    engine.flip_kv_byte("full", slot, side="v", byte=0, bit=0)
+    flip_kv_bit(engine, "full", slot, side="v", byte=0, bit=0)
     for _ in range(3):  # forwards without new arrivals do not read idle cached slots
         engine.step()
     assert canary.counters()["total"] == 0
@@ -108,7 +109,7 @@ def test_position_off_by_one():
     warm_sim(engine, seed=7)
     req, _ = _victim(engine)
     p = req.num_computed
-    engine.batch_hooks.append(engine.shift_positions(req.rid, +1))
+    engine.batch_hooks.append(shift_positions(req.rid, +1))
     engine.step()
     vs = canary.violations()
     write_rows = [v for v in vs if v.op == "write" and v.request_id == req.rid]
@@ -131,7 +132,7 @@ def test_sliding_window_group_redirect_and_flip():
     pos = req.num_computed - 2
     swa_slot = req.swa_slots[pos]
     assert swa_slot != 0
-    engine.flip_kv_byte("swa", swa_slot, side="k", byte=1)
+    flip_kv_bit(engine, "swa", swa_slot, side="k", byte=1)
     engine.step()
     vs = _first(canary, launch_tag=CanaryLaunchTag.TAIL_K_SWA, slot=swa_slot, request_id=req.rid,
                 group="swa", reasons=FailReason.VERIFY_REAL_KV_HASH_MISMATCH)

@@ -19,6 +19,7 @@ import kvcanary.runtime.sweep as sweep_mod
 from kvcanary.engines.sim import SimWorkload
 from kvcanary.runtime import BatchDescription, Canary, CanaryConfig, GroupBatch, GroupSpec
 from kvcanary.runtime.drain import ViolationDrain
+from kvcanary.faults.sim_hooks import cached_idle_slots, flip_kv_bit, redirect_slot
 
 from tests.runtime.conftest import QUIET, make_sim
 
@@ -146,12 +147,12 @@ def _faulted_run(*, lag: int | None, ring_capacity: int = 1024):
 
     run(40)
     victim = next(r for r in engine.running if r.num_computed > 8)
-    engine.flip_kv_byte("full", victim.full_slots[3], side="k", byte=2, bit=5)
+    flip_kv_bit(engine, "full", victim.full_slots[3], side="k", byte=2, bit=5)
     other = next(r for r in engine.running if r is not victim and r.num_computed > 8)
-    engine.redirect_slot(other.rid, 5, victim.full_slots[6])
-    idle = engine.cached_idle_slots()
+    redirect_slot(engine, other.rid, 5, victim.full_slots[6])
+    idle = cached_idle_slots(engine)
     if idle:
-        engine.flip_kv_byte("full", idle[0], side="v", byte=0, bit=0)  # only the sweep sees this one
+        flip_kv_bit(engine, "full", idle[0], side="v", byte=0, bit=0)  # only the sweep sees this one
     run(30)
     waits_before_query = clock.waits
     found = canary.violations()

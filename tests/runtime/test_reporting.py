@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from kvcanary.engines.sim import SimWorkload
+from kvcanary.faults.sim_hooks import flip_kv_bit
 
 from tests.runtime.conftest import make_sim, warm_sim
 
@@ -17,7 +18,7 @@ def _scribble(engine) -> list[int]:
     victim = next(r for r in engine.running if r.num_computed > 12)
     slots = victim.full_slots[:12]
     for s in slots:
-        engine.flip_kv_byte("full", s, side="k", byte=0, bit=1)
+        flip_kv_bit(engine, "full", s, side="k", byte=0, bit=1)
     return slots
 
 

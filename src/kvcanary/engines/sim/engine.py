@@ -13,7 +13,6 @@ layers are full and odd layers sliding-window (group ``swa``, own slot space, fu
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -375,54 +374,3 @@ class SimEngine:
                 self.abort(self.rng.choice(self.running))
             self.step()
         return self.forwards - start
-
-    # ---- fault hooks (tests, kvcanary.faults) -----------------------------------------------------
-    def redirect_slot(self, rid: str, position: int, to_slot: int, *, group: str = "full") -> int:
-        """Point (request, position) at ``to_slot`` in the position->slot table (full) or the LUT
-        (swa). Returns the slot it pointed at before."""
-        req = self.request(rid)
-        full = int(self.table.req_to_token[req.row, position])
-        if group == "full":
-            self.table.req_to_token[req.row, position] = to_slot
-            return full
-        old = int(self.full_to_swa[full])
-        self.full_to_swa[full] = to_slot
-        return old
-
-    def free_and_reuse(self, rid: str, position: int) -> int:
-        """Free (request, position)'s full slot while the request still uses it, so the next
-        allocation hands it out again. Returns the slot."""
-        req = self.request(rid)
-        slot = int(self.table.req_to_token[req.row, position])
-        self.full_alloc.force_free(slot)
-        return slot
-
-    def flip_kv_byte(self, group: str, slot: int, *, layer: Optional[int] = None, side: str = "k",
-                     byte: int = 0, bit: int = 0) -> None:
-        """Flip one bit of one slot's stored K or V (default: the group's first layer)."""
-        layers = self.config.full_layers if group == "full" else self.config.swa_layers
-        k, v = self.kv[(group, layers[0] if layer is None else layer)]
-        t = k if side == "k" else v
-        t[slot, byte] ^= 1 << bit
-
-    def cached_idle_slots(self) -> list[int]:
-        """Full slots held only by the prefix cache (no running request uses them)."""
-        used = {s for r in self.running for s in r.full_slots}
-        return [s for n in self.cache.nodes() for s in n.full_slots if s not in used]
-
-    @staticmethod
-    def shift_positions(rid: str, delta: int) -> BatchHook:
-        """A one-shot batch hook adding ``delta`` to request ``rid``'s positions."""
-        fired = []
-
-        def hook(batch: BatchDescription) -> BatchDescription:
-            if fired or rid not in (batch.request_ids or ()):
-                return batch
-            fired.append(True)
-            r = batch.request_ids.index(rid)
-            start = int(batch.extend_lens[:r].sum())
-            pos = batch.positions.clone()
-            pos[start : start + int(batch.extend_lens[r])] += delta
-            return dataclasses.replace(batch, positions=pos)
-
-        return hook
