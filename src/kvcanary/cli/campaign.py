@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
                    help="real-KV fingerprint mode (sim: also --real-kv-layers)")
     p.add_argument("--real-kv-layers", default="0,-1", help="hashed layers, indices into a group's layers (sim)")
     p.add_argument("--no-oracle", action="store_true", help="sim: sample at random, no write-input oracle")
+    p.add_argument("--deep-fingerprints", action="store_true",
+                   help="sim: also fingerprint every byte of every layer, checked by the sweep")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-progress", action="store_true")
 
@@ -55,6 +57,7 @@ def run(args) -> int:
 
         faults = list(FAULT_CLASSES) if args.faults == "all" else [f for f in args.faults.split(",") if f]
         cfg = SimCampaignConfig(seed=args.seed, per_class=args.per_class, real_kv_hash=args.real_kv,
+                                deep_fingerprints=args.deep_fingerprints,
                                 real_kv_layers=tuple(int(x) for x in args.real_kv_layers.split(",")),
                                 oracle=not args.no_oracle)
         bar, tick = _bar(len(faults) * args.per_class, not args.no_progress)
