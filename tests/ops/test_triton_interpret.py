@@ -364,3 +364,33 @@ def test_fuzz_scatter(seed):
     scatter_req_token_ids_torch_reference(flat_in=flat, offsets=offsets, req_pool_indices=rp, pool_out=pool_a)
     launch_scatter(flat_in=flat, offsets=offsets, req_pool_indices=rp, pool_out=pool_b)
     assert torch.equal(pool_a, pool_b)
+
+
+@pytest.mark.parametrize("config", [PlanLaunchConfig(), PlanLaunchConfig(tile_rows=0), PlanLaunchConfig(check_lut=False)])
+@pytest.mark.parametrize("window", [0, 4])
+def test_plan_ignores_padding_rows_whatever_their_lengths(config, window):
+    """CUDA-graph padding leaves arbitrary prefix / extend lengths in request row 0's batch rows: the plan
+    ignores them (no lookup, no entries, no writes) — twin and kernel alike, and the same bytes."""
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    table[1, :6] = torch.arange(1, 7, dtype=torch.int32)
+    table[2, :4] = torch.arange(7, 11, dtype=torch.int32)
+    lut = torch.arange(64, dtype=torch.int64) if window else None
+    outs = []
+    for fn in (launch_canary_plan_kernels_torch_reference, functools.partial(launch_plan, config=config)):
+        vp, wp = VerifyPlan.allocate(32, "cpu"), WritePlan.allocate(6, "cpu")
+        for t in (vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
+                  vp.verify_prev_slot_indices, wp.write_offsets, wp.write_seed_slot_indices):
+            t.fill_(-7)
+        fn(verify_plan_out=vp, write_plan_out=wp, req_pool_indices=torch.tensor([1, 0, 2, 0, 0]),
+           prefix_lens=torch.tensor([4, 10_000, 3, -9, 2**40]), extend_seq_lens=torch.tensor([2, 500, 1, 3, -4]),
+           req_to_token=table, swa_window_size=window, full_to_swa_index_mapping=lut, verify_capacity=32,
+           req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
+           kv_token_id_vs_position_offset=0)
+        outs.append([vp.verify_slot_indices, vp.verify_expected_positions, vp.verify_prev_slot_indices,
+                     vp.verify_num_valid, vp.enable, wp.write_offsets, wp.write_seed_slot_indices, wp.write_num_valid_reqs])
+    for x, y in zip(*outs):
+        assert torch.equal(x, y), (x, y)
+    n = int(outs[0][3][0])
+    assert n == (min(4, window) + min(3, window) if window else 7)
+    assert outs[0][5][:6].tolist() == [0, 2, 2, 3, 3, 3]  # padding rows add no writes
+    assert outs[0][6][:5].tolist()[1::2] == [-1, -1]  # and get no seed

@@ -96,7 +96,8 @@ def launch_canary_plan_kernels_torch_reference(
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=rp.device), torch.cumsum(contrib, 0)])
     n_seed = min(bs, int(write_plan_out.write_seed_slot_indices.shape[0]))
     seeded = writes & (prefix > 0)
-    seed_raw = req_to_token[rp, torch.clamp(prefix - 1, min=0)].to(torch.int64)
+    # only seeded rows are looked up: a padding row's lengths are arbitrary (CUDA-graph padding)
+    seed_raw = req_to_token[rp, torch.where(seeded, prefix - 1, torch.zeros_like(prefix))].to(torch.int64)
     seeds = _translate(torch.where(seeded, seed_raw, torch.full_like(rp, -1)), lut)
 
     # Every check passed: write the outputs.
