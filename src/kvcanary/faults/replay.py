@@ -21,7 +21,7 @@ from kvcanary.faults.accounting import Outcome, account
 from kvcanary.faults.ledger import FaultLedger
 from kvcanary.faults.sim import (STRUCTURE, CopyCorruption, CrossContextHit, DoubleAlloc, KvFlipUsed, PositionShift,
                                  PrefixCollision, SimInjector, SwaWindowStale, TokenSwap, UseAfterFree,
-                                 unique_cached_positions)
+                                 running_requests, unique_cached_positions)
 from kvcanary.faults.sim_campaign import SimCampaignConfig, SimDriver
 from kvcanary.faults.sim_hooks import redirect_slot
 
@@ -69,7 +69,7 @@ class BlockBoundaryOffByOne(SimInjector):
 
     def fire(self):
         e = self.t.engine
-        cands = [r for r in e.running if r.state == "running" and r.own_from >= 2 and r.max_new - r.generated >= 2]
+        cands = [r for r in running_requests(e) if r.own_from >= 2]
         if not cands:
             return None
         req = self.rng.choice(cands)
@@ -149,7 +149,7 @@ class KvWriteSkipped(_BatchHookInjector):
 
     def fire(self):
         e = self.t.engine
-        cands = [r for r in e.running if r.state == "running" and r.num_computed >= 2 and r.max_new - r.generated >= 3]
+        cands = [r for r in running_requests(e, tokens_left=3) if r.num_computed >= 2]
         if not cands:
             return None
         req = self.rng.choice(cands)
@@ -181,7 +181,7 @@ class WriteToForeignSlot(_BatchHookInjector):
     def fire(self):
         e = self.t.engine
         cands = unique_cached_positions(e, own_only=True)
-        writers = [r for r in e.running if r.state == "running" and r.max_new - r.generated >= 2]
+        writers = running_requests(e)
         pairs = [(w, v, p) for w in writers for v, p in cands if v is not w]
         if not pairs:
             return None

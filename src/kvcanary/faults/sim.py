@@ -62,6 +62,12 @@ def byte_hashed(target: SimTarget, group: str, layer: int, byte: int) -> bool:
     return cfg.real_kv_hash == "all" or byte < 16
 
 
+def running_requests(engine, *, tokens_left: int = 2) -> list:
+    """Running requests that will still run for at least ``tokens_left`` more forwards (the injection can
+    then be read, and detected, before they finish)."""
+    return [r for r in engine.running if r.state == "running" and r.max_new - r.generated >= tokens_left]
+
+
 def slot_writer(canary: Canary, group: str, slot: int) -> Optional[str]:
     """The request that last wrote ``slot`` (from the runtime's slot records), or None."""
     from kvcanary.runtime.canary import OWNER_SPAN
@@ -270,7 +276,7 @@ class PositionShift(SimInjector):
 
     def fire(self):
         e = self.t.engine
-        cands = [r for r in e.running if r.state == "running" and r.num_computed >= 2 and r.max_new - r.generated >= 2]
+        cands = [r for r in running_requests(e) if r.num_computed >= 2]
         if not cands:
             return None
         req = self.rng.choice(cands)

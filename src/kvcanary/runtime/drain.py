@@ -165,10 +165,10 @@ class ViolationDrain:
             self._enqueue_harvest()
             out.append(self._take_harvest(wait=True))
         else:
-            counts = self.rings.write_index.tolist() if self.rings.device.type == "cpu" else self.rings.write_index.cpu().tolist()
+            counts = self.rings.write_index.tolist()
             if any(counts):
-                rings = self.rings.rings.cpu() if self.rings.device.type != "cpu" else self.rings.rings.clone()
-                stamps = self.rings.stamps.cpu() if self.rings.device.type != "cpu" else self.rings.stamps.clone()
+                rings = self.rings.rings.to("cpu", copy=True)
+                stamps = self.rings.stamps.to("cpu", copy=True)
                 self.rings.write_index.zero_()
                 out.append(self._decode(torch.tensor(counts, dtype=torch.int32), rings, stamps))
         return [h for h in out if h.counts]

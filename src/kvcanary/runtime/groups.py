@@ -245,8 +245,7 @@ class CanaryGroup:
         return len(self.buffers()) * RECORD_BYTES + 5 * 8
 
     def memory_bytes(self) -> int:
-        bufs = 1 + len(self.tail_bufs) + len(self.deep_bufs)
-        return bufs * (self.num_slots + self.anchor_rows) * RECORD_BYTES + self.records.memory_bytes()
+        return sum(b.numel() for b in self.buffers()) + self.records.memory_bytes()
 
     def describe_sources(self) -> Optional[str]:
         if not self.hashing:
