@@ -12,12 +12,15 @@ each with CUDA graphs off and on (on: ``ContinuousBatchingConfig(use_cuda_graph=
 Per configuration: the median decode-step time (an engine step whose requests all decode one token:
 scheduling + input preparation + forward + sampling + the host copy of the outputs — what a user waits
 for), the prefill time per prompt token (every other step, summed, over their query tokens), overhead
-against the mean of the two baseline runs of the same graph mode (one before the canary runs, one after:
-their difference is the run-to-run drift), whether the generated tokens equal the baseline's, and the
-canary's own host time per step (time inside the adapter's and runtime's entry points; with graphs off it
+against the mean of the baseline runs of the same graph mode, whether the generated tokens equal the
+baseline's, launches the Triton launchers handed to the torch twins (``twins``: should be 0), and the
+canary's own host time per step (mean and median) (time inside the adapter's and runtime's entry points; with graphs off it
 includes enqueueing the canary's kernels, with graphs on only the host half — the device half replays
 inside the engine's graph). Steps are timed with ``time.perf_counter`` around the engine's own
 ``prepare_next_batch`` .. ``update_batch`` (the engine synchronises its compute stream in between).
+A warm round runs every configuration once first (not reported: Triton compiles, allocator); then
+``--repeats`` measured rounds interleave the configurations (baseline, partial, none, baseline, ...) so
+drift hits them alike; step times are pooled over the rounds and the baselines' spread is printed.
 
     python bench/e2e_overhead.py --quick            # H200: ~4 minutes with model init
     python bench/e2e_overhead.py --tiny             # CPU smoke run (2 layers, 4 requests)
@@ -50,7 +53,7 @@ PRESETS = {
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
                  requests=4, prompt_min=48, prompt_max=80, new_tokens=4, page_size=16, max_batch_tokens=64),
 }
-CONFIGS = [("baseline", None), ("canary/partial", "partial"), ("canary/none", "none"), ("baseline/again", None)]
+CONFIGS = [("baseline", None), ("canary/partial", "partial"), ("canary/none", "none")]
 
 
 @dataclass
@@ -60,7 +63,10 @@ class StepLog:
     steps: list = field(default_factory=list)
     canary_s: float = 0.0  # host seconds inside the canary's entry points
     by_entry: dict = field(default_factory=dict)  # entry point -> host seconds
+    canary_step_s: list = field(default_factory=list)  # canary host seconds within each engine step
+    twin_fallbacks: int = 0
     _t0: float = 0.0
+    _c0: float = 0.0
 
 
 @contextlib.contextmanager
@@ -72,7 +78,7 @@ def timed_engine_steps(log: StepLog):
     prepare, update = ContinuousBatchProcessor.prepare_next_batch, ContinuousBatchProcessor.update_batch
 
     def timed_prepare(self):
-        log._t0 = time.perf_counter()
+        log._t0, log._c0 = time.perf_counter(), log.canary_s
         return prepare(self)
 
     def timed_update(self):
@@ -81,6 +87,7 @@ def timed_engine_steps(log: StepLog):
         dt = time.perf_counter() - log._t0
         tokens = sum(fs.query_length for fs in batch)
         log.steps.append((all(fs.query_length == 1 for fs in batch), tokens, dt))
+        log.canary_step_s.append(log.canary_s - log._c0)
         return out
 
     ContinuousBatchProcessor.prepare_next_batch, ContinuousBatchProcessor.update_batch = timed_prepare, timed_update
@@ -182,6 +189,37 @@ def run_one(model, prompts, args, graphs: bool, hash_mode) -> tuple[dict, StepLo
     return {"tokens": tokens, "counters": counters, "errors": [repr(e) for e in (handle.errors if handle else [])]}, log
 
 
+def pool(logs: list) -> StepLog:
+    """One StepLog of several runs (steps concatenated, host time summed)."""
+    out = StepLog(steps=[s for lg in logs for s in lg.steps], canary_s=sum(lg.canary_s for lg in logs))
+    out.canary_step_s = [t for lg in logs for t in lg.canary_step_s]
+    for lg in logs:
+        for k, v in lg.by_entry.items():
+            out.by_entry[k] = out.by_entry.get(k, 0.0) + v
+    return out
+
+
+def count_twin_fallbacks(fn):
+    """(fn(), launches the Triton launchers handed to the torch twins meanwhile: each is a slow host path)."""
+    from kvcanary.ops.triton import verify as tverify, write as twrite
+
+    calls = [0]
+    saved = (tverify.launch_canary_verify_kernel_torch_reference, twrite.launch_canary_write_kernel_torch_reference)
+
+    def counted(real):
+        def wrapper(**kw):
+            calls[0] += 1
+            return real(**kw)
+        return wrapper
+
+    tverify.launch_canary_verify_kernel_torch_reference = counted(saved[0])
+    twrite.launch_canary_write_kernel_torch_reference = counted(saved[1])
+    try:
+        return fn(), calls[0]
+    finally:
+        tverify.launch_canary_verify_kernel_torch_reference, twrite.launch_canary_write_kernel_torch_reference = saved
+
+
 def summarize(log: StepLog) -> dict:
     decode = [dt for is_decode, _, dt in log.steps if is_decode]
     prefill = [(tok, dt) for is_decode, tok, dt in log.steps if not is_decode]
@@ -193,6 +231,8 @@ def summarize(log: StepLog) -> dict:
         "decode_ms": statistics.median(decode) * 1e3 if decode else None,
         "prefill_us_per_token": sum(dt for _, dt in prefill) / prefill_tokens * 1e6 if prefill_tokens else None,
         "canary_host_ms_per_step": log.canary_s / steps * 1e3 if steps and log.canary_s else None,
+        "canary_host_ms_median": statistics.median(log.canary_step_s) * 1e3 if log.canary_step_s else None,
+        "canary_host_ms_max": max(log.canary_step_s) * 1e3 if log.canary_step_s else None,
         "canary_host_ms_per_step_by_entry": {k: v / steps * 1e3 for k, v in log.by_entry.items()} if steps else {},
     }
 
@@ -214,7 +254,7 @@ def _pct(x, base):
 
 def format_table(rows: list[dict], machine: str) -> str:
     head = (f"{'graphs':<6} {'config':<15} {'decode ms':>9} {'ovh %':>7} {'prefill us/tok':>14} {'ovh %':>7} "
-            f"{'canary host ms/step':>19} {'same tokens':>11} {'checked/engine':>14}")
+            f"{'canary host ms/step':>19} {'median ms':>10} {'same tokens':>11} {'checked/engine':>14} {'twins':>5}")
     lines = [f"kvcanary end-to-end overhead — {machine}", head, "-" * len(head)]
 
     def f(x, spec):
@@ -231,7 +271,8 @@ def format_table(rows: list[dict], machine: str) -> str:
         lines.append(
             f"{r['graphs']:<6} {r['config']:<15} {f(r['decode_ms'], '9.2f')} {f(r.get('decode_overhead_pct'), '+7.2f')} "
             f"{f(r['prefill_us_per_token'], '14.3f')} {f(r.get('prefill_overhead_pct'), '+7.2f')} "
-            f"{f(r['canary_host_ms_per_step'], '19.3f')} {str(r['same_tokens']):>11} {ce:>14}{note}"
+            f"{f(r['canary_host_ms_per_step'], '19.3f')} {f(r.get('canary_host_ms_median'), '10.3f')} "
+            f"{str(r['same_tokens']):>11} {ce:>14} {r.get('twin_fallbacks', 0):>5}{note}"
         )
     return "\n".join(lines)
 
@@ -248,7 +289,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-interval", type=int, default=64)
     p.add_argument("--capture-canary", default="on", choices=["on", "off"],
                    help="graphs off: capture the canary's own HEAD/TAIL work in CUDA graphs (the adapter's default)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (step times pooled)")
+    p.add_argument("--repeats", type=int, default=2, help="measured rounds (each runs every configuration once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -280,46 +321,58 @@ def main(argv=None) -> int:
 
     rows = []
     for graphs in graph_modes:
-        # warm-up: one small run per graph mode, unchecked and checked (kernels, allocator, lazy imports)
-        warm = argparse.Namespace(**{**vars(args), "requests": min(4, args.requests), "new_tokens": 2})
-        for hash_mode in (None, "partial", "none"):
-            run_one(model, prompts[: warm.requests], warm, graphs, hash_mode)
-            _release()
-        base_tokens = None
-        bases: list = []
-        for name, hash_mode in CONFIGS:
-            row = {"graphs": "on" if graphs else "off", "config": name}
+        mode = "on" if graphs else "off"
+        # warm round (not reported): every configuration once on the whole workload with few new tokens, so
+        # Triton's compilations, the allocator and lazy imports are paid before anything is timed
+        warm = argparse.Namespace(**{**vars(args), "new_tokens": 2})
+        for name, hash_mode in CONFIGS[:3]:
             t = time.perf_counter()
             try:
-                logs = []
-                for _ in range(args.repeats):
-                    result, log = run_one(model, prompts, args, graphs, hash_mode)
-                    logs.append(log)
-                    _release()
-                pooled = StepLog(steps=[s for lg in logs for s in lg.steps], canary_s=sum(lg.canary_s for lg in logs))
-                for lg in logs:
-                    for k, v in lg.by_entry.items():
-                        pooled.by_entry[k] = pooled.by_entry.get(k, 0.0) + v
-                row.update(summarize(pooled))
+                run_one(model, prompts, warm, graphs, hash_mode)
+            except Exception:  # reported again by the measured rounds
+                traceback.print_exc()
+            _release()
+            print(f"# {mode:>3} warm {name:<15} {time.perf_counter() - t:.1f}s", flush=True)
+        # measured rounds, interleaved (baseline, partial, none, baseline, ...): drift hits every config alike
+        logs: dict = {name: [] for name, _ in CONFIGS[:3]}
+        results: dict = {}
+        errors: dict = {}
+        for r in range(args.repeats):
+            for name, hash_mode in CONFIGS[:3]:
+                t = time.perf_counter()
+                try:
+                    (result, log), twins = count_twin_fallbacks(lambda: run_one(model, prompts, args, graphs, hash_mode))
+                    log.twin_fallbacks = twins
+                    logs[name].append(log)
+                    results[name] = result
+                except Exception as exc:  # assert-free: report and go on
+                    traceback.print_exc()
+                    errors[name] = f"{type(exc).__name__}: {exc}"[:200]
+                _release()
+                print(f"# {mode:>3} round {r + 1} {name:<15} {time.perf_counter() - t:.1f}s", flush=True)
+        base_runs = [summarize(lg) for lg in logs["baseline"]]
+        base = {key: statistics.mean(b[key] for b in base_runs if b.get(key) is not None) if base_runs else None
+                for key in ("decode_ms", "prefill_us_per_token")}
+        base_tokens = results.get("baseline", {}).get("tokens")
+        for name, hash_mode in CONFIGS[:3]:
+            row = {"graphs": mode, "config": name}
+            if name in errors:
+                row["error"] = errors[name]
+            if logs[name]:
+                row.update(summarize(pool(logs[name])))
+                row["per_round_decode_ms"] = [summarize(lg)["decode_ms"] for lg in logs[name]]
+                row["twin_fallbacks"] = sum(lg.twin_fallbacks for lg in logs[name])
+                result = results[name]
                 row["counters"] = {k: v for k, v in result["counters"].items() if not isinstance(v, dict)}
                 row["canary_errors"] = result["errors"]
-                if hash_mode is None:
-                    bases.append(row)
-                    base_tokens = base_tokens if base_tokens is not None else result["tokens"]
                 row["same_tokens"] = result["tokens"] == base_tokens if base_tokens is not None else None
-            except Exception as exc:  # assert-free: report and go on
-                traceback.print_exc()
-                row["error"] = f"{type(exc).__name__}: {exc}"[:200]
-                _release()
-            row["wall_s"] = time.perf_counter() - t
+                row["decode_overhead_pct"] = _pct(row.get("decode_ms"), base["decode_ms"])
+                row["prefill_overhead_pct"] = _pct(row.get("prefill_us_per_token"), base["prefill_us_per_token"])
             rows.append(row)
-            print(f"# {row['graphs']:>3} {name:<15} done in {row['wall_s']:.1f}s", flush=True)
-        # overhead against the mean of the two baseline runs of this graph mode (before and after the canary)
-        for row in rows[-len(CONFIGS):]:
-            for key in ("decode_ms", "prefill_us_per_token"):
-                ref = [b[key] for b in bases if b.get(key) is not None]
-                out = "decode_overhead_pct" if key == "decode_ms" else "prefill_overhead_pct"
-                row[out] = _pct(row.get(key), sum(ref) / len(ref) if ref else None)
+        if len(base_runs) > 1:
+            d = [b["decode_ms"] for b in base_runs if b.get("decode_ms") is not None]
+            print(f"# {mode:>3} baseline drift between rounds: decode {min(d):.2f}-{max(d):.2f} ms "
+                  f"({(max(d) / min(d) - 1) * 100:.2f} %)", flush=True)
 
     print(format_table(rows, machine))
     for r in rows:

@@ -40,13 +40,20 @@ def static_kwargs(io) -> dict:
 
 class BetweenSteps:
     """Fire ``injector`` (a `kvcanary.cli.demo` injector) between the engine's batch preparation and the
-    forward, numbering steps as the canary does (warmup batches are not steps). ``replayed`` records, per
-    injection, whether a graph for the batch's key already existed (the forward was a replay)."""
+    forward, numbering steps as the canary does (warmup batches are not steps). With ``replays_only`` (the
+    default) it fires only into a forward whose graph already exists, i.e. a replay; ``replayed`` records
+    that per injection."""
 
-    def __init__(self, injector, handle) -> None:
+    def __init__(self, injector, handle, *, replays_only: bool = True) -> None:
         self.injector = injector
         self.handle = handle
+        self.replays_only = replays_only  # fire only into a forward whose graph already exists
         self.replayed: list[bool] = []
+
+    @staticmethod
+    def _replay(io) -> bool:
+        graphs = getattr(io, "graphs", None)
+        return graphs is not None and graphs.get_graph(io._get_graph_key()) is not None
 
     def install(self, monkeypatch) -> "BetweenSteps":
         prepare = ContinuousBatchingIOs.prepare_batch_tensors
@@ -59,10 +66,11 @@ class BetweenSteps:
                 return
             current = self.handle._current
             inj.step = (current.canary.step if current is not None and current.cache is io.cache else 0) + 1
-            if not inj.ledger and inj.step > inj.after_step:
+            replay = self._replay(io)
+            if not inj.ledger and inj.step > inj.after_step and (replay or not self.replays_only):
                 inj.fire(io.cache, static_kwargs(io), batch)
                 if inj.ledger:
-                    self.replayed.append(io.graphs.get_graph(io._get_graph_key()) is not None)
+                    self.replayed.append(replay)
             inj.seen.update(fs.state.request_id for fs in batch)
 
         monkeypatch.setattr(ContinuousBatchingIOs, "prepare_batch_tensors", prepare_then_inject)

@@ -320,7 +320,7 @@ def test_redirected_read_between_steps_with_padded_batches(llama, monkeypatch):
     padded_like_graphs(monkeypatch)
     injector = RedirectRead(group="full", seed=4, after_step=2)
     handle = attach(llama, mode="log", sweep_interval=0)
-    BetweenSteps(injector, handle).install(monkeypatch)
+    BetweenSteps(injector, handle, replays_only=False).install(monkeypatch)
     with handle:
         generate(llama, workload(seed=1))
     (inj,) = injector.ledger
