@@ -85,23 +85,44 @@ class StaticBatch:
         return self._n
 
     def stage(self, batch: BatchDescription) -> None:
-        """Copy ``batch`` into the buffers and pad the rest. Device copies only."""
+        """Copy ``batch`` into the buffers and pad the rest. Device copies only, issued as one
+        multi-tensor copy (plus pads when the batch shrank): a handful of host calls per forward."""
         bs, n = batch.batch_size, batch.num_tokens
         if bs > self.max_rows or n > self.max_tokens:
             self._grow(bs, n)
-        self._fill_rows(self.rows, batch.req_pool_indices, bs)
-        self._fill_rows(self.prefix, batch.prefix_lens, bs)
-        self._fill_rows(self.extend, batch.extend_lens, bs)
-        self._fill_tokens(self.input_ids, batch.input_ids, n, 0)
-        self._fill_tokens(self.positions, batch.positions, n, 0)
+        cap = capturing()
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        zero: list[torch.Tensor] = []
+        not_stored: list[torch.Tensor] = []
+        stale_rows = self.max_rows if cap else self._bs  # a graph may replay after any other batch
+        stale_tokens = self.max_tokens if cap else self._n
+
+        def rows(buf: torch.Tensor, values: torch.Tensor) -> None:
+            dst.append(buf[:bs])
+            src.append(values)
+            if stale_rows > bs:
+                zero.append(buf[bs:stale_rows])
+
+        def tokens(buf: torch.Tensor, values: torch.Tensor, m: int, pads: list) -> None:
+            dst.append(buf[:m])
+            src.append(values[:m])
+            stale = max(stale_tokens, n)  # out_loc may hold fewer entries than tokens: pad up to n too
+            if stale > m:
+                pads.append(buf[m:stale])
+
+        rows(self.rows, batch.req_pool_indices)
+        rows(self.prefix, batch.prefix_lens)
+        rows(self.extend, batch.extend_lens)
+        tokens(self.input_ids, batch.input_ids, n, zero)
+        tokens(self.positions, batch.positions, n, zero)
         if not self.frozen:
             self.has_oracle = batch.expected_input_ids is not None
         if batch.expected_input_ids is not None:
-            self._fill_tokens(self.expected_ids, batch.expected_input_ids, n, 0)
+            tokens(self.expected_ids, batch.expected_input_ids, n, zero)
         for name in self.groups:
             gb = batch.groups[name]
-            m = min(n, int(gb.out_cache_loc.shape[0]))
-            self._fill_tokens(self.out_loc[name], gb.out_cache_loc[:m], m, NOT_STORED, pad_to=max(n, self._n))
+            tokens(self.out_loc[name], gb.out_cache_loc, min(n, int(gb.out_cache_loc.shape[0])), not_stored)
             table = gb.req_to_token
             if table.dtype != torch.int32:
                 table = table.to(torch.int32)  # a copy per forward: give int32 tables to avoid it
@@ -124,11 +145,16 @@ class StaticBatch:
                 raise KvCanaryValueError("kv-canary: context_keys appeared after the canary's graphs were captured; "
                                  "stage a batch with context_keys before capturing")
             self.has_context = True
-            self._fill_rows(self.context_keys, batch.context_keys, bs)
+            rows(self.context_keys, batch.context_keys)
         elif self.has_context:
-            self.context_keys.zero_()
+            zero.append(self.context_keys)
         if batch.token_table_lens is not None:
-            self._fill_rows(self.token_lens, batch.token_table_lens, bs)
+            rows(self.token_lens, batch.token_table_lens)
+        torch._foreach_copy_(dst, src, non_blocking=True)
+        if zero:
+            torch._foreach_zero_(zero)
+        for buf in not_stored:
+            buf.fill_(NOT_STORED)
         self._bs, self._n = bs, n
 
     def clear(self) -> None:
@@ -138,18 +164,6 @@ class StaticBatch:
         for buf in self.out_loc.values():
             buf.fill_(NOT_STORED)
         self._bs = self._n = 0
-
-    def _fill_rows(self, buf: torch.Tensor, src: torch.Tensor, bs: int) -> None:
-        buf[:bs].copy_(src, non_blocking=True)
-        stale = self.max_rows if capturing() else self._bs  # a graph may replay after any other
-        if stale > bs:
-            buf[bs:stale].zero_()
-
-    def _fill_tokens(self, buf: torch.Tensor, src: torch.Tensor, n: int, pad: int, *, pad_to: Optional[int] = None) -> None:
-        buf[:n].copy_(src[:n], non_blocking=True)
-        stale = self.max_tokens if capturing() else (self._n if pad_to is None else pad_to)
-        if stale > n:
-            buf[n:stale].fill_(pad)
 
     def _grow(self, bs: int, n: int) -> None:
         if self.frozen:

@@ -88,10 +88,16 @@ class SimRequest:
 
 def kv_bytes(tokens: torch.Tensor, positions: torch.Tensor, layer: int, side: int, nbytes: int) -> torch.Tensor:
     """Deterministic "K/V" of tokens at positions: uint8 [n, nbytes]."""
-    h = splitmix64_mix3_tensor(tokens.to(torch.int64), positions.to(torch.int64),
-                               torch.tensor(layer * 2 + side, dtype=torch.int64))
-    words = [splitmix64_tensor(h + j) for j in range(nbytes // 8)]
-    return torch.stack(words, dim=1).view(torch.uint8).reshape(-1, nbytes)
+    return kv_bytes_all(tokens, positions, torch.tensor([layer * 2 + side], dtype=torch.int64, device=tokens.device),
+                        nbytes)[:, 0]
+
+
+def kv_bytes_all(tokens: torch.Tensor, positions: torch.Tensor, sides: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """`kv_bytes` of every (layer, side) in ``sides`` (int64 [S] of ``layer * 2 + side``) at once: uint8
+    [n, S, nbytes]. Word j of a row is ``splitmix64(mix3(token, position, layer * 2 + side) + j)``."""
+    h = splitmix64_mix3_tensor(tokens.to(torch.int64)[:, None], positions.to(torch.int64)[:, None], sides[None, :])
+    words = splitmix64_tensor(h[:, :, None] + torch.arange(nbytes // 8, dtype=torch.int64, device=h.device))
+    return words.view(torch.uint8).reshape(h.shape[0], h.shape[1], nbytes)
 
 
 class SimEngine:
@@ -268,13 +274,11 @@ class SimEngine:
             p = req.num_computed
             req.full_slots += full
             req.swa_slots += swa
-            self.table.req_to_token[req.row, p : p + e] = torch.tensor(full, dtype=torch.int32).to(self.device)
-            if self.swa_alloc:
-                self.full_to_swa[full] = torch.tensor(swa, dtype=torch.int64).to(self.device)
             plan.append((req, e, full, swa))
             budget -= e
         if not plan:
             return None
+        self._map_slots(plan)
         batch = self._batch(plan)
         for hook in self.batch_hooks:
             batch = hook(batch)
@@ -288,6 +292,16 @@ class SimEngine:
             self.canary.note_engine_forward()
         self._advance(plan)
         return batch
+
+    def _map_slots(self, plan) -> None:
+        """Table rows (and the full -> swa LUT) for the plan's new slots: one host-to-device copy each."""
+        rows = [r.row for r, e, _, _ in plan for _ in range(e)]
+        cols = [r.num_computed + i for r, e, _, _ in plan for i in range(e)]
+        full = [s for p in plan for s in p[2]]
+        idx = torch.tensor([rows, cols, full], dtype=torch.int64).to(self.device)
+        self.table.req_to_token[idx[0], idx[1]] = idx[2].to(torch.int32)
+        if self.swa_alloc:
+            self.full_to_swa[idx[2]] = torch.tensor([s for p in plan for s in p[3]], dtype=torch.int64).to(self.device)
 
     def _batch(self, plan) -> BatchDescription:
         reqs = [p[0] for p in plan]
@@ -327,10 +341,13 @@ class SimEngine:
             loc = gb.out_cache_loc
             keep = loc >= 0  # host tensors: no device read
             stored[group] = (loc[keep].to(dev), batch.input_ids[keep].to(dev), batch.positions[keep].to(dev))
-        for (group, layer), (k, v) in self.kv.items():
-            loc, ids, pos = stored[group]
-            for side, t in enumerate((k, v)):
-                t[loc] = kv_bytes(ids, pos, layer, side, self.config.kv_bytes)
+        for group, (loc, ids, pos) in stored.items():
+            layers = [(layer, kv) for (g, layer), kv in self.kv.items() if g == group]
+            sides = torch.tensor([2 * layer + side for layer, _ in layers for side in (0, 1)], dtype=torch.int64, device=dev)
+            data = kv_bytes_all(ids, pos, sides, self.config.kv_bytes)  # [n, 2 * layers, kv_bytes]
+            for i, (_, (k, v)) in enumerate(layers):
+                k[loc] = data[:, 2 * i]
+                v[loc] = data[:, 2 * i + 1]
 
     def _advance(self, plan) -> None:
         c = self.config
