@@ -29,9 +29,12 @@ ENGINES = {
 }
 
 
-def soak(name: str, seconds: float, *, device: str, graphs: bool, sweep_interval: int, seed: int) -> dict:
+def soak(name: str, seconds: float, *, device: str, graphs: bool, sweep_interval: int, seed: int,
+         deep: bool = False) -> dict:
+    t_setup = time.perf_counter()
     sc = SimConfig(**ENGINES[name], seed=seed, device=device)
-    canary = Canary(CanaryConfig(mode="log", sweep_interval=sweep_interval, health_interval=64, readable_per_step=0),
+    canary = Canary(CanaryConfig(mode="log", sweep_interval=sweep_interval, health_interval=64, readable_per_step=0,
+                                 deep_fingerprints=deep),
                     groups=sc.group_specs(), max_requests=sc.max_requests, max_context=sc.max_context,
                     max_batch_tokens=sc.max_batch_tokens, device=device)
     engine = SimEngine(sc, canary)
@@ -43,6 +46,7 @@ def soak(name: str, seconds: float, *, device: str, graphs: bool, sweep_interval
         canary.capture_graphs()
     rng = engine.rng
     start = time.perf_counter()
+    setup_s = start - t_setup
     bar = tqdm(desc=f"soak {name}", unit="fwd", file=sys.stderr, mininterval=5)
     while time.perf_counter() - start < seconds:
         for _ in range(100):
@@ -60,7 +64,7 @@ def soak(name: str, seconds: float, *, device: str, graphs: bool, sweep_interval
     stats = canary.close()
     counters = canary.counters()
     return dict(
-        engine=name, forwards=engine.forwards, seconds=elapsed, forwards_per_s=engine.forwards / elapsed,
+        engine=name, setup_s=setup_s, deep_fingerprints=deep, forwards=engine.forwards, seconds=elapsed, forwards_per_s=engine.forwards / elapsed,
         violations=counters["total"], checked_forwards=counters["checked_forwards"],
         sweep_passes=stats.sweep_passes, last_pass=stats.last_pass, final_sweep_live=report.live,
         final_sweep_verified=report.verified, final_sweep_complete=report.complete,
@@ -76,6 +80,7 @@ def main() -> None:
     ap.add_argument("--sweep-interval", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--deep-fingerprints", action="store_true", help="CanaryConfig(deep_fingerprints=True)")
     ap.add_argument("--json")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -83,8 +88,14 @@ def main() -> None:
     graphs = cuda and not args.no_graphs
     machine = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"# kvcanary soak on the simulated engine: {machine}, torch {torch.__version__}, graphs={graphs}")
-    rows = [soak(name, args.seconds / len(ENGINES), device=device, graphs=graphs,
-                 sweep_interval=args.sweep_interval, seed=args.seed) for name in ENGINES]
+    rows = []
+    for name in ENGINES:  # each row printed as soon as it is known (a cut-short run still reports)
+        r = soak(name, args.seconds / len(ENGINES), device=device, graphs=graphs, sweep_interval=args.sweep_interval,
+                 seed=args.seed, deep=args.deep_fingerprints)
+        rows.append(r)
+        print(f"# {name}: {r['forwards']} forwards in {r['seconds']:.1f} s ({r['forwards_per_s']:.0f}/s) after "
+              f"{r['setup_s']:.1f} s of setup; violations {r['violations']}; final sweep complete: "
+              f"{r['final_sweep_complete']}", flush=True)
     print(f"{'engine':>15} {'forwards':>9} {'fwd/s':>7} {'viol':>5} {'checked':>9} {'passes':>6} "
           f"{'final sweep live/verified':>26} {'hits':>7} {'evict':>6} {'retract':>7} {'abort':>6}")
     for r in rows:

@@ -33,10 +33,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int) -> dict:
+def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: int = 0, deep: bool = False) -> dict:
     sc = SimConfig(num_slots=bs * (ctx + 160) + 8, max_requests=bs + 1, max_context=ctx + 160, chunk_size=ctx,
                    max_batch_tokens=max(ctx, 8192), max_running=bs, num_layers=4, kv_bytes=256, seed=0, device=device)
-    canary = Canary(CanaryConfig(sweep_interval=64, health_interval=0, readable_per_step=0),
+    canary = Canary(CanaryConfig(sweep_interval=64, health_interval=0, readable_per_step=0, deep_fingerprints=deep),
                     groups=sc.group_specs(), max_requests=sc.max_requests, max_context=sc.max_context,
                     max_batch_tokens=sc.max_batch_tokens, device=device)
     engine = SimEngine(sc, canary)
@@ -63,6 +63,18 @@ def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int) -> dict:
         host += time.perf_counter() - t
     _sync()
     wall = time.perf_counter() - t0
+    if profile:  # where the host time goes (after the timed loop: cProfile slows what it watches)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(reps):
+            step()
+        prof.disable()
+        _sync()
+        print(f"# cProfile, {bs} x {ctx} {'graphs' if graphs else 'eager'}, {reps} steps, top {profile} by own time:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
     counters = canary.counters()
     assert counters["total"] == 0, counters
     return dict(bs=bs, ctx=ctx, variant="graphs" if graphs else "eager", entries=bs * ctx,
@@ -75,21 +87,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small grid")
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--deep-fingerprints", action="store_true", help="CanaryConfig(deep_fingerprints=True)")
+    ap.add_argument("--grid", help="cases as BSxCTX,... (default: the preset grid)")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N host functions (cProfile) of each case")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     grid = [(1, 256), (8, 1024), (64, 4096)] if args.quick else [(1, 256), (8, 1024), (32, 4096), (64, 4096)]
+    if args.grid:
+        grid = [tuple(int(v) for v in c.split("x")) for c in args.grid.split(",")]
     machine = torch.cuda.get_device_name() if cuda else (
         f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} torch threads")
     print("# kvcanary runtime: canary time per decode step (simulated engine, mode=log, real_kv_hash=partial,")
-    print("#   first+last layer K/V = 4 sources of 256 B/token, sweep slice every forward, drain poll)")
+    print("#   first+last layer K/V = 4 sources of 256 B/token, sweep slice every forward, drain poll"
+          + (", deep fingerprints)" if args.deep_fingerprints else ")"))
     print(f"# machine: {machine}; torch {torch.__version__}; python {sys.version.split()[0]}")
     print(f"{'bs':>4} {'ctx':>6} {'variant':>7} {'entries':>8} {'us/step':>9} {'host us':>8} {'checked':>8} {'MiB':>7}")
     rows = []
     for bs, ctx in grid:
-        for graphs in ((False, True) if cuda else (False,)):
+        for graphs in ((True, False) if cuda else (False,)):
             reps = 200 if cuda else (20 if bs * ctx > 50_000 else 50)
-            r = case(bs, ctx, device=device, graphs=graphs, reps=reps)
+            r = case(bs, ctx, device=device, graphs=graphs, reps=reps, profile=args.profile, deep=args.deep_fingerprints)
             rows.append(r)
             print(f"{r['bs']:>4} {r['ctx']:>6} {r['variant']:>7} {r['entries']:>8} {r['us']:>9.1f} {r['host_us']:>8.1f} "
                   f"{r['checked']:>4}/{r['forwards']:<3} {r['mib']:>7.1f}", flush=True)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call of a session: the stages named as arguments, each under its own time limit, logs in $OUT.
+#   bash bench/gpu_session.sh tests runtime soak copy kernels e2e e2e_quick deep
+# Runs from wherever it is started (a snapshot of a commit: see bench/NOTES.md); prints a short summary last.
+set -o pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/machine.txt"
+python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
+summary=()
+stage() {  # stage NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -E 'passed|failed|met|total|forwards in|error' "$OUT/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-150)")")
+}
+for s in "$@"; do
+  case $s in
+    tests)   stage tests 230 python3 -m pytest tests/gpu -q -n 6 -p no:cacheprovider --durations=10 ;;
+    runtime) stage runtime 150 python3 bench/runtime_overhead.py --profile 14 --json "$OUT/runtime.json" ;;
+    soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-70}" --json "$OUT/soak.json" ;;
+    copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
+    kernels) stage kernels 110 python3 bench/gpu_kernels.py --quick ;;
+    e2e)     stage e2e "${E2E_LIMIT:-420}" python3 bench/e2e_overhead.py --json "$OUT/e2e.json" ;;
+    e2e_quick) stage e2e_quick "${E2E_LIMIT:-300}" python3 bench/e2e_overhead.py --quick --json "$OUT/e2e.json" ;;
+    deep)    stage deep 90 python3 bench/runtime_overhead.py --deep-fingerprints --grid 1x256,64x4096 --profile 10 ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+echo "==== summary ($OUT) ===="
+printf '%s\n' "${summary[@]}"
