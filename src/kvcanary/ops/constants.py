@@ -41,7 +41,27 @@ STAMP_UNKNOWN = -1
 
 
 class FailReason(enum.IntFlag):
-    """Bits of a violation row's FAIL_REASON_BITS field."""
+    """Bits of a violation row's FAIL_REASON_BITS field.
+
+    Bits 1..32 are SPEC §3.1. Extension (issue 10 item 5): a slot index outside
+    ``[0, num_slots)`` of the canary buffer is reported, never dereferenced.
+
+    * ``VERIFY_SLOT_OUT_OF_RANGE`` (64, label ``verify_slot_out_of_range``): a verify entry whose
+      slot is not 0 (padding) and lies outside ``[0, num_slots)``, or whose predecessor is
+      ``>= num_slots`` (a negative predecessor still means "chain head", 0 "unreachable"). Row:
+      ``[kind, slot, stored_position, stored_token, expected_token, stored_prev_hash, prev_slot, bits]``
+      where the three stored fields are read when the slot itself is in range and are 0 when it
+      is not, and EXPECTED_AUX holds the entry's predecessor slot index (the expected chain cannot
+      be computed). The bit is the row's only bit: no other check is made for that entry.
+    * ``WRITE_SLOT_OUT_OF_RANGE`` (128, label ``write_slot_out_of_range``): a write entry whose
+      slot is ``>= num_slots`` (negative slots still mean "not stored"). The entry is not stored,
+      not counted, does not advance the chain and is not the chain-position assert's ``last_pos``
+      (like a negative slot); it is not input-asserted. Row: ``[kind, slot, position, token, token,
+      running, position, bits]`` (``running``: the prev_hash the next stored entry of the request
+      gets). A write row (``WRITE_FAIL_REASONS``), so stamps attribute it to the writing batch row.
+      A *seed* ``>= num_slots`` is read as an all-zero record (token 0, position 0, prev_hash 0);
+      the HEAD verify of the same plan reports that slot with ``VERIFY_SLOT_OUT_OF_RANGE``.
+    """
 
     VERIFY_CHAIN_HASH_MISMATCH = 1
     VERIFY_POSITION_MISMATCH = 2
@@ -49,6 +69,8 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = 8
     WRITE_POSITION_MISMATCH = 16
     VERIFY_TOKEN_MISMATCH = 32
+    VERIFY_SLOT_OUT_OF_RANGE = 64
+    WRITE_SLOT_OUT_OF_RANGE = 128
 
     @property
     def label(self) -> str:
@@ -56,7 +78,9 @@ class FailReason(enum.IntFlag):
         return reason_label(int(self))
 
 
-WRITE_FAIL_REASONS = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
+WRITE_FAIL_REASONS = int(
+    FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH | FailReason.WRITE_SLOT_OUT_OF_RANGE
+)
 """A ring row is a write row iff its FAIL_REASON_BITS field has one of these bits."""
 
 

@@ -22,3 +22,9 @@ def triton_backend(device: torch.device) -> Optional[ModuleType]:
     if device.type != "cuda":
         return None
     return _triton_ops()
+
+
+def capturing(device: torch.device) -> bool:
+    """True while the current CUDA stream is being captured into a graph (never on CPU): host
+    reads are then impossible and a launcher skips its host-side range checks."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -7,9 +7,13 @@ import torch
 
 from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.checks import INDEX_DTYPES, check_tensor
-from kvcanary.ops.dispatch import triton_backend
+from kvcanary.ops.dispatch import capturing, triton_backend
 from kvcanary.ops.records import VerifyPlan, WritePlan
-from kvcanary.ops.reference.plan import launch_canary_plan_kernels_torch_reference
+from kvcanary.ops.reference.plan import (
+    check_request_rows,
+    launch_canary_plan_kernels_torch_reference,
+    request_row_bound,
+)
 
 _OP = "launch_canary_plan_kernels"
 
@@ -88,7 +92,14 @@ def launch_canary_plan_kernels(
 ) -> None:
     """Build the verify entries and write metadata of one forward.
 
-    Mutates only the nine plan tensors (all unchanged if it raises).
+    Mutates only the nine plan tensors; every error is raised before any of them changes (the
+    plan has no counters). Request rows: an active batch row (``req_pool_indices[r] != 0``) must
+    name a row of ``req_to_token`` (and of ``req_to_verify_expected_tokens`` when it has columns),
+    else ``KvCanaryValueError("kv-canary: launch_canary_plan_kernels req_pool_indices[{r}]={row} is
+    outside the request table rows [0, {n}))")`` — a host read of ``req_pool_indices`` (on CUDA it
+    waits for the stream). While the current stream is capturing a CUDA graph that check is
+    skipped and the Triton kernels plan such a row as a padding row (no verify entries, no write
+    tokens, seed -1): nothing outside the tables is read.
     """
     kwargs = dict(
         verify_plan_out=verify_plan_out,
@@ -107,6 +118,8 @@ def launch_canary_plan_kernels(
     check_args = dict(kwargs)
     check_args["extend_lens"] = check_args.pop("extend_seq_lens")
     _check_plan_args(**check_args)
+    if not capturing(req_to_token.device):  # a host read; under capture the kernel plans such rows as padding
+        check_request_rows(_OP, req_pool_indices, request_row_bound(req_to_token, req_to_verify_expected_tokens))
     backend = triton_backend(req_to_token.device)
     impl = backend.launch_plan if backend else launch_canary_plan_kernels_torch_reference
     impl(**kwargs)

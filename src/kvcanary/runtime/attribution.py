@@ -29,6 +29,8 @@ REASON_MEANING = {
     FailReason.WRITE_TOKEN_MISMATCH: "the engine wrote a token other than the oracle's",
     FailReason.WRITE_POSITION_MISMATCH: "the engine wrote a position that does not continue its sequence",
     FailReason.VERIFY_TOKEN_MISMATCH: "the slot's token differs from the request's token history",
+    FailReason.VERIFY_SLOT_OUT_OF_RANGE: "the plan names a slot outside the canary buffer (a garbage slot index)",
+    FailReason.WRITE_SLOT_OUT_OF_RANGE: "the engine stored KV at a slot outside the canary buffer",
 }
 
 

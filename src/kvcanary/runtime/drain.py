@@ -36,7 +36,7 @@ from kvcanary.ops import (
 )
 
 STAMP_FIELDS = 3  # (step, batch row, expected position): see ops.launch_stamp_violation_rows
-WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
+WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH | FailReason.WRITE_SLOT_OUT_OF_RANGE
 _MASK64 = 2**64 - 1
 
 

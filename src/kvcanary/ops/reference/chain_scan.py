@@ -8,6 +8,7 @@ same bits.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import numpy as np
 import torch
@@ -40,48 +41,55 @@ def compiled_scan():
         return x ^ (x >> s3)
 
     @numba.njit(cache=True, nogil=True)
-    def _scan(start, lengths, tokens, positions, out):
+    def _scan(start, lengths, tokens, positions, advance, out):
         i = 0
         for r in range(lengths.shape[0]):
             h = start[r]
             for _ in range(lengths[r]):
                 out[i] = h
-                h = _mix(_mix(_mix(h) ^ tokens[i]) ^ positions[i])
+                if advance[i]:
+                    h = _mix(_mix(_mix(h) ^ tokens[i]) ^ positions[i])
                 i += 1
 
     return _scan
 
 
-def _python_scan(start: list, lengths: list, tokens: list, positions: list) -> list:
+def _python_scan(start: list, lengths: list, tokens: list, positions: list, advance: list) -> list:
     out = []
     i = 0
     for h, n in zip(start, lengths):
         h &= MASK64
         for _ in range(n):
             out.append(to_signed64(h))
-            h = splitmix64_mix3(h, tokens[i], positions[i])
+            if advance[i]:
+                h = splitmix64_mix3(h, tokens[i], positions[i])
             i += 1
     return out
 
 
 def chain_scan(
-    start: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, compiled: bool = True
+    start: torch.Tensor, lengths: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, compiled: bool = True,
+    advance: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Running hash before each entry: int64 [sum(lengths)] on ``tokens.device``.
 
     start: int64 [R] hash each request starts from; lengths: int64 [R] entries per request;
     tokens, positions: int64 [sum(lengths)], request by request. ``compiled=False`` forces the
-    pure-Python loop (same bits; tests compare the two).
+    pure-Python loop (same bits; tests compare the two). ``advance``: optional bool [sum(lengths)];
+    an entry where it is False gets the running hash but does not advance it (default: all advance).
     """
     device = tokens.device
     n = int(tokens.shape[0])
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
+    if advance is None:
+        advance = torch.ones(n, dtype=torch.bool, device=device)
     scan = compiled_scan() if compiled else None
     if scan is not None:
         as_u64 = lambda t: t.detach().to("cpu", torch.int64).contiguous().numpy().view(np.uint64)  # noqa: E731
         out = np.empty(n, dtype=np.uint64)
-        scan(as_u64(start), lengths.to("cpu", torch.int64).numpy(), as_u64(tokens), as_u64(positions), out)
+        scan(as_u64(start), lengths.to("cpu", torch.int64).numpy(), as_u64(tokens), as_u64(positions),
+             advance.to("cpu", torch.bool).contiguous().numpy(), out)
         return torch.from_numpy(out.view(np.int64)).to(device)
-    values = _python_scan(start.tolist(), lengths.tolist(), tokens.tolist(), positions.tolist())
+    values = _python_scan(start.tolist(), lengths.tolist(), tokens.tolist(), positions.tolist(), advance.tolist())
     return torch.tensor(values, dtype=torch.int64, device=device)

@@ -32,11 +32,21 @@ def canary_fields(canary_buf: torch.Tensor) -> torch.Tensor:
     return fields
 
 
+def read_records(fields: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``fields[s]`` for int64 slots [N]; a row outside ``[0, num_slots)`` reads as zeros
+    (never indexed)."""
+    inside = (slots >= 0) & (slots < fields.shape[0])
+    rec = fields.index_select(0, torch.where(inside, slots, torch.zeros_like(slots)))
+    if bool(inside.all()):
+        return rec
+    return rec * inside[:, None].to(rec.dtype)
+
+
 def slot_hash(fields: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``slot_hash(buf, s)`` for int64 slots [N]: H0 where ``s < 0``, else mix3 of the record."""
+    """``slot_hash(buf, s)`` for int64 slots [N]: H0 where ``s < 0``, else mix3 of the record
+    (a slot ``>= num_slots`` reads as an all-zero record)."""
     head = slots < 0
-    safe = torch.where(head, torch.zeros_like(slots), slots)
-    rec = fields.index_select(0, safe)
+    rec = read_records(fields, slots)
     h = splitmix64_mix3_tensor(
         rec[:, CANARY_FIELD_PREV_HASH], rec[:, CANARY_FIELD_TOKEN], rec[:, CANARY_FIELD_POSITION]
     )

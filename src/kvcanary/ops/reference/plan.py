@@ -30,6 +30,27 @@ def _check_lut_range(slot_raw: torch.Tensor, prev_raw: torch.Tensor, prev_looked
         raise KvCanaryValueError(f"kv-canary: SWA slot {value} is outside full_to_swa_index_mapping length {lut_len}")
 
 
+def request_row_bound(req_to_token: torch.Tensor, table: Optional[torch.Tensor]) -> int:
+    """Rows an active request row may name: those of ``req_to_token`` and, when an expected-token
+    table with columns is given, of the table too."""
+    rows = int(req_to_token.shape[0])
+    if table is not None and table.shape[1] > 0:
+        rows = min(rows, int(table.shape[0]))
+    return rows
+
+
+def check_request_rows(op: str, req_pool_indices: torch.Tensor, n_rows: int) -> None:
+    """Raise ``KvCanaryValueError`` for the first active batch row (request row not 0) whose request
+    row is outside ``[0, n_rows)``; padding rows (0) are never checked. A host read."""
+    rp = req_pool_indices.to(torch.int64)
+    bad = (rp != REQ_POOL_IDX_PADDING) & ((rp < 0) | (rp >= n_rows))
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        raise KvCanaryValueError(
+            f"kv-canary: {op} req_pool_indices[{r}]={int(rp[r])} is outside the request table rows [0, {n_rows})"
+        )
+
+
 def launch_canary_plan_kernels_torch_reference(
     *,
     verify_plan_out: VerifyPlan,
@@ -46,7 +67,9 @@ def launch_canary_plan_kernels_torch_reference(
     kv_token_id_vs_position_offset: int,
 ) -> None:
     """Gather the verify entries of every active row's cached prefix (window) and the write
-    offsets / seeds of its extend. Mutates only the nine plan tensors; unchanged if it raises."""
+    offsets / seeds of its extend. Mutates only the nine plan tensors; unchanged if it raises.
+    An active row whose request row is outside the request table (``request_row_bound``) raises
+    ``KvCanaryValueError`` after the capacity and table checks, before any lookup."""
     capacity = int(verify_plan_out.verify_slot_indices.shape[0])
     if verify_capacity != capacity:
         raise KvCanaryValueError(
@@ -58,6 +81,7 @@ def launch_canary_plan_kernels_torch_reference(
         raise KvCanaryValueError(
             f"kv-canary: {_NAME} requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
         )
+    check_request_rows(_NAME, req_pool_indices, request_row_bound(req_to_token, table))
     lut = full_to_swa_index_mapping
     rp = req_pool_indices.to(torch.int64)
     prefix = prefix_lens.to(torch.int64)
@@ -97,7 +121,9 @@ def launch_canary_plan_kernels_torch_reference(
     n_seed = min(bs, int(write_plan_out.write_seed_slot_indices.shape[0]))
     seeded = writes & (prefix > 0)
     # only seeded rows are looked up: a padding row's lengths are arbitrary (CUDA-graph padding)
-    seed_raw = req_to_token[rp, torch.where(seeded, prefix - 1, torch.zeros_like(prefix))].to(torch.int64)
+    seed_raw = req_to_token[
+        torch.where(seeded, rp, torch.zeros_like(rp)), torch.where(seeded, prefix - 1, torch.zeros_like(prefix))
+    ].to(torch.int64)
     seeds = _translate(torch.where(seeded, seed_raw, torch.full_like(rp, -1)), lut)
 
     # Every check passed: write the outputs.

@@ -14,7 +14,9 @@ from kvcanary.ops.constants import (
     FailReason,
 )
 from kvcanary.ops.records import VerifyOrWriteContext, VerifyPlan
-from kvcanary.ops.reference.common import append_violations, canary_fields, slot_hash, violation_rows
+from kvcanary.ops.reference.common import (
+    append_violations, canary_fields, read_records, slot_hash, violation_rows,
+)
 from kvcanary.ops.reference.real_kv import check_row_widths, fingerprint_slots
 
 CHUNK_ENTRIES = 1 << 17
@@ -27,7 +29,8 @@ def launch_canary_verify_kernel_torch_reference(
     """Check the plan's active entries against the canary buffer; record mismatches.
 
     Mutates: ``kernel_run_counter`` (+1), ``slot_run_counter`` (+active entries), the ring and its
-    write index. Never writes the canary buffer.
+    write index. Never writes the canary buffer. A slot or predecessor outside the buffer is a
+    ``VERIFY_SLOT_OUT_OF_RANGE`` row (``FailReason``), never an index error.
     """
     ctx = context
     ctx.kernel_run_counter.add_(1)
@@ -68,18 +71,28 @@ def _verify_chunk(
     slots, prev, exp_pos = slots.to(torch.int64), prev.to(torch.int64), exp_pos.to(torch.int64)
     exp_tok = exp_tok.to(torch.int64) if check_token else torch.full_like(slots, -1)
 
-    rec = fields.index_select(0, slots)
+    # Out-of-range slots or predecessors are reported (FailReason docstring), never indexed.
+    num_slots = fields.shape[0]
+    slot_inside = (slots >= 0) & (slots < num_slots)
+    out_of_range = ~slot_inside | (prev >= num_slots)
+    rec = read_records(fields, slots)
     stored_token = rec[:, CANARY_FIELD_TOKEN]
     stored_pos = rec[:, CANARY_FIELD_POSITION]
     stored_chain = rec[:, CANARY_FIELD_PREV_HASH]
     reachable = prev != TOKEN_TO_KV_SLOT_PADDING
     expected_chain = torch.where(reachable, slot_hash(fields, prev), stored_chain)
-    fp = fingerprint_slots(ctx.real_kv_sources, ctx.real_kv_hash_mode, slots, fields.device)
+    fp = fingerprint_slots(
+        ctx.real_kv_sources, ctx.real_kv_hash_mode, torch.where(slot_inside, slots, torch.zeros_like(slots)),
+        fields.device,
+    )
 
     bits = (reachable & (stored_chain != expected_chain)).to(torch.int64).mul_(int(FailReason.VERIFY_CHAIN_HASH_MISMATCH))
     bits += ((exp_tok != -1) & (stored_token != exp_tok)).to(torch.int64).mul_(int(FailReason.VERIFY_TOKEN_MISMATCH))
     bits += (stored_pos != exp_pos).to(torch.int64).mul_(int(FailReason.VERIFY_POSITION_MISMATCH))
     bits += (rec[:, CANARY_FIELD_REAL_KV_HASH] != fp).to(torch.int64).mul_(int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH))
+    oor_bit = torch.full_like(bits, int(FailReason.VERIFY_SLOT_OUT_OF_RANGE))
+    bits = torch.where(out_of_range, oor_bit, bits)
+    expected_chain = torch.where(out_of_range, prev, expected_chain)
     bad = bits != 0
     if not bool(bad.any()):
         return None

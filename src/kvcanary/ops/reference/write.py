@@ -25,6 +25,7 @@ from kvcanary.ops.reference.common import (
     append_violations,
     canary_fields,
     last_occurrence_mask,
+    read_records,
     segment_ids,
     slot_hash,
     violation_rows,
@@ -84,7 +85,8 @@ def launch_canary_write_kernel_torch_reference(
     """Store (token, position, prev_hash, fingerprint) for every entry with a slot >= 0.
 
     Mutates: ``kernel_run_counter`` (+1, first), the canary buffer, ``slot_run_counter``
-    (+entries written), the ring and its write index.
+    (+entries written), the ring and its write index. A slot or seed past the buffer is never
+    indexed: see ``FailReason.WRITE_SLOT_OUT_OF_RANGE``.
     """
     ctx = context
     ctx.kernel_run_counter.add_(1)
@@ -111,10 +113,14 @@ def launch_canary_write_kernel_torch_reference(
     slot = out_cache_loc[flat].to(torch.int64)
     stored = slot >= 0
     req, flat, slot = req[stored], flat[stored], slot[stored]
+    # A slot past the buffer is reported, not stored (FailReason.WRITE_SLOT_OUT_OF_RANGE).
+    inside = slot < fields.shape[0]
     token = input_ids[flat].to(torch.int64)
     position = positions[flat].to(torch.int64)
     seeds = seeds_all[:num_reqs].to(torch.int64)
-    fingerprint = fingerprint_slots(ctx.real_kv_sources, ctx.real_kv_hash_mode, slot, fields.device)
+    fingerprint = fingerprint_slots(
+        ctx.real_kv_sources, ctx.real_kv_hash_mode, torch.where(inside, slot, torch.zeros_like(slot)), fields.device
+    )
     chain_assert_on = int(ctx.enable_chain_position_assert[0]) != 0
     if enable_write_input_assert:
         exp_token = expected_input_tokens[flat].to(torch.int64)
@@ -122,34 +128,47 @@ def launch_canary_write_kernel_torch_reference(
 
     kind = torch.tensor([int(ctx.kernel_kind)], dtype=torch.int64, device=fields.device)
     rows: list[torch.Tensor] = []
+    row_keys: list[torch.Tensor] = []  # entry index of each row: rows are put in entry order at the end
     seg_first_req, seg_first_entry = 0, 0
     while seg_first_req < num_reqs:
         tail_req = req[seg_first_entry:]
-        uniq, inverse = torch.unique(slot[seg_first_entry:], return_inverse=True)
-        dependent = _first_dependent_request(tail_req, uniq, inverse, seeds, seg_first_req)
+        tail_in = inside[seg_first_entry:]
+        uniq, inverse = torch.unique(slot[seg_first_entry:][tail_in], return_inverse=True)
+        dependent = _first_dependent_request(tail_req[tail_in], uniq, inverse, seeds, seg_first_req)
         seg_end_req = num_reqs if dependent < 0 else dependent
         seg_end_entry = seg_first_entry + int((tail_req < seg_end_req).sum())
         e = slice(seg_first_entry, seg_end_entry)
-        seg_req, seg_slot, seg_token, seg_pos = req[e], slot[e], token[e], position[e]
+        seg_req, seg_token, seg_pos, seg_in = req[e], token[e], position[e], inside[e]
         seg_seeds = seeds[seg_first_req:seg_end_req]
 
         # Seeds are read from the live buffer: earlier segments have landed.
         start_hash = slot_hash(fields, seg_seeds)
-        running = chain_scan(
-            start_hash, torch.bincount(seg_req - seg_first_req, minlength=seg_seeds.numel()), seg_token, seg_pos
+        running_all = chain_scan(
+            start_hash, torch.bincount(seg_req - seg_first_req, minlength=seg_seeds.numel()), seg_token, seg_pos,
+            advance=seg_in,
         )
+        if not bool(seg_in.all()):
+            out_idx = (~seg_in).nonzero().squeeze(1)
+            o_slot, o_pos, o_tok = slot[e][out_idx], seg_pos[out_idx], seg_token[out_idx]
+            bits = torch.full_like(o_pos, int(FailReason.WRITE_SLOT_OUT_OF_RANGE))
+            rows.append(violation_rows(kind, o_slot, o_pos, o_tok, o_tok, running_all[out_idx], o_pos, bits))
+            row_keys.append(seg_first_entry + out_idx)
+        in_idx = seg_in.nonzero().squeeze(1)
+        seg_req, seg_slot, seg_token, seg_pos = seg_req[in_idx], slot[e][in_idx], seg_token[in_idx], seg_pos[in_idx]
+        running = running_all[in_idx]
+        entry_key = seg_first_entry + in_idx
 
         is_first = torch.ones_like(seg_req, dtype=torch.bool)
         is_first[1:] = seg_req[1:] != seg_req[:-1]
         seed_of_entry = seg_seeds[seg_req - seg_first_req]
-        seed_pos = fields[torch.clamp(seed_of_entry, min=0), CANARY_FIELD_POSITION]
+        seed_pos = read_records(fields, seed_of_entry)[:, CANARY_FIELD_POSITION]
         prev_pos = torch.empty_like(seg_pos)
         prev_pos[1:] = seg_pos[:-1]
         last_pos = torch.where(is_first, seed_pos, prev_pos)
 
         entry_rows = []
         if enable_write_input_assert:
-            et, ep = exp_token[e], exp_position[e]
+            et, ep = exp_token[e][in_idx], exp_position[e][in_idx]
             bits = (seg_token != et).to(torch.int64) * int(FailReason.WRITE_TOKEN_MISMATCH) + (
                 seg_pos != ep
             ).to(torch.int64) * int(FailReason.WRITE_POSITION_MISMATCH)
@@ -168,12 +187,13 @@ def launch_canary_write_kernel_torch_reference(
             flags = torch.stack([m for m, _ in entry_rows], dim=1).flatten()
             stacked = torch.stack([r for _, r in entry_rows], dim=1).reshape(-1, 8)
             rows.append(stacked[flags])
+            row_keys.append(entry_key[:, None].expand(-1, len(entry_rows)).flatten()[flags])
 
         if dependent < 0:  # the segment is the whole tail: reuse its unique slots
             last = _last_writes(inverse, uniq.numel())
         else:
             last = last_occurrence_mask(seg_slot)
-        record = torch.stack([seg_token, seg_pos, running, fingerprint[e]], dim=1)
+        record = torch.stack([seg_token, seg_pos, running, fingerprint[e][in_idx]], dim=1)
         target = seg_slot
         if last is not None:
             record, target = record[last], target[last]
@@ -181,6 +201,9 @@ def launch_canary_write_kernel_torch_reference(
 
         seg_first_req, seg_first_entry = seg_end_req, seg_end_entry
 
-    ctx.slot_run_counter.add_(int(slot.numel()))
+    ctx.slot_run_counter.add_(int(inside.sum()))
     if rows:
-        append_violations(ctx.violation_ring, ctx.violation_write_index, torch.cat(rows))
+        all_rows = torch.cat(rows)
+        if len(rows) > 1:
+            all_rows = all_rows[torch.sort(torch.cat(row_keys), stable=True).indices]
+        append_violations(ctx.violation_ring, ctx.violation_write_index, all_rows)

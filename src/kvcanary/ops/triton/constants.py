@@ -47,6 +47,8 @@ VERIFY_REAL_KV = tl.constexpr(int(c.FailReason.VERIFY_REAL_KV_HASH_MISMATCH))
 VERIFY_TOKEN = tl.constexpr(int(c.FailReason.VERIFY_TOKEN_MISMATCH))
 WRITE_TOKEN = tl.constexpr(int(c.FailReason.WRITE_TOKEN_MISMATCH))
 WRITE_POSITION = tl.constexpr(int(c.FailReason.WRITE_POSITION_MISMATCH))
+VERIFY_SLOT_OOR = tl.constexpr(int(c.FailReason.VERIFY_SLOT_OUT_OF_RANGE))
+WRITE_SLOT_OOR = tl.constexpr(int(c.FailReason.WRITE_SLOT_OUT_OF_RANGE))
 WRITE_REASONS = tl.constexpr(c.WRITE_FAIL_REASONS)
 
 # stamps

@@ -61,13 +61,14 @@ DEFAULT_PLAN_CONFIG = PlanLaunchConfig()
 
 
 @triton.jit
-def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window):
-    """Per batch row: (verify entries, write tokens, window start), int64."""
+def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows):
+    """Per batch row: (verify entries, write tokens, window start), int64. A request row outside
+    ``[0, n_rows)`` counts as padding (only reachable under graph capture: see ``launch_plan``)."""
     m = rows < bs
     rp = tl.load(rp_ptr + rows, mask=m, other=0).to(tl.int64)
     p = tl.load(prefix_ptr + rows, mask=m, other=0).to(tl.int64)
     e = tl.load(extend_ptr + rows, mask=m, other=0).to(tl.int64)
-    active = m & (rp != REQ_PADDING)
+    active = m & (rp != REQ_PADDING) & (rp >= 0) & (rp < n_rows)
     if window > 0:
         lo = tl.maximum(p - window, 0)
     else:
@@ -79,20 +80,20 @@ def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window):
 
 @triton.jit
 def _row_block_sums_kernel(
-    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, bs, window, nblocks, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, bs, window, nblocks, n_rows, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     pdl_release(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
-    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window)
+    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows)
     tl.store(sums_ptr + pid, tl.sum(nv, 0))
     tl.store(sums_ptr + nblocks + pid, tl.sum(nw, 0))
 
 
 @triton.jit
 def _row_scan_kernel(
-    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, starts_ptr, bs, window, nblocks,
+    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, starts_ptr, bs, window, nblocks, n_rows,
     MULTI: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """starts[0:bs+1] = exclusive sums of verify entries; starts[bs+1:2bs+2] = of write tokens."""
@@ -108,7 +109,7 @@ def _row_scan_kernel(
             base_v += tl.sum(tl.load(sums_ptr + blk, mask=bm, other=0), 0)
             base_w += tl.sum(tl.load(sums_ptr + nblocks + blk, mask=bm, other=0), 0)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
-    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window)
+    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows)
     cv = tl.cumsum(nv, 0)
     cw = tl.cumsum(nw, 0)
     m = rows < bs
@@ -218,13 +219,13 @@ def _store_entries(
 
 
 @triton.jit
-def _store_seeds(i, sm, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, lut_ptr, lut_len, w_seed_ptr,
+def _store_seeds(i, sm, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, lut_ptr, lut_len, w_seed_ptr, n_rows,
                  HAS_LUT: tl.constexpr):
     """Seeds of batch rows i (mask sm): T(req_to_token[rp, P - 1]) or -1."""
     rp = tl.load(rp_ptr + i, mask=sm, other=0).to(tl.int64)
     p = tl.load(prefix_ptr + i, mask=sm, other=0).to(tl.int64)
     e = tl.load(extend_ptr + i, mask=sm, other=0).to(tl.int64)
-    seeded = sm & (rp != REQ_PADDING) & (e > 0) & (p > 0)
+    seeded = sm & (rp != REQ_PADDING) & (rp >= 0) & (rp < n_rows) & (e > 0) & (p > 0)
     raw = tl.load(rtt_ptr + rp * rtt_stride + p - 1, mask=seeded, other=-1).to(tl.int64)
     tl.store(w_seed_ptr + i, _translate(raw, lut_ptr, lut_len, HAS_LUT), mask=sm)
 
@@ -235,7 +236,7 @@ def _gather_kernel(
     lut_ptr, lut_len,
     table_ptr, table_stride, valid_ptr, token_offset,
     v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
-    w_off_ptr, w_seed_ptr, w_num_ptr, w_cap,
+    w_off_ptr, w_seed_ptr, w_num_ptr, w_cap, n_rows,
     HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr, NSTEPS: tl.constexpr,
     BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -255,7 +256,7 @@ def _gather_kernel(
         off = tl.load(starts_ptr + bs + 1 + i, mask=i <= bs, other=0)
         tl.store(w_off_ptr + i, off, mask=i <= w_cap)
         _store_seeds(i, (i < bs) & (i < w_cap), rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride,
-                     lut_ptr, lut_len, w_seed_ptr, HAS_LUT)
+                     lut_ptr, lut_len, w_seed_ptr, n_rows, HAS_LUT)
     # Verify entries, unless they overflow the capacity.
     n = tl.where(overflow, 0, total)
     for start in range(pid * BLOCK, n, nprog * BLOCK):
@@ -273,7 +274,7 @@ def _tile_plan_kernel(
     lut_ptr, lut_len,
     table_ptr, table_stride, valid_ptr, token_offset,
     v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
-    w_off_ptr, w_seed_ptr, w_num_ptr, w_cap, tiles_per_row,
+    w_off_ptr, w_seed_ptr, w_num_ptr, w_cap, tiles_per_row, n_rows,
     HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ZBLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -285,7 +286,7 @@ def _tile_plan_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     rows = tl.arange(0, ROWS)
-    nv, nw, lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window)
+    nv, nw, lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows)
     starts = tl.cumsum(nv, 0) - nv
     total = tl.sum(nv, 0)
     overflow = total > v_cap
@@ -297,7 +298,7 @@ def _tile_plan_kernel(
         tl.store(w_off_ptr + rows, w_starts, mask=(rows < bs) & (rows <= w_cap))
         tl.store(w_off_ptr + bs + rows * 0, tl.zeros([ROWS], tl.int64) + tl.sum(nw, 0), mask=(rows == 0) & (bs <= w_cap))
         _store_seeds(rows, (rows < bs) & (rows < w_cap), rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride,
-                     lut_ptr, lut_len, w_seed_ptr, HAS_LUT)
+                     lut_ptr, lut_len, w_seed_ptr, n_rows, HAS_LUT)
     for start in range(bs + 1 + pid * ZBLOCK, w_cap + 1, nprog * ZBLOCK):  # offsets past the batch
         i = start + tl.arange(0, ZBLOCK)
         tl.store(w_off_ptr + i, tl.zeros([ZBLOCK], tl.int64), mask=i <= w_cap)
@@ -362,6 +363,9 @@ def launch_plan(
         )
     if table is not None and table.shape[1] == 0:
         table = None
+    # Request rows outside [0, n_rows) are refused by the public launcher outside capture; under
+    # capture the kernels plan such a row as padding (no entries, no writes, seed untouched as -1).
+    n_rows = min(int(req_to_token.shape[0]), int(table.shape[0]) if table is not None else 2**62)
     v_cap = int(vp.verify_slot_indices.shape[0])
     w_cap = int(wp.write_seed_slot_indices.shape[0])
     sms = num_sms(dev)
@@ -386,7 +390,7 @@ def launch_plan(
         grid = (max(1, min(bs * tiles_per_row, sms * config.programs_per_sm)),)
         _tile_plan_kernel[grid](
             req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, bs, window,
-            *lut_args, *table_args, *outputs, tiles_per_row,
+            *lut_args, *table_args, *outputs, tiles_per_row, n_rows,
             HAS_LUT=lut is not None, HAS_TABLE=table is not None, ROWS=rows, BLOCK=block, ZBLOCK=1024,
             PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
         )
@@ -399,10 +403,10 @@ def launch_plan(
     else:
         if nblocks > 1:
             _row_block_sums_kernel[(nblocks,)](
-                req_pool_indices, prefix_lens, extend_seq_lens, sums, bs, window, nblocks,
+                req_pool_indices, prefix_lens, extend_seq_lens, sums, bs, window, nblocks, n_rows,
                 BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
         _row_scan_kernel[(nblocks,)](
-            req_pool_indices, prefix_lens, extend_seq_lens, sums, starts, bs, window, nblocks,
+            req_pool_indices, prefix_lens, extend_seq_lens, sums, starts, bs, window, nblocks, n_rows,
             MULTI=nblocks > 1, BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
     nsteps = _nsteps(bs)
     entry_block = config.entry_block
@@ -418,7 +422,7 @@ def launch_plan(
     grid = (max(1, min(triton.cdiv(max(v_cap, w_cap + 1), entry_block), sms * config.programs_per_sm)),)
     _gather_kernel[grid](
         starts, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, bs, window,
-        *lut_args, *table_args, *outputs,
+        *lut_args, *table_args, *outputs, n_rows,
         HAS_LUT=lut is not None, HAS_TABLE=table is not None, NSTEPS=nsteps,
         BLOCK=entry_block, ROW_BLOCK=entry_block, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )

@@ -17,7 +17,7 @@ from kvcanary.ops.records import VerifyOrWriteContext, VerifyPlan
 from kvcanary.ops.reference.verify import launch_canary_verify_kernel_torch_reference
 from kvcanary.ops.triton.constants import (
     F_POSITION, F_PREV_HASH, F_REAL_KV, F_TOKEN, SLOT_PADDING, VERIFY_CHAIN, VERIFY_POSITION, VERIFY_REAL_KV,
-    VERIFY_TOKEN,
+    VERIFY_SLOT_OOR, VERIFY_TOKEN,
 )
 from kvcanary.ops.triton.hashing import H0_SIGNED, as_i64, fingerprint, slot_hash_of_fields, source_args, static_error
 from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
@@ -69,6 +69,7 @@ def _load_record(fields_ptr, slot, mask, stride_words, ALIGNED16: tl.constexpr):
 def _verify_kernel(
     fields_ptr,          # int64 view of canary_buf: [num_slots, stride_words]
     stride_words,        # int64 fields per canary row
+    num_slots,           # canary rows: slots outside [0, num_slots) are reported, never loaded
     slot_ptr, tok_ptr, pos_ptr, prev_ptr,   # plan arrays, int64 [capacity]
     num_valid_ptr, enable_ptr,              # int32 [1] each
     ring_ptr, widx_ptr, ring_cap,           # int64 [ring_cap, 8], int32 [1]
@@ -98,8 +99,12 @@ def _verify_kernel(
         prev = tl.load(prev_ptr + idx, mask=m, other=SLOT_PADDING)
         exp_pos = tl.load(pos_ptr + idx, mask=m, other=0)
         live = m & (slot != SLOT_PADDING)
-        token, position, chain, real_kv = _load_record(fields_ptr, slot, live, stride_words, ALIGNED16)
-        reachable = live & (prev != SLOT_PADDING)
+        # Out-of-range slots / predecessors: reported, never loaded (FailReason docstring).
+        slot_in = live & (slot >= 0) & (slot < num_slots)
+        oor = live & ((slot < 0) | (slot >= num_slots) | (prev >= num_slots))
+        ok = slot_in & (prev < num_slots)
+        token, position, chain, real_kv = _load_record(fields_ptr, slot, slot_in, stride_words, ALIGNED16)
+        reachable = ok & (prev != SLOT_PADDING)
         from_slot = reachable & (prev > 0)
         p_tok, p_pos, p_chain, _unused = _load_record(fields_ptr, prev, from_slot, stride_words, ALIGNED16)
         linked = as_i64(slot_hash_of_fields(p_chain, p_tok, p_pos))
@@ -108,13 +113,15 @@ def _verify_kernel(
             exp_tok = tl.load(tok_ptr + idx, mask=live, other=-1)
         else:
             exp_tok = tl.full([BLOCK], -1, tl.int64)
-        fp = as_i64(fingerprint(slot, live, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
+        fp = as_i64(fingerprint(slot, ok, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
                                 NSRC, W0, W1, W2, W3))
         bits = tl.where(reachable & (chain != expected_chain), VERIFY_CHAIN, 0)
         bits += tl.where((exp_tok != -1) & (token != exp_tok), VERIFY_TOKEN, 0)
         bits += tl.where(position != exp_pos, VERIFY_POSITION, 0)
         bits += tl.where(real_kv != fp, VERIFY_REAL_KV, 0)
-        bits = tl.where(live, bits, 0)
+        bits = tl.where(ok, bits, 0)
+        bits = tl.where(oor, VERIFY_SLOT_OOR, bits)
+        expected_chain = tl.where(oor, prev, expected_chain)
         bad = bits != 0
         if tl.sum(bad.to(tl.int32), 0) > 0:
             row = reserve_rows(widx_ptr, bad.to(tl.int32))
@@ -151,7 +158,7 @@ def launch_verify(
     grid = (max(1, min(triton.cdiv(capacity, block), num_sms(buf.device) * config.programs_per_sm)),)
     pdl = pdl_enabled(buf.device, config.pdl)
     _verify_kernel[grid](
-        buf.view(torch.int64), stride_words,
+        buf.view(torch.int64), stride_words, buf.shape[0],
         plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
         plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable,
         ctx.violation_ring, ctx.violation_write_index, ctx.violation_ring.shape[0],

@@ -47,7 +47,7 @@ import triton.language as tl
 from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
 from kvcanary.ops.reference.write import launch_canary_write_kernel_torch_reference
 from kvcanary.ops.triton.constants import (
-    F_POSITION, F_PREV_HASH, F_REAL_KV, F_TOKEN, WRITE_POSITION, WRITE_TOKEN,
+    F_POSITION, F_PREV_HASH, F_REAL_KV, F_TOKEN, WRITE_POSITION, WRITE_SLOT_OOR, WRITE_TOKEN,
 )
 from kvcanary.ops.triton.hashing import (
     H0_SIGNED, as_i64, as_u64, fingerprint, mix3, slot_hash_of_fields, source_args, static_error,
@@ -134,8 +134,8 @@ def _write_prepare_kernel(
         m = (i < end) & (i >= begin)
         rm = r < n_req
         w = m & (s >= 0)
-        count += tl.sum(w.to(tl.int64), 0)
-        inside = w & (s < num_slots)
+        inside = w & (s < num_slots)  # a slot past the buffer: reported by the chain kernel, not stored
+        count += tl.sum(inside.to(tl.int64), 0)
         reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
         old_w = tl.atomic_max(table_ptr + s, tl.zeros([BLOCK], tl.int64) + writer_tag, mask=inside)
         old_r = tl.atomic_max(table_ptr + sd, tl.zeros([BLOCK], tl.int64) + seed_tag, mask=reads)
@@ -166,23 +166,27 @@ def _later_max(i1, p1, i2, p2):
 
 
 @triton.jit
-def _seed_state(fields_ptr, stride_words, seed, h0):
-    """(running hash, seed's stored position) a request starts from: H0 and 0 without a seed."""
+def _seed_state(fields_ptr, stride_words, num_slots, seed, h0):
+    """(running hash, seed's stored position) a request starts from: H0 and 0 without a seed; a
+    seed past the buffer reads as an all-zero record (never loaded)."""
     has_seed = seed >= 0
-    srec = fields_ptr + tl.where(has_seed, seed, 0) * stride_words
-    seed_tok = tl.load(srec + F_TOKEN, mask=has_seed, other=0)
-    seed_pos = tl.load(srec + F_POSITION, mask=has_seed, other=0)
-    seed_prev = tl.load(srec + F_PREV_HASH, mask=has_seed, other=0)
+    readable = has_seed & (seed < num_slots)
+    srec = fields_ptr + tl.where(readable, seed, 0) * stride_words
+    seed_tok = tl.load(srec + F_TOKEN, mask=readable, other=0)
+    seed_pos = tl.load(srec + F_POSITION, mask=readable, other=0)
+    seed_prev = tl.load(srec + F_PREV_HASH, mask=readable, other=0)
     running = tl.where(has_seed, slot_hash_of_fields(seed_prev, seed_tok, seed_pos), as_u64(h0 + seed * 0))
     return running, seed_pos
 
 
 @triton.jit
 def _entry_rows(
-    ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, lp, valid, chain_on,
+    ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, lp, valid, oor, chain_on,
     INPUT_ASSERT: tl.constexpr,
 ):
-    """Violation rows of write entries (one per lane): the input-assert row, then the chain row.
+    """Violation rows of write entries (one per lane): the input-assert row, then the chain row;
+    or, for an entry whose slot is past the buffer (``oor``, never ``valid``), its one
+    WRITE_SLOT_OUT_OF_RANGE row.
 
     ``hs`` is the running hash each entry stores, ``lp`` the chain's ``last_pos`` before it;
     ``chain_on`` says whether the entry's request has the chain-position assert active."""
@@ -192,10 +196,12 @@ def _entry_rows(
     else:
         in_bits = tl.zeros(slot.shape, tl.int32)
     in_bad = valid & (in_bits != 0)
-    nrows = in_bad.to(tl.int32) + chain_bad.to(tl.int32)
+    nrows = in_bad.to(tl.int32) + chain_bad.to(tl.int32) + oor.to(tl.int32)
     if tl.sum(nrows, 0) > 0:
         row_in = reserve_rows(widx_ptr, nrows)
         kinds = tl.zeros(slot.shape, tl.int64) + kind
+        store_rows(ring_ptr, ring_cap, row_in, oor, kinds, slot, pos, tok, tok, hs, pos,
+                   tl.zeros(slot.shape, tl.int64) + WRITE_SLOT_OOR)
         if INPUT_ASSERT:
             store_rows(ring_ptr, ring_cap, row_in, in_bad, kinds, slot, pos, tok, etok, hs, epos,
                        in_bits.to(tl.int64))
@@ -205,7 +211,7 @@ def _entry_rows(
 
 @triton.jit
 def _chain_request(
-    fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+    fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
     o0, o1, end_all, seed, chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
     INPUT_ASSERT: tl.constexpr, SERIAL: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -225,7 +231,7 @@ def _chain_request(
     s_nn = tl.load(slot_ptr + o0 + 1, mask=k1, other=-1).to(tl.int64)
     t_nn = tl.load(tok_ptr + o0 + 1, mask=k1, other=0).to(tl.int64)
     p_nn = tl.load(pos_ptr + o0 + 1, mask=k1, other=0).to(tl.int64)
-    running, last_pos = _seed_state(fields_ptr, stride_words, seed, h0)
+    running, last_pos = _seed_state(fields_ptr, stride_words, num_slots, seed, h0)
     chain_on = (seed >= 0) & chain_flag
     check = chain_on | INPUT_ASSERT
     count_v = tl.zeros([CHUNK], tl.int32)
@@ -264,7 +270,7 @@ def _chain_request(
             t_nn = tl.load(tok_ptr + k, mask=km, other=0).to(tl.int64)
             p_nn = tl.load(pos_ptr + k, mask=km, other=0).to(tl.int64)
             hs = tl.where(lanes == j, as_i64(running), hs)
-            running = tl.where(s_j >= 0, mix3(running, as_u64(t_j), as_u64(p_j)), running)
+            running = tl.where((s_j >= 0) & (s_j < num_slots), mix3(running, as_u64(t_j), as_u64(p_j)), running)
         hs = tl.where(last_chunk & (lanes == cnt - 1), as_i64(running), hs)
         # Parallel part: the chunk's tiles (L1 hits), stores (a slot's last entry in the chunk
         # wins) and violation rows.
@@ -273,7 +279,8 @@ def _chain_request(
         slot_c = tl.load(slot_ptr + idx, mask=m_c, other=-1).to(tl.int64)
         tok_c = tl.load(tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
         pos_c = tl.load(pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
-        valid = m_c & (slot_c >= 0)
+        valid = m_c & (slot_c >= 0) & (slot_c < num_slots)
+        oor_c = m_c & (slot_c >= num_slots)
         count_v += valid.to(tl.int32)
         if SERIAL:  # duplicates exist only in serial mode: keep a slot's last entry
             dup = (slot_c[:, None] == slot_c[None, :]) & valid[None, :] & later
@@ -284,13 +291,13 @@ def _chain_request(
         tl.store(rec + F_TOKEN, tok_c, mask=keep)
         tl.store(rec + F_POSITION, pos_c, mask=keep)
         tl.store(rec + F_PREV_HASH, hs, mask=keep)
-        if check:
+        if check | (tl.sum(oor_c.to(tl.int32), 0) > 0):
             # last_pos before each entry, in parallel: the latest stored entry before it in
             # the chunk (a scan over the entries shifted by one), else the carried value.
             pm = m_c & (lanes > 0)
             slot_p = tl.load(slot_ptr + idx - 1, mask=pm, other=-1)
             pos_p = tl.load(pos_ptr + idx - 1, mask=pm, other=0).to(tl.int64)
-            i_p = tl.where(pm & (slot_p >= 0), lanes - 1, -1)
+            i_p = tl.where(pm & (slot_p >= 0) & (slot_p < num_slots), lanes - 1, -1)
             i_s, p_s = tl.associative_scan((i_p, pos_p), 0, _later_max)
             lp = tl.where(i_s >= 0, p_s, last_pos)
             i_l, p_l = tl.reduce((tl.where(valid, lanes, -1), pos_c), 0, _later_max)
@@ -302,7 +309,7 @@ def _chain_request(
                 etok_c = tok_c
                 epos_c = pos_c
             _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot_c, pos_c, tok_c, etok_c, epos_c, hs, lp, valid,
-                        (lanes >= 0) & chain_on, INPUT_ASSERT)
+                        oor_c, (lanes >= 0) & chain_on, INPUT_ASSERT)
         if SERIAL:
             tl.debug_barrier()  # this chunk's stores land before later reads
     return tl.sum(count_v.to(tl.int64), 0)
@@ -310,7 +317,7 @@ def _chain_request(
 
 @triton.jit
 def _write_chain_kernel(
-    fields_ptr, stride_words,
+    fields_ptr, stride_words, num_slots,
     tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,  # flattened entries
     off_ptr, seed_ptr, num_reqs_ptr, seed_cap,
     state_ptr, chain_assert_ptr,
@@ -342,7 +349,7 @@ def _write_chain_kernel(
                 o1 = tl.load(off_ptr + r + 1).to(tl.int64)
                 seed = tl.load(seed_ptr + r).to(tl.int64)
                 total += _chain_request(
-                    fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                    fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
                     o0, o1, end_all, seed, chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
                     INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
             tl.atomic_add(slot_counter_ptr, total)
@@ -356,7 +363,7 @@ def _write_chain_kernel(
             o1 = tl.load(off_ptr + rr + 1, mask=mr, other=0).to(tl.int64)
             seed = tl.load(seed_ptr + rr, mask=mr, other=-1).to(tl.int64)
             # One-entry requests, one per lane (no aliasing in parallel mode: order is free).
-            todo = _one_entry_lanes(o0, o1, seed, mr, end_all, chain_flag, fields_ptr, stride_words, tok_ptr,
+            todo = _one_entry_lanes(o0, o1, seed, mr, end_all, chain_flag, fields_ptr, stride_words, num_slots, tok_ptr,
                                     pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind,
                                     h0, INPUT_ASSERT)
             # Longer requests, one at a time on the per-request path.
@@ -365,7 +372,7 @@ def _write_chain_kernel(
                 todo = todo & (lanes != k)
                 pick = lanes == k
                 _chain_request(
-                    fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                    fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
                     tl.sum(tl.where(pick, o0, 0), 0), tl.sum(tl.where(pick, o1, 0), 0), end_all,
                     tl.sum(tl.where(pick, seed, 0), 0), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
                     INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
@@ -373,7 +380,7 @@ def _write_chain_kernel(
 
 @triton.jit
 def _one_entry_lanes(
-    o0, o1, seed, mr, end_all, chain_flag, fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr,
+    o0, o1, seed, mr, end_all, chain_flag, fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr,
     exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind, h0, INPUT_ASSERT: tl.constexpr,
 ):
     """Parallel mode: the requests (one per lane, mask ``mr``) that have exactly one entry are
@@ -384,8 +391,9 @@ def _one_entry_lanes(
     slot = tl.load(slot_ptr + e, mask=one, other=-1).to(tl.int64)
     tok = tl.load(tok_ptr + e, mask=one, other=0).to(tl.int64)
     pos = tl.load(pos_ptr + e, mask=one, other=0).to(tl.int64)
-    valid = one & (slot >= 0)
-    running, seed_pos = _seed_state(fields_ptr, stride_words, tl.where(valid, seed, -1), h0)
+    valid = one & (slot >= 0) & (slot < num_slots)
+    oor = one & (slot >= num_slots)
+    running, seed_pos = _seed_state(fields_ptr, stride_words, num_slots, tl.where(valid | oor, seed, -1), h0)
     hs = as_i64(running)
     rec = fields_ptr + tl.where(valid, slot, 0) * stride_words
     tl.store(rec + F_TOKEN, tok, mask=valid)
@@ -397,7 +405,7 @@ def _one_entry_lanes(
     else:
         etok = tok
         epos = pos
-    _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, seed_pos, valid,
+    _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, seed_pos, valid, oor,
                 (seed >= 0) & chain_flag, INPUT_ASSERT)
     return mr & (n > 1)
 
@@ -452,14 +460,14 @@ def _write_small_kernel(
         total = tl.zeros([], tl.int64)
         for r in range(0, a):
             total += _chain_request(
-                fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
                 tl.load(off_ptr + r).to(tl.int64), tl.load(off_ptr + r + 1).to(tl.int64), end_all,
                 tl.load(seed_ptr + r).to(tl.int64), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
                 INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
         tl.atomic_add(slot_counter_ptr, total)
     else:
-        tl.atomic_add(slot_counter_ptr, tl.sum(w.to(tl.int64), 0))
-        todo = _one_entry_lanes(o0, o1, sd, rm, end_all, chain_flag, fields_ptr, stride_words, tok_ptr, pos_ptr,
+        tl.atomic_add(slot_counter_ptr, tl.sum(inside.to(tl.int64), 0))
+        todo = _one_entry_lanes(o0, o1, sd, rm, end_all, chain_flag, fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr,
                                 slot_ptr, exp_tok_ptr, exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind, h0,
                                 INPUT_ASSERT)
         for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
@@ -467,7 +475,7 @@ def _write_small_kernel(
             todo = todo & (lanes != k)
             pick = lanes == k
             _chain_request(
-                fields_ptr, stride_words, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
                 tl.sum(tl.where(pick, o0, 0), 0), tl.sum(tl.where(pick, o1, 0), 0), end_all,
                 tl.sum(tl.where(pick, sd, 0), 0), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
                 INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
@@ -562,7 +570,7 @@ def launch_write(
     )
     grid = (max(1, min(seed_cap, sms * config.chain_programs_per_sm)),)
     _write_chain_kernel[grid](
-        fields, stride_words, input_ids, positions, out_cache_loc, exp_tok, exp_pos, n_entries, plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
+        fields, stride_words, num_slots, input_ids, positions, out_cache_loc, exp_tok, exp_pos, n_entries, plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
         state, ctx.enable_chain_position_assert,
         ctx.violation_ring, ctx.violation_write_index, ctx.violation_ring.shape[0], ctx.slot_run_counter,
         int(ctx.kernel_kind), H0_SIGNED,
