@@ -56,17 +56,31 @@ def test_runtime_errors_are_kvcanary_errors():
 
 
 def test_no_kvcanary_message_is_raised_with_a_bare_builtin_type():
-    """Every ``raise <builtin>("kv-canary: ...")`` in the converted layers uses a KvCanary* type instead."""
+    """Every ``raise <builtin>("kv-canary: ...")`` in the package (ops, runtime, engines, faults, cli)
+    uses a KvCanary* type instead; so does an error built to be raised later (``return`` / ``or``)."""
     import pathlib
     import re
 
     import kvcanary
 
     root = pathlib.Path(kvcanary.__file__).parent
-    pattern = re.compile(r'raise (ValueError|TypeError|RuntimeError|IndexError)\(\s*f?["\']kv-canary:')
-    files = [p for layer in ("ops", "runtime", "engines/transformers_cb") for p in sorted((root / layer).rglob("*.py"))]
-    files += [root / "cli" / "demo.py", root / "cli" / "main.py"]
+    pattern = re.compile(r'(?:raise|return|or) (ValueError|TypeError|RuntimeError|IndexError)\(\s*f?["\']kv-canary:')
+    files = sorted(root.rglob("*.py"))
+    assert {"ops", "runtime", "engines", "faults", "cli"} <= {p.relative_to(root).parts[0] for p in files}
     bare = [f"{p.relative_to(root)}:{text[: m.start()].count(chr(10)) + 1}"
             for p in files
             for text in [p.read_text()] for m in pattern.finditer(text)]
     assert bare == []
+
+
+def test_converted_sites_raise_kvcanary_types():
+    from kvcanary.engines.dispatch import attach
+    from kvcanary.engines.sim.engine import SimConfig
+    from kvcanary.faults.oracle import oracle_token
+
+    with pytest.raises(KvCanaryValueError, match=r"^kv-canary: oracle vocab must be >= 2"):
+        oracle_token("r", 0, 1)
+    with pytest.raises(KvCanaryTypeError, match=r"^kv-canary: no adapter for builtins.object"):
+        attach(object())
+    with pytest.raises(KvCanaryValueError, match=r"^kv-canary: SimConfig.kv_bytes"):
+        SimConfig(kv_bytes=8)

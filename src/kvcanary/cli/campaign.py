@@ -16,6 +16,7 @@ import os
 import time
 from typing import Optional
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.faults.accounting import summarize
 from kvcanary.faults.ledger import FAULT_CLASSES
 
@@ -51,7 +52,7 @@ def run(args) -> int:
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
     t0 = time.perf_counter()
     if args.per_class < 1:
-        raise ValueError(f"kv-canary: --per-class must be >= 1, got {args.per_class}")
+        raise KvCanaryValueError(f"kv-canary: --per-class must be >= 1, got {args.per_class}")
     if args.engine == "sim":
         from kvcanary.faults.sim_campaign import SimCampaignConfig, run_sim_campaign
 

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryRuntimeError
 from kvcanary.engines.sim import SimConfig, SimEngine
 from kvcanary.engines.sim.moves import SimMoves, Transfer
 from kvcanary.ops import FailReason
@@ -52,7 +53,7 @@ def _engine(seed: int, checked: bool = True) -> SimEngine:
                         max_batch_tokens=sc.max_batch_tokens)
     engine = SimEngine(sc, canary)
     if not hasattr(engine, "sampler"):
-        raise RuntimeError("kv-canary: pd needs SimEngine.sampler (a token function of the KV)")
+        raise KvCanaryRuntimeError("kv-canary: pd needs SimEngine.sampler (a token function of the KV)")
     engine.sampler = _kv_sampler(engine)
     return engine
 

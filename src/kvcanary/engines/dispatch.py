@@ -5,6 +5,8 @@ transformers==5.24.0). The adapter is imported only when needed.
 """
 from __future__ import annotations
 
+from kvcanary.errors import KvCanaryTypeError
+
 
 def attach(model, **options):
     """Attach a canary to ``model``; returns a handle (a context manager with ``detach()``).
@@ -16,7 +18,7 @@ def attach(model, **options):
         from kvcanary.engines.transformers_cb import attach as attach_transformers
 
         return attach_transformers(model, **options)
-    raise TypeError(
+    raise KvCanaryTypeError(
         f"kv-canary: no adapter for {type(model).__module__}.{type(model).__name__}; supported: transformers "
         "models with continuous batching (generate_batch)"
     )

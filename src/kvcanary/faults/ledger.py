@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional
 
+from kvcanary.errors import KvCanaryValueError
+
 FAULT_CLASSES = (
     "kv_flip_used", "kv_flip_cached", "kv_flip_deep_layer", "slot_redirect", "use_after_free", "position_shift",
     "token_swap", "prefix_collision", "cross_context_hit", "double_alloc", "copy_corruption", "swa_window_stale",
@@ -51,7 +53,7 @@ class FaultLedger:
 
     def add(self, injection: Injection) -> Injection:
         if injection.fault not in FAULT_CLASSES:
-            raise ValueError(f"kv-canary: unknown fault class {injection.fault!r}")
+            raise KvCanaryValueError(f"kv-canary: unknown fault class {injection.fault!r}")
         self._entries.append(injection)
         return injection
 

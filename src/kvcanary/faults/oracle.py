@@ -13,11 +13,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
+
 
 def oracle_token(rid: str, position: int, vocab: int) -> int:
     """The token the oracle samples for request ``rid`` at sequence position ``position`` (int in [1, vocab))."""
     if vocab < 2:
-        raise ValueError(f"kv-canary: oracle vocab must be >= 2, got {vocab}")
+        raise KvCanaryValueError(f"kv-canary: oracle vocab must be >= 2, got {vocab}")
     digest = hashlib.blake2b(f"{rid}\x00{position}".encode(), digest_size=8).digest()
     return 1 + int.from_bytes(digest, "little") % (vocab - 1)
 

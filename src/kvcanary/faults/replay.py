@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.faults.accounting import Outcome, account
 from kvcanary.faults.ledger import FaultLedger
 from kvcanary.faults.sim import (STRUCTURE, CopyCorruption, CrossContextHit, DoubleAlloc, KvFlipUsed, PositionShift,
@@ -347,7 +348,7 @@ class ReplayResult:
 def run_replay(name: str, *, seed: int = 0, real_kv_hash: str = "partial") -> ReplayResult:
     """Replay bug mode ``name`` once (and its clean twin) on the simulated engine."""
     if name not in BUG_MODES:
-        raise ValueError(f"kv-canary: unknown bug mode {name!r} (known: {', '.join(BUG_MODES)})")
+        raise KvCanaryValueError(f"kv-canary: unknown bug mode {name!r} (known: {', '.join(BUG_MODES)})")
     mode = BUG_MODES[name]
     cfg = SimCampaignConfig(seed=seed, per_class=1, real_kv_hash=real_kv_hash, max_tries=80)
     engine_seed = seed * 1000 + sorted(BUG_MODES).index(name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.engines.sim import SimConfig, SimEngine, SimWorkload
 from kvcanary.faults.accounting import Outcome, account
 from kvcanary.faults.ledger import FaultLedger
@@ -107,7 +108,7 @@ def run_class(fault: str, cfg: SimCampaignConfig, *, clean_twin: bool = True,
               progress: Optional[Callable[[], None]] = None) -> ClassRun:
     """Run ``cfg.per_class`` injections of ``fault`` (and its clean twin) on the simulated engine."""
     if fault not in INJECTORS:
-        raise ValueError(f"kv-canary: unknown fault class {fault!r} (known: {', '.join(INJECTORS)})")
+        raise KvCanaryValueError(f"kv-canary: unknown fault class {fault!r} (known: {', '.join(INJECTORS)})")
     cls = INJECTORS[fault]
     run = ClassRun(fault=fault)
     base = cfg.seed * 1000 + sorted(INJECTORS).index(fault) * 100

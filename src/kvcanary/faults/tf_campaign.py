@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.faults.accounting import Outcome, account
 from kvcanary.faults.transformers import FlipSharedBlockByte, FlipUsedBlockByte, RedirectRead
 
@@ -34,7 +35,7 @@ def run_tf_campaign(faults: Sequence[str], *, seed: int = 0, per_class: int = 3,
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     unknown = [f for f in faults if f not in TF_CLASSES]
     if unknown:
-        raise ValueError(f"kv-canary: the transformers engine cannot express {unknown} (it can: {', '.join(TF_CLASSES)})")
+        raise KvCanaryValueError(f"kv-canary: the transformers engine cannot express {unknown} (it can: {', '.join(TF_CLASSES)})")
     dev = torch.device(device)
     models: dict = {}
     per: dict = {}

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.engines.sim.pool import PADDING_SLOT, RequestTable, SlotAllocator
 from kvcanary.engines.sim.radix import RadixCache, RadixNode
 from kvcanary.engines.sim.workload import SimWorkload
@@ -49,9 +50,9 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         if self.kv_bytes % 16 or self.kv_bytes <= 0:
-            raise ValueError(f"kv-canary: SimConfig.kv_bytes must be a positive multiple of 16, got {self.kv_bytes}")
+            raise KvCanaryValueError(f"kv-canary: SimConfig.kv_bytes must be a positive multiple of 16, got {self.kv_bytes}")
         if self.sliding_window and self.num_layers < 2:
-            raise ValueError("kv-canary: SimConfig with sliding_window needs num_layers >= 2")
+            raise KvCanaryValueError("kv-canary: SimConfig with sliding_window needs num_layers >= 2")
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -152,7 +153,7 @@ class SimEngine:
         """Queue a request. ``context``: its adapter / tenant / salt key (the radix cache ignores it, as the
         real bugs do; the batch hands it to the canary as ``context_keys``)."""
         if not prompt or len(prompt) + max_new > self.config.max_context:
-            raise ValueError(f"kv-canary: sim request needs 1 <= prompt and prompt + max_new <= {self.config.max_context}")
+            raise KvCanaryValueError(f"kv-canary: sim request needs 1 <= prompt and prompt + max_new <= {self.config.max_context}")
         req = SimRequest(rid=rid or f"r{self._next_rid}", tokens=list(prompt), max_new=max_new, context=context)
         self._contexts_used = self._contexts_used or context != 0
         self._next_rid += 1

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
 from kvcanary.engines.sim.engine import SimEngine, SimRequest
 from kvcanary.engines.sim.radix import RadixCache
 
@@ -55,7 +56,7 @@ class SimMoves:
 
     def __init__(self, engine: SimEngine) -> None:
         if engine.config.sliding_window:
-            raise ValueError("kv-canary: SimMoves supports full-attention sim engines only (sliding_window=0)")
+            raise KvCanaryValueError("kv-canary: SimMoves supports full-attention sim engines only (sliding_window=0)")
         self.engine = engine
         self.host: dict[str, HostEntry] = {}
         self.reports: list = []  # MoveReports, oldest first
@@ -156,7 +157,7 @@ class SimMoves:
     def _alloc(self, n: int) -> list[int]:
         got = self.engine._alloc(n)
         if got is None:
-            raise RuntimeError(f"kv-canary: sim engine has no room for {n} slots")
+            raise KvCanaryRuntimeError(f"kv-canary: sim engine has no room for {n} slots")
         return got[0]
 
     def _install_row(self, req: SimRequest) -> None:

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.constants import PARTIAL_REAL_KV_READ_BYTES, RealKvHashMode
 from kvcanary.ops.hashing import CHAIN_HEAD_HASH, to_signed64
 from kvcanary.ops.records import RealKvSource
@@ -153,22 +154,22 @@ def static_error(context, *, check_input_assert=None) -> Exception | None:
     rule (write), narrow rows."""
     buf = context.canary_buf
     if buf.shape[1] % 8:
-        return ValueError(
+        return KvCanaryValueError(
             "kv-canary: canary_buf must be uint8 [num_slots, stride_bytes] with stride_bytes a "
             f"multiple of 8, got shape {tuple(buf.shape)}"
         )
     if buf.shape[1] // 8 < 4:
-        return ValueError(f"kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {buf.shape[1] // 8}")
+        return KvCanaryValueError(f"kv-canary: canary_buf slot stride must hold at least 4 int64 fields, got {buf.shape[1] // 8}")
     if check_input_assert is not None:
         flag, tokens, positions = check_input_assert
         if flag and (tokens is None or positions is None):
-            return ValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
+            return KvCanaryValueError("kv-canary: expected input tensors are required when enable_write_input_assert=True")
         if not flag and (tokens is not None or positions is not None):
-            return ValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
+            return KvCanaryValueError("kv-canary: expected input tensors must be None when enable_write_input_assert=False")
     if context.hashing_on:
         for src in context.real_kv_sources:
             if src.row_bytes < src.slot_layout_bytes:
-                return ValueError(
+                return KvCanaryValueError(
                     "kv-canary: RealKvSource row is too narrow for its slot layout: dim-1 is "
                     f"{src.row_bytes} bytes but page_size={src.page_size} x num_bytes_per_token="
                     f"{src.num_bytes_per_token} needs {src.slot_layout_bytes}"

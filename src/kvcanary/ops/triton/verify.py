@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.records import VerifyOrWriteContext, VerifyPlan
 from kvcanary.ops.reference.verify import launch_canary_verify_kernel_torch_reference
 from kvcanary.ops.triton.constants import (
@@ -147,7 +148,7 @@ def launch_verify(
     srcs = None if err else source_args(ctx.real_kv_sources, ctx.real_kv_hash_mode, buf)
     if err is not None or srcs is None:
         if capturing(buf.device):
-            raise err or ValueError("kv-canary: real-KV sources with non-contiguous rows cannot be captured in a CUDA graph")
+            raise err or KvCanaryValueError("kv-canary: real-KV sources with non-contiguous rows cannot be captured in a CUDA graph")
         launch_canary_verify_kernel_torch_reference(
             context=ctx, plan=plan, check_verify_expected_token=check_verify_expected_token
         )

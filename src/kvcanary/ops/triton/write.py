@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
 from kvcanary.ops.reference.write import launch_canary_write_kernel_torch_reference
 from kvcanary.ops.triton.constants import (
@@ -528,7 +529,7 @@ def launch_write(
     srcs = None if err else source_args(ctx.real_kv_sources, ctx.real_kv_hash_mode, buf)
     if err is not None or srcs is None:
         if capturing(buf.device):
-            raise err or ValueError("kv-canary: real-KV sources with non-contiguous rows cannot be captured in a CUDA graph")
+            raise err or KvCanaryValueError("kv-canary: real-KV sources with non-contiguous rows cannot be captured in a CUDA graph")
         launch_canary_write_kernel_torch_reference(
             context=ctx, plan=plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
             enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
