@@ -9,7 +9,10 @@ appends an `Injection` to its ledger. Its generator is seeded; the canary never 
 * `FlipSharedBlockByte` (``kv_flip_cached``) — one bit of a cached shared-prefix block, just before
   the first forward of a request that reuses it;
 * `RedirectRead` (``slot_redirect``) — for one forward, one cached position's read index points at
-  another live slot (group ``full`` or ``swa``).
+  another live slot (group ``full`` or ``swa``);
+* `SwapInputTokens` (``token_swap``) — the input tokens of two decoding requests are swapped in one
+  forward's ``input_ids`` (a sampled token routed to the wrong request): the KV written is self-consistent,
+  only a token oracle (`kvcanary.faults.tf_oracle`, the adapter's ``token_oracle``) can tell.
 """
 from __future__ import annotations
 
@@ -191,6 +194,38 @@ class RedirectRead(_Injector):
         self.record(group=self.group, slot=slot, position=q, request_id=rid,
                     expected=("verify_position", "verify_chain_hash"),
                     detail=f"position {q} of {rid} read from the slot of position {q2} (slot {slot})")
+
+
+class SwapInputTokens(_Injector):
+    """Swap the input tokens of two decoding requests (one token each, different values) in one forward's
+    ``input_ids``; the engine's own request states keep the right tokens. ``oracle_on``: whether the
+    canary runs with a token oracle (without one the swap is invisible: ``expected_detectable`` False)."""
+
+    name = "swap_input_tokens"
+    fault = "token_swap"
+
+    def __init__(self, oracle_on: bool = True, **kw) -> None:
+        super().__init__(**kw)
+        self.oracle_on = oracle_on
+
+    def fire(self, cache, kwargs, batch) -> None:
+        ids = kwargs["input_ids"][0]
+        cu = kwargs["cu_seq_lens_q"].tolist()
+        decoding = [(i, fs) for i, fs in enumerate(batch)
+                    if fs.query_length == 1 and fs.state.position_offset - 1 >= len(fs.state.initial_tokens)]
+        pairs = [(a, b) for k, a in enumerate(decoding) for b in decoding[k + 1 :]
+                 if int(ids[cu[a[0]]]) != int(ids[cu[b[0]]])]
+        if not pairs:
+            return
+        (ia, fa), (ib, fb) = self.rng.choice(pairs)
+        ta, tb = int(ids[cu[ia]]), int(ids[cu[ib]])
+        ids[cu[ia]], ids[cu[ib]] = tb, ta
+        rid, position = fa.state.request_id, fa.state.position_offset - 1
+        ok = self.oracle_on
+        self.record(group="full", slot=-1, position=position, request_id=rid, expected=("write_token",),
+                    expected_detectable=ok, why_not="" if ok else "no token oracle: the swapped tokens are self-consistent",
+                    detail=f"input tokens of {rid} (position {position}: {ta} -> {tb}) and {fb.state.request_id} "
+                           f"(position {fb.state.position_offset - 1}: {tb} -> {ta}) swapped")
 
 
 def match(injection: Injection, violations) -> Optional[dict]:

@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 
 from kvcanary.engines.transformers_cb import compat
-from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator, StaticKwargs, StepInfo
+from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator, StaticKwargs, StepInfo, TokenOracleFn
 from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_views
 from kvcanary.engines.transformers_cb.moves import MoveObserver
 from kvcanary.errors import (
@@ -82,7 +82,8 @@ IDLE, HOOK_STEP, WRAPPED_STEP, DEFERRED_END = "idle", "hook", "wrapped", "deferr
 
 # why a forward ran unchecked (`TransformersCbHandle.counters()["unchecked_by_cause"]`)
 CAUSE_CAPACITY, CAUSE_INTERNAL, CAUSE_PLAIN = "capacity", "internal", "plain_forward"
-ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation")
+ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation",
+                   "token_oracle")
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, TransformersCbHandle]" = weakref.WeakKeyDictionary()
 
@@ -162,6 +163,7 @@ class TransformersCbHandle:
     device: Optional[torch.device]
     capture_canary: Optional[bool] = None
     static_translation: Optional[bool] = None
+    token_oracle: Optional[TokenOracleFn] = None
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -414,6 +416,7 @@ class TransformersCbHandle:
         translator = ForwardTranslator(
             cache=cache, processor=processor, layouts=layouts, max_requests=self.max_requests,
             max_context=self.max_context or min(max_read, DEFAULT_MAX_CONTEXT), max_rows=max_rows, device=device,
+            token_oracle=self.token_oracle,
         )
         config = self.config
         if any(g.sliding_window and max_batch_tokens >= g.sliding_window for g in layouts) and (
@@ -700,6 +703,7 @@ def attach(
     config: Optional[CanaryConfig] = None,
     capture_canary: Optional[bool] = None,
     static_translation: Optional[bool] = None,
+    token_oracle: Optional[TokenOracleFn] = None,
     **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
@@ -712,11 +716,19 @@ def attach(
     CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward).
     ``static_translation``: translate eager forwards from fixed-shape copies of their kwargs, with the
     translation captured once in a CUDA graph alongside (default: with ``capture_canary``).
+    ``token_oracle``: ``(request_id, position) -> token`` the engine's sampler is known to emit past the
+    prompt (a deterministic test sampler such as `kvcanary.faults.tf_oracle.OracleSampler.token`); the adapter
+    then stages every forward's expected input tokens from it (prompt tokens from the request), so the
+    write-input assert checks each written token against the oracle rather than against the forward's own
+    input ids.
     In mode ``none`` nothing is attached.
     """
     check_transformers_version()
     check_attach_options(options)
     check_limits(max_requests, max_context)
+    if token_oracle is not None and not callable(token_oracle):
+        raise KvCanaryTypeError(f"kv-canary: token_oracle must be a callable (request_id, position) -> token, "
+                                f"got {type(token_oracle).__name__}")
     dev = check_device(device)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate_batch"):
         raise KvCanaryTypeError(
@@ -728,7 +740,8 @@ def attach(
         cfg = config.with_options(**options)
     if not cfg.enabled:  # mode "none": nothing attached, nothing checked
         return TransformersCbHandle(model=model, config=cfg, max_requests=max_requests, max_context=max_context,
-                                    device=dev, capture_canary=capture_canary, static_translation=static_translation)
+                                    device=dev, capture_canary=capture_canary, static_translation=static_translation,
+                                    token_oracle=token_oracle)
     check_real_kv_layers(model, cfg)
     previous = _ATTACHED.get(model)
     if previous is not None and not previous._detached:
@@ -738,7 +751,7 @@ def attach(
         )
     handle = TransformersCbHandle(
         model=model, config=cfg, max_requests=max_requests, max_context=max_context, device=dev,
-        capture_canary=capture_canary, static_translation=static_translation,
+        capture_canary=capture_canary, static_translation=static_translation, token_oracle=token_oracle,
     )
     handle._install()
     _ATTACHED[model] = handle

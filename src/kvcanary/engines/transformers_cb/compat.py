@@ -3,7 +3,7 @@
 All of it was read from ``transformers==5.24.0`` (``transformers/generation/continuous_batching/``); the
 adapter refuses any other version (`attach.check_transformers_version`). Nothing here writes engine
 state except `install_compute_wrapper` / `restore_compute_batch`, `shadow_method` / `unshadow_method` (the KV-move
-wrappers) and `drop_graphs`, which the handle's ``detach()`` undoes or accounts for (see the package docstring). When transformers changes, this file
+wrappers), `drop_graphs` and `append_cb_logits_processor` (the token oracle's sampler, a fault-injection tool), which the handle's ``detach()`` undoes or accounts for (see the package docstring). When transformers changes, this file
 and ``layout.py``'s arithmetic are what to re-read.
 
 Public, documented surfaces are used directly elsewhere: the forward's keyword arguments
@@ -179,6 +179,44 @@ def cache_limits(cache) -> tuple[int, int]:
 def max_blocks_per_request(cache) -> int:
     """Width of the decode fast path's block table (0 when the path is off)."""
     return int(getattr(cache, "max_blocks_per_request", 0) or 0)
+
+
+# ---- logits processors (the token oracle's sampler, kvcanary.faults.tf_oracle) -----------------------------
+# cb_logits_processors.py: a ``ContinuousBatchingLogitsProcessor`` has ``fill_defaults(int32 row)``,
+# ``prepare_tensor_args(requests_with_new_token) -> int32 [n]`` (host, once per batch, from
+# ``ContinuousBatchingIOs.prepare_batch_tensors`` after every ``state.position_offset += query_length``) and
+# ``__call__(scores [num_logits, vocab], tensor_arg [num_sequences])`` (device, inside the forward that is
+# captured in CUDA graph mode). Its per-batch argument lives in one row of the IOs' static bulk input tensor,
+# ``static_inputs + tensors_required`` rows allocated when the batch processor is built
+# (``ContinuousBatchingIOs._setup_static_tensors``); ``ContinuousBatchingLogitsProcessorList`` counts a row only
+# for the processors it converted itself, and sets ``do_processing`` once, in its constructor.
+def cb_logits_processor_base():
+    """The ``ContinuousBatchingLogitsProcessor`` base class (cb_logits_processors.py)."""
+    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+
+    return ContinuousBatchingLogitsProcessor
+
+
+def append_cb_logits_processor(manager, processor) -> None:
+    """Append ``processor`` (a ``ContinuousBatchingLogitsProcessor``) to a ``ContinuousBatchingManager``'s
+    ``logit_processor`` list before its batch processor exists: one more argument row, processing on.
+    Raises when the manager already built its batch processor (its static argument rows are allocated)."""
+    if getattr(manager, "batch_processor", None) is not None:
+        raise KvCanaryRuntimeError(
+            "kv-canary: the continuous-batching manager already built its batch processor (a persistent manager); "
+            "a logits processor can only be added to a new manager"
+        )
+    plist = manager.logit_processor
+    base = cb_logits_processor_base()
+    rows = sum(isinstance(p, base) for p in plist.logits_processor)
+    if rows != plist.tensors_required:
+        raise KvCanaryRuntimeError(
+            f"kv-canary: unexpected logits-processor layout ({rows} per-request processors, "
+            f"{plist.tensors_required} argument rows); transformers=={VERSION_READ} was read"
+        )
+    plist.logits_processor.append(processor)
+    plist.tensors_required += 1
+    plist.do_processing = True
 
 
 def persistent_manager(model) -> Optional[object]:

@@ -29,11 +29,14 @@ Per batch row with ``P`` = first position and ``E`` = query length (padding rows
   head's chain link is not followed): nothing is ever checked against a recycled slot.
 * token history: the tokens of ``[P, P + E)`` are the forward's ``input_ids`` (scattered on the device);
   positions below ``P`` the canary has not seen come from the request's prompt / generated tokens.
+* token oracle (optional, ``token_oracle``): the write-input assert's expected tokens come from the request's
+  prompt and the oracle, staged by `host_step` — not from the forward's own ``input_ids``, which would make
+  the assert vacuous for the tokens this forward writes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -45,6 +48,9 @@ from kvcanary.runtime.batch import BatchDescription, GroupBatch
 
 # rows of `ForwardTranslator.meta`
 META_ROWS, META_PREFIX, META_EXTEND, META_TOKEN_LENS = range(4)
+
+# (request id, position) -> the token the engine's sampler emits there (past the prompt): a token oracle
+TokenOracleFn = Callable[[str, int], int]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,11 +96,14 @@ class ForwardTranslator:
     Tables (by reference in every `BatchDescription`; the same tensor objects for the session's life, as
     CUDA-graph capture needs): ``req_to_token[group]`` and ``token_table``, int32 ``[max_requests + 1,
     max_context]``. ``meta``: int64 ``[4, max_rows]`` — request row, P, E, token-history length per batch
-    row (padding rows: zeros), refreshed by `host_step`.
+    row (padding rows: zeros), refreshed by `host_step`. With a ``token_oracle``, ``expected``: int64
+    ``[max_batch_tokens]`` — the token each of the forward's query tokens should be (the prompt's, then the
+    oracle's; padding tokens 0), refreshed by `host_step` and handed to the runtime as
+    ``expected_input_ids``.
     """
 
     def __init__(self, *, cache, processor, layouts: list[GroupLayout], max_requests: int, max_context: int,
-                 max_rows: int, device) -> None:
+                 max_rows: int, device, token_oracle: Optional[TokenOracleFn] = None) -> None:
         self.cache = cache
         self.processor = processor
         self.layouts = layouts
@@ -116,6 +125,13 @@ class ForwardTranslator:
         max_tokens, max_read = compat.cache_limits(cache)
         span = max(max_tokens, max_read + max_tokens, max_context, max_rows)
         self._arange = torch.arange(span, dtype=torch.int64, device=self.device)
+        self.token_oracle = token_oracle
+        self.expected: Optional[torch.Tensor] = None
+        if token_oracle is not None:
+            self.expected = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
+            self._expected_host = torch.zeros(max_tokens, dtype=torch.int64, pin_memory=cuda) if cuda else self.expected
+            self._expected_copied = torch.cuda.Event() if cuda else None
+            self._expected_dirty = max_tokens
 
     # ---- host half ---------------------------------------------------------------------------------
     def host_step(self) -> StepInfo:
@@ -130,6 +146,8 @@ class ForwardTranslator:
         if compat.is_warmup(batch):  # fake requests over never-written KV: every row is the padding row
             zeros = [0] * bs
             self._write_meta(zeros, zeros, zeros, zeros)
+            if self.expected is not None:
+                self._write_expected([])
             return StepInfo(request_ids=(None,) * bs, rows=tuple(zeros), forward_kind="mixed", warmup=True)
 
         live = compat.active_requests(self.processor)
@@ -166,6 +184,8 @@ class ForwardTranslator:
         if history:
             self._stage_history(history)
         self._write_meta(rows, prefix, extend, ends)
+        if self.expected is not None:
+            self._write_expected(self._oracle_tokens(batch))
         return StepInfo(request_ids=tuple(ids), rows=tuple(rows), forward_kind=_forward_kind(prefix, extend))
 
     def _write_meta(self, rows: list, prefix: list, extend: list, token_lens: list) -> None:
@@ -181,6 +201,36 @@ class ForwardTranslator:
         if host is not self.meta:
             self.meta.copy_(host, non_blocking=True)
             self._meta_copied.record()
+
+    def _oracle_tokens(self, batch: list) -> list[int]:
+        """The tokens the forward's query tokens should be, in batch order: position ``q`` of a request is its
+        prompt token while ``q`` is inside the prompt, else the token oracle's ``(request id, q)``."""
+        oracle, out = self.token_oracle, []
+        for fs in batch:
+            state = fs.state
+            e = fs.query_length
+            p = state.position_offset - e
+            prompt = state.initial_tokens
+            inside = max(0, min(p + e, len(prompt)) - p)
+            out.extend(prompt[p : p + inside])
+            out.extend(int(oracle(state.request_id, q)) for q in range(p + inside, p + e))
+        return out
+
+    def _write_expected(self, tokens: list) -> None:
+        n, host = len(tokens), self._expected_host
+        if n > host.shape[0]:
+            raise KvCanaryCapacityError(f"kv-canary: batch of {n} tokens exceeds the cache's max_batch_tokens="
+                                        f"{host.shape[0]}; unexpected transformers batch layout")
+        if self._expected_copied is not None:
+            self._expected_copied.synchronize()  # the previous step's copy has left the pinned buffer
+        if n:
+            host[:n] = torch.tensor(tokens, dtype=torch.int64)
+        if self._expected_dirty > n:
+            host[n : self._expected_dirty].zero_()
+        self._expected_dirty = n
+        if host is not self.expected:
+            self.expected.copy_(host, non_blocking=True)
+            self._expected_copied.record()
 
     def _stage_history(self, history: list) -> None:
         """Token history positions ``[have, upto)`` of each listed row, from the request's own tokens."""
@@ -232,9 +282,10 @@ class ForwardTranslator:
             else:
                 out = self._indexed(g, table, kwargs, bsz, n, rows, prefix, extend, tok_row, tok_valid, tok_pos)
             groups[g.name] = GroupBatch(req_to_token=table, out_cache_loc=out)
+        expected = self.expected[:n] if self.expected is not None else None
         return BatchDescription(
             req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend, input_ids=input_ids, positions=positions,
-            groups=groups, token_table=self.token_table, token_table_lens=token_lens,
+            groups=groups, token_table=self.token_table, token_table_lens=token_lens, expected_input_ids=expected,
         )
 
     def _indexed(self, g: GroupLayout, table, kwargs, bsz, n, rows, prefix, extend, tok_row, tok_valid, tok_pos):
