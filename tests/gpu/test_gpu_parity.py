@@ -456,3 +456,94 @@ def test_decode_step_graph_with_stamps():
             assert torch.equal(sf, st)
     for stamps in fast["stamps"]:  # the flip breaks the chain link read at position 101
         assert (prefix + 1, 8, 101) in {tuple(x) for x in stamps.tolist()}
+
+
+def test_out_of_range_slots_and_request_rows_on_gpu():
+    """Issue 10 item 5 on a real device: slots past the canary buffer in a verify plan and in a
+    write are VERIFY_/WRITE_SLOT_OUT_OF_RANGE rows, bit-identical between the twin and the Triton
+    launchers (no out-of-bounds access: compute-sanitizer clean runs are the stronger check); a
+    request row outside the table raises before the plan changes outside capture, and inside a
+    captured graph is planned as a padding row."""
+    from kvcanary.errors import KvCanaryValueError
+    from kvcanary.ops import FailReason
+
+    voor, woor = int(FailReason.VERIFY_SLOT_OUT_OF_RANGE), int(FailReason.WRITE_SLOT_OUT_OF_RANGE)
+    g = torch.Generator().manual_seed(21)
+    num_slots = 4096
+    srcs = [make_source(g, DEV, num_slots=num_slots, page_size=16, nbpt=64, read_bytes=64, dtype=torch.bfloat16)]
+    ctx = make_context(g, DEV, num_slots=num_slots, stride_bytes=32, ring_cap=4096, sources=srcs,
+                       mode=RealKvHashMode.PARTIAL, chain_assert=1, kind=2)
+    # verify: 3000 entries, every 7th slot out of range (past the end, negative, huge), every 11th
+    # predecessor past the end
+    n = 3000
+    slots = torch.randint(1, num_slots, (n,), generator=g)
+    slots[::7] = torch.tensor([num_slots, -5, 2**40, num_slots + 123])[torch.arange(0, n, 7) % 4]
+    prevs = torch.randint(-1, num_slots, (n,), generator=g)
+    prevs[::11] = num_slots + 7
+    vp = VerifyPlan.allocate(n, DEV)
+    vp.verify_slot_indices.copy_(slots)
+    vp.verify_prev_slot_indices.copy_(prevs)
+    vp.verify_expected_positions.copy_(torch.randint(0, 100, (n,), generator=g))
+    vp.verify_expected_tokens.fill_(-1)
+    vp.verify_num_valid.fill_(n)
+    vp.enable.fill_(1)
+    before = context_state(ctx)
+    a, b = clone_context(ctx), clone_context(ctx)
+    launch_canary_verify_kernel_torch_reference(context=a, plan=vp, check_verify_expected_token=False)
+    launch_canary_verify_kernel(context=b, plan=vp, check_verify_expected_token=False)
+    torch.cuda.synchronize()
+    assert_same_state(before, context_state(a), context_state(b))
+    k = int(a.violation_write_index[0])
+    assert sum(r[7] == voor for r in a.violation_ring[:k].tolist()) == int(
+        (((slots < 0) | (slots >= num_slots) | (prevs >= num_slots)) & (slots != 0)).sum())
+    # write: small (single CTA) and large (two kernels) launches with slots past the end and a seed
+    # past the end
+    for lengths in ([1] * 48, [300, 1, 700, 2, 1000]):
+        bs = len(lengths)
+        wp = WritePlan.allocate(bs, DEV)
+        wp.write_offsets.copy_(torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist()))
+        seeds = torch.randint(-1, num_slots, (bs,), generator=g)
+        seeds[bs // 2] = num_slots + 1
+        wp.write_seed_slot_indices.copy_(seeds)
+        wp.write_num_valid_reqs.fill_(bs)
+        m = sum(lengths)
+        loc = torch.randperm(num_slots - 1, generator=g)[:m] + 1
+        loc[::9] = num_slots + torch.arange(0, m, 9) % 50
+        loc[5::13] = -1
+        kw = dict(input_ids=torch.randint(0, 50000, (m,), generator=g).to(DEV),
+                  positions=torch.arange(m).to(DEV), out_cache_loc=loc.to(DEV), enable_write_input_assert=False,
+                  expected_input_tokens=None, expected_input_positions=None)
+        a, _b = _write_both(ctx, wp, **kw)
+        k = int(a.violation_write_index[0])
+        assert sum(r[7] == woor for r in a.violation_ring[:k].tolist()) == int((loc >= num_slots).sum())
+    # request rows: outside capture a KvCanaryValueError before any output changes
+    rtt = torch.randint(1, num_slots, (8, 64), generator=g, dtype=torch.int32).to(DEV)
+    pkw = dict(prefix_lens=torch.tensor([5, 9, 3], device=DEV), extend_seq_lens=torch.tensor([1, 1, 1], device=DEV),
+               req_to_token=rtt, swa_window_size=0, full_to_swa_index_mapping=None, verify_capacity=64,
+               req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
+               kv_token_id_vs_position_offset=0)
+    vpo, wpo = VerifyPlan.allocate(64, DEV), WritePlan.allocate(3, DEV)
+    snap = plan_state(vpo, wpo)
+    with pytest.raises(KvCanaryValueError, match=r"^kv-canary: launch_canary_plan_kernels req_pool_indices\[1\]=8 "):
+        launch_canary_plan_kernels(verify_plan_out=vpo, write_plan_out=wpo,
+                                   req_pool_indices=torch.tensor([2, 8, 3], device=DEV), **pkw)
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, y) for x, y in zip(snap, plan_state(vpo, wpo)))
+    # under capture: the bad row is planned as padding (compare with the twin given row 0 there)
+    rows = torch.tensor([2, 3, 4], device=DEV)
+    launch_canary_plan_kernels(verify_plan_out=vpo, write_plan_out=wpo, req_pool_indices=rows, **pkw)  # warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_canary_plan_kernels(verify_plan_out=vpo, write_plan_out=wpo, req_pool_indices=rows, **pkw)
+    rows.copy_(torch.tensor([2, -3, 99], device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    vpt, wpt = VerifyPlan.allocate(64, DEV), WritePlan.allocate(3, DEV)
+    vpt.verify_slot_indices.copy_(vpo.verify_slot_indices)  # entries past the count keep old values
+    vpt.verify_expected_tokens.copy_(vpo.verify_expected_tokens)
+    vpt.verify_expected_positions.copy_(vpo.verify_expected_positions)
+    vpt.verify_prev_slot_indices.copy_(vpo.verify_prev_slot_indices)
+    launch_canary_plan_kernels_torch_reference(verify_plan_out=vpt, write_plan_out=wpt,
+                                               req_pool_indices=torch.tensor([2, 0, 0], device=DEV), **pkw)
+    assert all(torch.equal(x, y) for x, y in zip(plan_state(vpt, wpt), plan_state(vpo, wpo)))

@@ -374,3 +374,29 @@ def test_random_out_of_range_inputs_only_raise_kvcanary_errors_and_never_change_
             assert_same_state(context_state(ctx), context_state(twin), context_state(fast))
     assert raised > 0 and reported > 0  # both paths were exercised
 
+
+
+def test_counters_moved_by_a_raising_launch_are_the_documented_ones():
+    """Launcher docstrings: an argument error moves nothing; a lazy error (bad canary stride) has
+    moved kernel +1 and slot + active entries (verify) or kernel +1 only (write); a plan error
+    changes no output."""
+    ctx = _ctx(num_slots=8, stride_bytes=24)  # 3 int64 fields: the lazy stride error
+    vp = _vplan(slots=[1, 9, 2], prevs=[-1, 1, 1], positions=[0, 1, 1])
+    before = context_state(ctx)
+    with pytest.raises(KvCanaryValueError, match="slot stride must hold at least 4 int64 fields"):
+        launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False)
+    assert int(ctx.kernel_run_counter[0]) == int(before["counters"][14]) + 1
+    assert int(ctx.slot_run_counter[0]) == int(before["counters"][2]) + 3
+    assert torch.equal(ctx.violation_ring, before["ring"]) and int(ctx.violation_write_index[0]) == before["index"]
+    before = context_state(ctx)
+    with pytest.raises(KvCanaryValueError, match="slot stride must hold at least 4 int64 fields"):
+        launch_canary_write_kernel(context=ctx, plan=_wplan([2], [-1]), **_winputs([1, 2], [0, 1], [3, 40]))
+    assert int(ctx.kernel_run_counter[0]) == int(before["counters"][14]) + 1
+    assert int(ctx.slot_run_counter[0]) == int(before["counters"][2])
+    assert torch.equal(ctx.canary_buf, before["buf"])
+    before = context_state(ctx)
+    with pytest.raises(KvCanaryError):  # argument error: positions shorter than input_ids
+        launch_canary_write_kernel(context=ctx, plan=_wplan([2], [-1]), **dict(
+            _winputs([1, 2], [0, 1], [3, 4]), positions=torch.tensor([0])))
+    after = context_state(ctx)
+    assert torch.equal(after["counters"], before["counters"]) and torch.equal(after["buf"], before["buf"])

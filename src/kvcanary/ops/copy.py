@@ -78,7 +78,10 @@ def launch_canary_copy_slots_kernel(
 
     src_slots, dst_slots: int32 or int64 [N], contiguous, same length. num_valid: int32 [1] or
     None (all N). Mutates: the first 32 bytes of destination rows; the counters. Semantics,
-    padding, aliasing and errors: see the module docstring.
+    padding, aliasing and errors: see the module docstring. Every error of this launcher
+    (arguments, out-of-range slots) is raised before anything changes: when it raises, no counter
+    has moved. (The twin alone, called directly, may raise IndexError after
+    ``kernel_run_counter`` moved.)
     """
     dev, num_slots = _check_tables(_COPY, canary_bufs)
     src = check_tensor(_COPY, "src_slots", src_slots, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
@@ -143,6 +146,7 @@ def import_canary_records(
     its header must match (magic, version, N, number of tables) or it is rejected (ValueError)
     before anything changes. Padding and duplicate rules as the copy; mutates the first 32
     bytes of the imported rows and the counters. Reads the header on the host: not capturable.
+    Every error is raised before anything changes: when it raises, no counter has moved.
     Afterwards, verify the imported slots against the destination's real KV (a TAIL verify).
     """
     dev, num_slots = _check_tables(_IMPORT, canary_bufs)

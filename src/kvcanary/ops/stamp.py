@@ -112,7 +112,8 @@ def launch_stamp_violation_rows(
     swa_window_size: int = 0,
 ) -> None:
     """Stamp one tag's new ring rows (contract in the module docstring). Mutates only
-    ``stamps[lo:hi]``."""
+    ``stamps[lo:hi]``. The stamp op has no counters; every error (``kv-canary:`` TypeError /
+    ValueError) is raised before anything changes."""
     kwargs = dict(
         violation_ring=violation_ring, violation_write_index=violation_write_index, rows_from=rows_from,
         stamps=stamps, step=step, verify_plan=verify_plan, write_plan=write_plan, out_cache_loc=out_cache_loc,

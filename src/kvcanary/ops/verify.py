@@ -15,7 +15,18 @@ def launch_canary_verify_kernel(
     """Verify the plan's entries against ``context.canary_buf``.
 
     Mutates the two counters, the violation ring and its write index; never the buffer.
-    Raises before touching anything on bad arguments (dtype, shape, device, > 4 sources).
+
+    Counters moved when it raises:
+
+    * argument errors (type, dtype, shape, device, > 4 sources: ``KvCanaryTypeError`` /
+      ``KvCanaryValueError``) — none: raised before dispatch, nothing touched;
+    * lazy errors (canary stride, a narrow real-KV row; SPEC §3.3, only when the plan has work) —
+      ``kernel_run_counter`` +1 and ``slot_run_counter`` + the active entries, nothing else
+      (ring, index, buffer unchanged); on CUDA while a graph is being captured these are raised
+      before anything is launched, so no counter moves.
+
+    Slots or predecessors outside the canary buffer never raise: they are
+    ``FailReason.VERIFY_SLOT_OUT_OF_RANGE`` rows (see ``FailReason``).
     """
     dev = check_context(_OP, context)
     check_verify_plan(_OP, plan, dev)

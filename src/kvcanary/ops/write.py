@@ -27,8 +27,20 @@ def launch_canary_write_kernel(
 ) -> None:
     """Write canary records for the plan's requests (sequential chain per request).
 
-    Mutates the canary buffer, both counters, the ring and its write index. Raises before
-    touching anything on bad arguments (dtype, shape, device, > 4 sources).
+    Mutates the canary buffer, both counters, the ring and its write index.
+
+    Counters moved when it raises:
+
+    * argument errors (type, dtype, shape, device, lengths, > 4 sources) — none: raised before
+      dispatch, nothing touched;
+    * lazy errors (canary stride, the input-assert tensors rule, a narrow real-KV row; SPEC §3.6,
+      only when the write has work) — ``kernel_run_counter`` +1 only (``slot_run_counter``, ring,
+      index and buffer unchanged); on CUDA while a graph is being captured these are raised before
+      anything is launched, so no counter moves.
+
+    Slots ``>= num_slots`` in ``out_cache_loc`` never raise: each is a
+    ``FailReason.WRITE_SLOT_OUT_OF_RANGE`` row and is not stored; a seed past the buffer reads as
+    an all-zero record (see ``FailReason``). Negative slots are skipped, as before.
     """
     dev = check_context(_OP, context)
     check_write_plan(_OP, plan, dev)
