@@ -43,5 +43,5 @@ def test_transformers_campaign_short(tmp_path):
 
 def test_bad_arguments(tmp_path):
     assert main(["campaign", "--faults", "nope", "--per-class", "1", "--out", str(tmp_path), "--no-progress"]) == 2
-    assert main(["campaign", "--engine", "transformers", "--faults", "token_swap", "--per-class", "1",
+    assert main(["campaign", "--engine", "transformers", "--faults", "double_alloc", "--per-class", "1",
                  "--out", str(tmp_path), "--no-progress"]) == 2

@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--real-kv", default="partial", choices=("none", "partial", "all"),
                    help="real-KV fingerprint mode (sim: also --real-kv-layers)")
     p.add_argument("--real-kv-layers", default="0,-1", help="hashed layers, indices into a group's layers (sim)")
-    p.add_argument("--no-oracle", action="store_true", help="sim: sample at random, no write-input oracle")
+    p.add_argument("--no-oracle", action="store_true", help="sample at random (sim) / greedily (transformers): no write-input oracle")
     p.add_argument("--deep-fingerprints", action="store_true",
                    help="sim: also fingerprint every byte of every layer, checked by the sweep")
     p.add_argument("--out", required=True, help="output directory")
@@ -75,9 +75,10 @@ def run(args) -> int:
         faults = list(TF_CLASSES) if args.faults == "all" else [f for f in args.faults.split(",") if f]
         bar, tick = _bar(len(faults) * args.per_class, not args.no_progress)
         _, outcomes, clean = run_tf_campaign(faults, seed=args.seed, per_class=args.per_class,
-                                             real_kv_hash=args.real_kv, progress=tick)
+                                             real_kv_hash=args.real_kv, oracle=not args.no_oracle, progress=tick)
         config = {"engine": "transformers", "seed": args.seed, "per_class": args.per_class,
-                  "real_kv_hash": args.real_kv, "models": "kvcanary.cli.demo tiny_model (CPU)", "token_oracle": False}
+                  "real_kv_hash": args.real_kv, "models": "kvcanary.cli.demo tiny_model (CPU)",
+                  "token_oracle": not args.no_oracle}
     if bar is not None:
         bar.close()
     classes = summarize(outcomes, key=lambda o: o.injection.fault + ("" if o.injection.group == "full" or
