@@ -105,19 +105,18 @@ def check_against_per_row_reference(translator, kwargs, batch) -> int:
             e = fs.query_length
             p = fs.state.position_offset - e
             row = translator.rows.row_of[fs.state.request_id]
-            if win:
-                lo = max(0, p + e - win)
+            if win:  # the plan's window [P - W, P): P - W (no query reads it) is padding, then every read
                 cached = min(p, win - 1)
-                expected = [0] * max(0, min(lo, p) - max(0, p - win))
-                if read.numel() and p > lo:
+                expected = [0] * (p - cached - max(0, p - win))
+                if read.numel() and cached:
                     seg = read[cu_k[i] : cu_k[i] + cached]
-                    expected += g.physical_to_slot(seg, for_write=False)[lo - (p - cached) :].tolist()
+                    expected += g.physical_to_slot(seg, for_write=False).tolist()
                 got = table[row, max(0, p - win) : p].tolist()
             else:
                 expected = g.physical_to_slot(read[cu_k[i] : cu_k[i] + p], for_write=False).tolist() if p else []
                 got = table[row, :p].tolist()
             assert got == expected, f"{g.name} table of {fs.state.request_id} (P={p}, E={e})"
-            if p and (not win or p + e - win <= p - 1):  # the write's seed slot
+            if p:  # the write's seed slot
                 assert table[row, p - 1].item() == (expected[-1] if expected else 0)
             history = (list(fs.state.initial_tokens) + list(fs.state.generated_tokens))[:p] + ids[cu_q[i] : cu_q[i + 1]]
             assert translator.token_table[row, : p + e].tolist() == history

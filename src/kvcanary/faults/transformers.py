@@ -10,6 +10,9 @@ appends an `Injection` to its ledger. Its generator is seeded; the canary never 
   the first forward of a request that reuses it;
 * `RedirectRead` (``slot_redirect``) — for one forward, one cached position's read index points at
   another live slot (group ``full`` or ``swa``);
+* `StaleWindowRead` (``swa_window_stale``) — sliding-window group, one forward whose chunk slides the
+  window: one position the chunk's first queries read and that leaves the window during the chunk is read
+  from a freed ring block still holding an earlier request's KV;
 * `SwapInputTokens` (``token_swap``) — the input tokens of two decoding requests are swapped in one
   forward's ``input_ids`` (a sampled token routed to the wrong request): the KV written is self-consistent,
   only a token oracle (`kvcanary.faults.tf_oracle`, the adapter's ``token_oracle``) can tell.
@@ -64,6 +67,7 @@ class _Injector:
         if self._owner is None or self._owner[0] is not cache:
             self._owner = (cache, find_batch_processor(cache))
         batch = list(self._owner[1].inputs_and_outputs.requests_in_batch)
+        self.observe(cache, kwargs, batch)
         if not self.ledger and self.step > self.after_step:
             self.fire(cache, kwargs, batch)
         self.seen.update(fs.state.request_id for fs in batch)
@@ -71,6 +75,9 @@ class _Injector:
 
     def record(self, **kw) -> Injection:
         return self.ledger.add(Injection(fault=self.fault, engine=ENGINE, step=self.step, **kw))
+
+    def observe(self, cache, kwargs, batch) -> None:
+        """Called before every forward (before `fire`); injectors that need history override it."""
 
     def fire(self, cache, kwargs, batch) -> None:
         raise NotImplementedError
@@ -194,6 +201,55 @@ class RedirectRead(_Injector):
         self.record(group=self.group, slot=slot, position=q, request_id=rid,
                     expected=("verify_position", "verify_chain_hash"),
                     detail=f"position {q} of {rid} read from the slot of position {q2} (slot {slot})")
+
+
+STRUCTURE = ("verify_position", "verify_chain_hash", "verify_token")
+
+
+class StaleWindowRead(_Injector):
+    """Sliding-window group: in one forward whose chunk moves the window (``P + E > W``, ``E >= 2``), the read
+    index of one position ``q`` the chunk's first queries read and that leaves the window during the chunk
+    (``max(0, P - W + 1) <= q < P + E - W``) points at a freed ring block that earlier held another request's
+    sliding-window KV (same in-page offset). Fires once a freed block is known."""
+
+    name = "stale_window_read"
+    fault = "swa_window_stale"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.blocks_seen: set[int] = set()  # sliding-window blocks some request held at an earlier forward
+
+    def observe(self, cache, kwargs, batch) -> None:
+        alloc = cache.cache_allocators.get(SLIDING_ATTENTION)
+        if alloc is not None:
+            self._used = {b for blocks in alloc.block_table.values() for b in blocks}
+            self._freed = sorted(self.blocks_seen - self._used)
+            self.blocks_seen |= self._used
+
+    def fire(self, cache, kwargs, batch) -> None:
+        alloc = cache.cache_allocators.get(SLIDING_ATTENTION)
+        if alloc is None or not self._freed or kwargs.get("block_table") is not None:
+            return
+        read = kwargs["read_index"][alloc.index]
+        if read.numel() == 0:
+            return
+        window, page = alloc.sliding_window, alloc.tokens_per_page
+        cu_k = kwargs["cu_seq_lens_k"][SLIDING_ATTENTION].tolist()
+        cands = []  # (batch row, request id, P, cached, q)
+        for i, fs in enumerate(batch):
+            e = fs.query_length
+            p = fs.state.position_offset - e
+            cached = min(p, window - 1)
+            cands += [(i, fs.state.request_id, p, cached, q) for q in range(p - cached, min(p, p + e - window))]
+        if not cands:
+            return
+        i, rid, p, cached, q = self.rng.choice(cands)
+        block = self.rng.choice(self._freed)
+        offset = (q % window) % page
+        read[cu_k[i] + q - (p - cached)] = block * alloc.block_physical_stride + offset
+        self.record(group="swa", slot=block * page + offset, position=q, request_id=rid, expected=STRUCTURE,
+                    detail=f"position {q} of {rid} (P={p}, leaves the window during the chunk) read from freed "
+                           f"sliding-window block {block} offset {offset}")
 
 
 class SwapInputTokens(_Injector):

@@ -22,12 +22,16 @@ class GroupSpec:
     name: ``"full"`` or ``"swa"`` (selects the launch tags). num_slots: size of the group's
     slot space, slot 0 being the padding slot. sliding_window: tokens a sliding-window group
     keeps (0 for full attention). layer_ids: the model layers in the group (for real-KV sources).
+    ring_window: the sliding-window KV is a ring — a forward stores position ``p + W`` into the slot of ``p``
+    while it computes (so positions ``[P - W, P + E - W)`` of a row lose their KV *during* the forward
+    that writes ``[P, P + E)``). The HEAD verify checks them before the forward; the TAIL verify skips them.
     """
 
     name: str
     num_slots: int
     sliding_window: int = 0
     layer_ids: tuple[int, ...] = ()
+    ring_window: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in ("full", "swa"):
@@ -39,6 +43,8 @@ class GroupSpec:
                 f"kv-canary: GroupSpec {self.name!r} needs sliding_window > 0 exactly when name == 'swa', "
                 f"got {self.sliding_window}"
             )
+        if self.ring_window and not self.sliding_window:
+            raise KvCanaryValueError(f"kv-canary: GroupSpec {self.name!r}: ring_window needs a sliding window")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,8 +5,8 @@
     head()   mark the rings -> per group: plan -> HEAD verify (prefix vs. the table)
              -> HEAD write (new tokens) -> slot records (position, predecessor, step, owner)
     ... engine forward: stores K/V into the staged out_loc slots ...
-    tail()   per group and hashed side: TAIL verify (prefix, real KV re-hashed)
-             -> TAIL write (fingerprints of the KV just stored; with deep fingerprints also one ALL-mode
+    tail()   per group and hashed side: TAIL verify (prefix, real KV re-hashed; a ring window skips the
+             positions the forward's own writes recycled, GroupSpec.ring_window) -> TAIL write (fingerprints of the KV just stored; with deep fingerprints also one ALL-mode
              write per 4 layers, checked later by the sweep); then stamp the step's ring rows
 
 Every launch reads the `StaticBatch` and device tensors only — no host reads — so both halves can be
@@ -72,6 +72,7 @@ class ForwardLaunches:
         self._identity_luts = {
             n: torch.arange(g.num_slots, dtype=torch.int64, device=dev) for n, g in groups.items() if g.window
         }
+        self._ring_slots: dict[str, torch.Tensor] = {}  # ring-window groups: the TAIL plan's slot column
         self.write_assert_skipped = 0
         self.plan_growths = 0
         self._warned: set[str] = set()
@@ -157,10 +158,11 @@ class ForwardLaunches:
             vplan, wplan = self.verify_plans[name], self.write_plans[name]
             if run_checks:
                 self._warn_unhashed(g)
+                tplan = self._ring_tail_plan(name, g, vplan, bs) if g.spec.ring_window and bs else vplan
                 for side in g.tail_sides:
                     launch_canary_verify_kernel(
                         context=self._context(g, "tail", side, "verify", self.no_chain_assert),
-                        plan=vplan, check_verify_expected_token=False,
+                        plan=tplan, check_verify_expected_token=False,
                     )
                     for deep in (None, *g.deep_chunks()):  # the TAIL record, then every layer's bytes (sweep-checked)
                         launch_canary_write_kernel(
@@ -177,6 +179,25 @@ class ForwardLaunches:
                 )
 
     # ---- helpers -----------------------------------------------------------------------------------
+    def _ring_tail_plan(self, name: str, g: CanaryGroup, vplan: VerifyPlan, bs: int) -> VerifyPlan:
+        """``vplan`` with the entries of positions below ``P + E - W`` (their ring slots now hold this forward's
+        tokens) set to slot 0, which verify skips; the other columns are ``vplan``'s own tensors. Rows of the
+        stamps keep reading ``vplan`` (HEAD rows of those entries stay attributed). Device ops only."""
+        s = self.static
+        rows, prefix, extend = s.rows[:bs], s.prefix[:bs], s.extend[:bs]
+        counts = torch.where(rows != 0, prefix - (prefix - g.window).clamp(min=0), 0)  # entries per row (SPEC 3.5)
+        entry = s.entry_arange(vplan.capacity)
+        row = torch.searchsorted(counts.cumsum(0), entry, right=True).clamp_(max=bs - 1)
+        gone = vplan.verify_expected_positions < (prefix + extend - g.window)[row]
+        slots = self._ring_slots.get(name)
+        if slots is None or slots.shape[0] != vplan.capacity:
+            slots = self._ring_slots[name] = torch.empty_like(vplan.verify_slot_indices)
+        slots.copy_(vplan.verify_slot_indices).masked_fill_(gone, 0)
+        return VerifyPlan(verify_slot_indices=slots, verify_expected_tokens=vplan.verify_expected_tokens,
+                          verify_expected_positions=vplan.verify_expected_positions,
+                          verify_prev_slot_indices=vplan.verify_prev_slot_indices,
+                          verify_num_valid=vplan.verify_num_valid, enable=vplan.enable)
+
     def _context(self, g: CanaryGroup, phase: str, side: str, op: str, chain_assert: torch.Tensor, deep=None):
         return g.context(phase, side, op, rings=self.rings, counters=self.counters, chain_assert=chain_assert, deep=deep)
 

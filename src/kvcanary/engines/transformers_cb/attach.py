@@ -431,7 +431,8 @@ class TransformersCbHandle:
         canary = Canary(
             config,
             groups=[
-                GroupSpec(name=g.name, num_slots=g.num_slots, sliding_window=g.sliding_window, layer_ids=g.layer_ids)
+                GroupSpec(name=g.name, num_slots=g.num_slots, sliding_window=g.sliding_window, layer_ids=g.layer_ids,
+                          ring_window=bool(g.sliding_window))
                 for g in layouts
             ],
             max_requests=max_rows,

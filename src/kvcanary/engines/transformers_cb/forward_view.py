@@ -24,9 +24,12 @@ Per batch row with ``P`` = first position and ``E`` = query length (padding rows
   positions ``[0, P + E)``; sliding window: the ``min(P, W - 1)`` newest cached positions, then sentinel
   rows for the new tokens) or the block table. A read redirected to a wrong slot therefore shows up in
   the canary. Entries are scattered into the persistent table (rows of other requests are untouched).
-* sliding window: a ring slot is reused by position ``p + W``. Positions in ``[P - W, P + E - W)`` are
-  overwritten during this forward, so they are set to slot 0 (padding, never verified, and the window
-  head's chain link is not followed): nothing is ever checked against a recycled slot.
+* sliding window: a ring slot is reused by position ``p + W``. The plan's window is ``[P - W, P)``; the
+  chunk's queries read ``[P - W + 1, P)`` (``W - 1`` cached positions), so position ``P - W`` is set to slot
+  0 (padding, never verified, and the window head's chain link is not followed) and every read position is
+  verified at HEAD — also those in ``[P - W + 1, P + E - W)``, which the chunk's first queries read before
+  its own writes overwrite their ring slots. Their KV is gone after the forward, so the group is declared
+  a ring (``GroupSpec.ring_window``): the runtime's TAIL verify skips exactly those positions.
 * token history: the tokens of ``[P, P + E)`` are the forward's ``input_ids`` (scattered on the device);
   positions below ``P`` the canary has not seen come from the request's prompt / generated tokens.
 * token oracle (optional, ``token_oracle``): the write-input assert's expected tokens come from the request's
@@ -297,10 +300,10 @@ class ForwardTranslator:
         out = torch.where(tok_valid, written, NOT_STORED)
         stored = out >= 0
         window = g.sliding_window
-        if window:  # positions [P - W, P + E - W) are recycled by this forward: padding, never verified
-            old = tok_pos - window
-            keep = tok_valid & (old >= 0)
-            table.index_put_((torch.where(keep, tok_row, 0), old.clamp_(min=0)), torch.zeros_like(old, dtype=torch.int32))
+        if window:  # position P - W is in the plan's window but no query reads it: padding, never verified
+            old = prefix - window
+            keep = (rows > 0) & (old >= 0)
+            table.index_put_((torch.where(keep, rows, 0), old.clamp(min=0)), torch.zeros_like(old, dtype=torch.int32))
         reads = kwargs["read_index"][g.index]
         k = int(reads.shape[0])
         if k:
@@ -311,11 +314,10 @@ class ForwardTranslator:
             jb = jb.clamp_(max=max(bsz - 1, 0))
             local = j - cu_k[jb]
             p = prefix[jb]
-            if window:
+            if window:  # every cached position a query of the chunk reads, those the chunk recycles included
                 cached = p.clamp(max=window - 1)
                 pos = p - cached + local
-                low = (p + extend[jb] - window).clamp_(min=0)
-                keep = jvalid & (local < cached) & (pos >= low)
+                keep = jvalid & (local < cached)
             else:
                 pos = local
                 keep = jvalid & (local < p)
