@@ -1,7 +1,8 @@
 """A seeded fault campaign on transformers continuous batching (the demo's tiny random models, CPU).
 
 The classes this engine can express today: ``kv_flip_used``, ``kv_flip_cached`` (llama, prefix
-sharing), ``slot_redirect`` (llama full attention, and the qwen3 sliding-window group) and ``token_swap``
+sharing), ``slot_redirect`` (llama full attention, and the qwen3 sliding-window group), ``swa_window_stale``
+(qwen3: a position leaving the window during a chunk read from a freed ring block) and ``token_swap``
 (llama; detectable only with the token oracle). One checked ``generate_batch`` per injection (injector
 seeded ``seed * 1000 + k``, firing after 1..4 forwards); the clean twin is one checked run per model with
 no injector. With ``oracle`` (the default) every run, clean twin included, samples the token oracle
@@ -18,7 +19,13 @@ import torch
 from kvcanary.errors import KvCanaryValueError
 from kvcanary.faults.accounting import Outcome, account
 from kvcanary.faults.tf_oracle import OracleSampler
-from kvcanary.faults.transformers import FlipSharedBlockByte, FlipUsedBlockByte, RedirectRead, SwapInputTokens
+from kvcanary.faults.transformers import (
+    FlipSharedBlockByte,
+    FlipUsedBlockByte,
+    RedirectRead,
+    StaleWindowRead,
+    SwapInputTokens,
+)
 
 VOCAB = 256  # the demo models' vocabulary (kvcanary.cli.demo.tiny_model)
 
@@ -27,6 +34,7 @@ TF_CLASSES = {  # class -> (model, injector factory (seed, after_step, oracle on
     "kv_flip_cached": ("llama", lambda seed, after, oracle: FlipSharedBlockByte(seed=seed, after_step=after)),
     "slot_redirect": ("llama", lambda seed, after, oracle: RedirectRead(group="full", seed=seed, after_step=after)),
     "slot_redirect_swa": ("qwen3_swa", lambda seed, after, oracle: RedirectRead(group="swa", seed=seed, after_step=after)),
+    "swa_window_stale": ("qwen3_swa", lambda seed, after, oracle: StaleWindowRead(seed=seed, after_step=after)),
     "token_swap": ("llama", lambda seed, after, oracle: SwapInputTokens(seed=seed, after_step=after, oracle_on=oracle)),
 }
 
