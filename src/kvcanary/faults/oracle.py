@@ -4,6 +4,7 @@ write-input assert (`BatchDescription.expected_input_ids`) checks every written 
 
 `oracle_token(rid, position, vocab)`: ``1 + blake2b(rid, position) mod (vocab - 1)`` (never token 0).
 `TokenOracle` remembers each request's prompt and answers the expected input id of any position.
+On transformers continuous batching the same oracle is the engine's sampler: `kvcanary.faults.tf_oracle`.
 """
 from __future__ import annotations
 
