@@ -5,7 +5,8 @@ that decode step's BatchDescription through the canary — begin_step + stage + 
 TAIL verify/write (PARTIAL hashing of the first and last layer's K and V, the default) + row stamps + one
 rotating sweep slice + the non-blocking drain poll — ``reps`` times back to back and divides the wall
 time (one synchronize at the end: host and device work overlap as they do in serving). ``host us`` is the
-Python time of those calls alone (the device work is asynchronous). On CUDA two variants: ``eager`` (every
+Python time of those calls alone (the device work is asynchronous); ``device us`` (CUDA) is the device time
+alone: a sleep kernel holds the stream while the host enqueues 30 steps, then CUDA events time their execution. On CUDA two variants: ``eager`` (every
 launch from Python) and ``graphs`` (`Canary.capture_graphs`: HEAD / TAIL / sweep replayed as CUDA graphs).
 The engine's own forward is not run: this is the canary's cost alone.
 
@@ -63,6 +64,18 @@ def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: in
         host += time.perf_counter() - t
     _sync()
     wall = time.perf_counter() - t0
+    device_us = None
+    if device == "cuda":  # device time alone: a sleep kernel holds the stream while the host enqueues n steps
+        n = 30
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2 * n * (host / reps * 1e6) * 2000) + 10_000_000)  # cycles (~2 per ns): 2x the host time
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(n):
+            step()
+        e1.record()
+        torch.cuda.synchronize()
+        device_us = e0.elapsed_time(e1) / n * 1e3
     if profile:  # where the host time goes (after the timed loop: cProfile slows what it watches)
         import cProfile
         import pstats
@@ -78,7 +91,7 @@ def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: in
     counters = canary.counters()
     assert counters["total"] == 0, counters
     return dict(bs=bs, ctx=ctx, variant="graphs" if graphs else "eager", entries=bs * ctx,
-                us=wall / reps * 1e6, host_us=host / reps * 1e6,
+                us=wall / reps * 1e6, host_us=host / reps * 1e6, device_us=device_us,
                 checked=counters["checked_forwards"], forwards=canary.step,
                 mib=canary.memory_bytes() / 2**20)
 
@@ -102,14 +115,16 @@ def main() -> None:
     print("#   first+last layer K/V = 4 sources of 256 B/token, sweep slice every forward, drain poll"
           + (", deep fingerprints)" if args.deep_fingerprints else ")"))
     print(f"# machine: {machine}; torch {torch.__version__}; python {sys.version.split()[0]}")
-    print(f"{'bs':>4} {'ctx':>6} {'variant':>7} {'entries':>8} {'us/step':>9} {'host us':>8} {'checked':>8} {'MiB':>7}")
+    print(f"{'bs':>4} {'ctx':>6} {'variant':>7} {'entries':>8} {'us/step':>9} {'host us':>8} {'device us':>9} {'checked':>8} "
+          f"{'MiB':>7}")
     rows = []
     for bs, ctx in grid:
         for graphs in ((True, False) if cuda else (False,)):
             reps = 200 if cuda else (20 if bs * ctx > 50_000 else 50)
             r = case(bs, ctx, device=device, graphs=graphs, reps=reps, profile=args.profile, deep=args.deep_fingerprints)
             rows.append(r)
-            print(f"{r['bs']:>4} {r['ctx']:>6} {r['variant']:>7} {r['entries']:>8} {r['us']:>9.1f} {r['host_us']:>8.1f} "
+            dev_us = f"{r['device_us']:>9.1f}" if r["device_us"] is not None else f"{'-':>9}"
+            print(f"{r['bs']:>4} {r['ctx']:>6} {r['variant']:>7} {r['entries']:>8} {r['us']:>9.1f} {r['host_us']:>8.1f} {dev_us} "
                   f"{r['checked']:>4}/{r['forwards']:<3} {r['mib']:>7.1f}", flush=True)
     target = [r for r in rows if (r["bs"], r["ctx"]) == (64, 4096)]
     if target and cuda:

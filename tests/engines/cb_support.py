@@ -49,6 +49,7 @@ class BetweenSteps:
         self.handle = handle
         self.replays_only = replays_only  # fire only into a forward whose graph already exists
         self.replayed: list[bool] = []
+        self.seen_steps: list[tuple] = []  # (step, query tokens, replay?) of every forward seen (diagnostics)
 
     @staticmethod
     def _replay(io) -> bool:
@@ -67,6 +68,7 @@ class BetweenSteps:
             current = self.handle._current
             inj.step = (current.canary.step if current is not None and current.cache is io.cache else 0) + 1
             replay = self._replay(io)
+            self.seen_steps.append((inj.step, getattr(io, "num_q_tokens", None), replay))
             if not inj.ledger and inj.step > inj.after_step and (replay or not self.replays_only):
                 inj.fire(io.cache, static_kwargs(io), batch)
                 if inj.ledger:

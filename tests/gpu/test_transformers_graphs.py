@@ -21,7 +21,8 @@ pytest.importorskip("transformers")
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
-from kvcanary.cli.demo import PAGE_SIZE, FlipSharedBlockByte, RedirectRead, tiny_model, workload  # noqa: E402
+from kvcanary.cli.demo import PAGE_SIZE, RedirectRead, tiny_model, workload  # noqa: E402
+from kvcanary.faults.transformers import FlipUsedBlockByte  # noqa: E402
 from kvcanary.engines.transformers_cb import attach  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -97,13 +98,15 @@ def test_gpu_default_config_is_checked(llama):
     assert handle.violations() == []
 
 
-def test_flipped_kv_byte_is_caught_in_a_replay_and_charged_to_the_reusing_request(llama, monkeypatch):
-    prompts = [p for p in workload(seed=2, num_requests=6) if len(p) > 40][:4]  # all share one system prompt
-    injector = FlipSharedBlockByte(seed=3, after_step=0)
+def test_flipped_kv_byte_is_caught_in_a_replay_and_charged_to_the_reader(llama, monkeypatch):
+    """A bit flipped in a block only one request of the forward reads, injected just before a replayed forward
+    (decode steps replay one captured graph): TAIL re-hashes it in that forward, against that request."""
+    injector = FlipUsedBlockByte(seed=3, after_step=2)
     handle = attach(llama, mode="log", sweep_interval=0)
     between = BetweenSteps(injector, handle).install(monkeypatch)
     with handle:
-        run(llama, prompts, max_requests_per_batch=1)
+        run(llama, workload(seed=1))
+    assert injector.ledger, f"nothing injected; forwards seen (step, query tokens, replay): {between.seen_steps}"
     (inj,) = injector.ledger
     assert between.replayed == [True], "the faulty forward was not a graph replay"
     hits = [v for v in handle.violations() if v.slot == inj.slot and v.group == "full"]
@@ -121,6 +124,7 @@ def test_redirected_read_index_is_caught_in_a_replay_and_charged_to_the_reader(g
     between = BetweenSteps(injector, handle).install(monkeypatch)
     with handle:
         run(model, workload(seed=1))
+    assert injector.ledger, f"nothing injected; forwards seen (step, query tokens, replay): {between.seen_steps}"
     (inj,) = injector.ledger
     assert between.replayed == [True], "the faulty forward was not a graph replay"
     at_step = [v for v in handle.violations() if v.step == inj.step]

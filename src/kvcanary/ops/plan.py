@@ -89,6 +89,7 @@ def launch_canary_plan_kernels(
     req_to_verify_expected_tokens: Optional[torch.Tensor],
     req_to_verify_expected_tokens_valid_lens: Optional[torch.Tensor],
     kv_token_id_vs_position_offset: int,
+    check_request_rows_on_host: Optional[bool] = None,
 ) -> None:
     """Build the verify entries and write metadata of one forward.
 
@@ -100,6 +101,11 @@ def launch_canary_plan_kernels(
     waits for the stream). While the current stream is capturing a CUDA graph that check is
     skipped and the Triton kernels plan such a row as a padding row (no verify entries, no write
     tokens, seed -1): nothing outside the tables is read.
+
+    ``check_request_rows_on_host`` (an extension, keyword only): None (default) checks as above;
+    False skips the host read on CUDA too (a caller that must not wait for the stream, e.g. the
+    runtime's per-forward path, gets the capture behaviour: bad rows planned as padding). CPU
+    tensors are always checked (the twin would index out of bounds).
     """
     kwargs = dict(
         verify_plan_out=verify_plan_out,
@@ -118,7 +124,9 @@ def launch_canary_plan_kernels(
     check_args = dict(kwargs)
     check_args["extend_lens"] = check_args.pop("extend_seq_lens")
     _check_plan_args(**check_args)
-    if not capturing(req_to_token.device):  # a host read; under capture the kernel plans such rows as padding
+    dev = req_to_token.device
+    host_check = check_request_rows_on_host is not False or dev.type != "cuda"
+    if host_check and not capturing(dev):  # a host read; under capture the kernel plans such rows as padding
         check_request_rows(_OP, req_pool_indices, request_row_bound(req_to_token, req_to_verify_expected_tokens))
     backend = triton_backend(req_to_token.device)
     impl = backend.launch_plan if backend else launch_canary_plan_kernels_torch_reference

@@ -163,6 +163,7 @@ class Canary:
         self._plans_disabled_seen = [0] * len(self.groups)
         self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
         self._graphs: Optional[CanaryGraphs] = None
+        self._swept_this_step = False  # the sweep slice already replayed with TAIL (own graphs)
         self.canary_errors = 0  # the canary's own failures contained in log mode
         self.unchecked_forwards = 0
         self._unchecked = False
@@ -286,11 +287,26 @@ class Canary:
             self.launches.head()
 
     def launch_tail(self, *, run_checks: bool = True) -> None:
-        """TAIL verify + write, row stamps (device only; capturable). ``run_checks=False``: stamps only."""
+        """TAIL verify + write, row stamps (device only; capturable). ``run_checks=False``: stamps only.
+        With the canary's own graphs the forward's sweep slice replays in the same graph as TAIL."""
         if self._graphs is not None:
-            (self._graphs.tail if run_checks else self._graphs.stamps).replay()
+            if run_checks and self._graphs.tail_sweep is not None and self._sweeping():
+                self._start_pass_if_due()
+                self._graphs.tail_sweep.replay()
+                self.sweeper.slices_run += 1
+                self._swept_this_step = True
+            else:
+                (self._graphs.tail if run_checks else self._graphs.stamps).replay()
         else:
             self.launches.tail(run_checks=run_checks)
+
+    def _sweeping(self) -> bool:
+        return self._live_slots is not None and self.sweeper.interval > 0
+
+    def _start_pass_if_due(self) -> None:
+        """A rotating pass starts with the next slice: refresh its live set (host, once per pass)."""
+        if self.sweeper.pass_starts():
+            self.sweeper.refresh_live(self._resolve_live(None))
 
     def capture_graphs(self) -> None:
         """Capture the canary's own per-forward device work into CUDA graphs (CUDA only), replayed by
@@ -310,9 +326,10 @@ class Canary:
     def end_step(self) -> None:
         """Sweep slice, non-blocking drain, health, stats (host); raises in ``raise`` mode."""
         try:
-            if self._live_slots is not None and self.sweeper.interval > 0:
-                if self.sweeper.pass_starts():
-                    self.sweeper.refresh_live(self._resolve_live(None))
+            if self._swept_this_step:
+                self._swept_this_step = False
+            elif self._sweeping():
+                self._start_pass_if_due()
                 if self._graphs is not None:
                     self._graphs.sweep.replay()
                     self.sweeper.slices_run += 1

@@ -7,7 +7,8 @@ while capturing, three graphs serve every batch that fits:
 
 * ``head``  — ring marks, request-row history, plan, HEAD verify + write, slot records;
 * ``tail``  — TAIL verify + write, row stamps (``stamps``: the stamps alone, for a forward that raised);
-* ``sweep`` — one rotating sweep slice (cursor on the device).
+* ``sweep`` — one rotating sweep slice (cursor on the device);
+* ``tail_sweep`` — ``tail`` then ``sweep`` in one graph (one replay fewer per forward; None without a sweep).
 
 Capturing freezes the static buffers (a batch that no longer fits is an error, not a silent regrowth).
 Warm-up runs each half once on an empty batch (all padding rows: nothing planned, written or verified)
@@ -47,6 +48,7 @@ class CanaryGraphs:
         self.head, self.tail, self.stamps, self.sweep = (
             self._capture(fn, pool) for fn in (self._head, self._tail, self._stamps, self._sweep)
         )
+        self.tail_sweep = self._capture(self._tail_then_sweep, pool) if sweeper.interval > 0 else None
 
     def _head(self) -> None:
         self.launches.head(full=True)
@@ -59,6 +61,10 @@ class CanaryGraphs:
 
     def _sweep(self) -> None:
         self.sweeper.slice_device()
+
+    def _tail_then_sweep(self) -> None:
+        self._tail()
+        self._sweep()
 
     @staticmethod
     def _capture(fn, pool) -> torch.cuda.CUDAGraph:

@@ -129,7 +129,7 @@ class ForwardLaunches:
                 verify_capacity=vplan.capacity,
                 req_to_verify_expected_tokens=token_table,
                 req_to_verify_expected_tokens_valid_lens=s.token_lens[:bs] if token_table is not None else None,
-                kv_token_id_vs_position_offset=0,
+                kv_token_id_vs_position_offset=0, check_request_rows_on_host=False,  # never wait for the stream
             )
             self.plans_disabled[gi : gi + 1] += 1 - vplan.enable
             if s.has_context and g.anchor_rows:

@@ -65,6 +65,28 @@ class _Slices:
         # when it was swept stays here for OWNER_HISTORY steps, so late-drained rows blame the right writer.
         self.ones = torch.ones(self.size, dtype=torch.int64, device=dev)
         self.owner_history = torch.full((OWNER_HISTORY, self.size), -1, dtype=torch.int64, device=dev)
+        self._pinned: Optional[torch.Tensor] = None  # host staging of live sets handed over in host memory
+        self._pinned_done = None  # event: the last upload from it finished
+
+    def upload(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` as a flat int64 device tensor. A host tensor bound for CUDA goes through a reused pinned
+        buffer with a non-blocking copy (a pageable copy would wait for the stream: a sync once per pass)."""
+        dev = self.live.device
+        slots = slots.flatten()
+        if slots.device.type != "cpu" or dev.type != "cuda":
+            return slots.to(dev, torch.int64)
+        n = slots.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 2 * (self._pinned.numel() if self._pinned is not None else 0)),
+                                       dtype=torch.int64, pin_memory=True)
+            self._pinned_done = None
+        elif self._pinned_done is not None:
+            self._pinned_done.synchronize()  # one pass ago: long done
+        self._pinned[:n].copy_(slots)
+        out = self._pinned[:n].to(dev, non_blocking=True)
+        self._pinned_done = torch.cuda.Event()
+        self._pinned_done.record()
+        return out
 
 
 class Sweeper:
@@ -102,7 +124,7 @@ class Sweeper:
             slots = live.get(name)
             if slots is not None and slots.numel():
                 g = self.groups[name]
-                slots = slots.to(g.device, torch.int64).flatten().clamp(0, g.num_slots)  # out of range -> trash
+                slots = sl.upload(slots).clamp(0, g.num_slots)  # out of range -> trash
                 sl.live.index_fill_(0, slots, True)
             sl.live[0] = False
             sl.live[-1] = False
