@@ -376,6 +376,10 @@ def main(argv=None) -> int:
 
     print(format_table(rows, machine))
     for r in rows:
+        if r.get("per_round_decode_ms"):
+            print(f"  {r['graphs']:<3} {r['config']:<15} decode ms per round: "
+                  + ", ".join(f"{x:.2f}" for x in r["per_round_decode_ms"] if x is not None))
+    for r in rows:
         entries = r.get("canary_host_ms_per_step_by_entry")
         if entries:
             parts = ", ".join(f"{k.split('.')[-1]} {v:.3f}" for k, v in sorted(entries.items(), key=lambda kv: -kv[1]))
