@@ -57,7 +57,10 @@ class SlotRecords:
         self.prev_slot = arr()
         self.step = arr()
         self.owner = arr()
-        self._last = arr()  # scratch for the last-occurrence reduction
+        # Scratch of the last-write-wins reduction: the torch twin's last entry per slot, or the fused kernels'
+        # claim keys (runtime.kernels; ``epoch << 20 | token``, epoch int64 [2] advanced once per write).
+        self.claims = arr()
+        self.epoch = torch.zeros(2, dtype=torch.int64, device=device)
 
     def record(self, *, slots: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, prev_slots: torch.Tensor,
                owners: torch.Tensor, step: torch.Tensor) -> None:
@@ -67,16 +70,16 @@ class SlotRecords:
         trash = self.num_slots
         idx = torch.where(valid & (slots >= 0) & (slots < trash), slots, trash)
         order = torch.arange(idx.shape[0], dtype=torch.int64, device=idx.device)
-        self._last.index_fill_(0, idx, -1)
-        self._last.scatter_reduce_(0, idx, order, reduce="amax")
-        idx = torch.where(self._last.gather(0, idx) == order, idx, trash)  # index_put_ order is unspecified on CUDA
+        self.claims.index_fill_(0, idx, -1)
+        self.claims.scatter_reduce_(0, idx, order, reduce="amax")
+        idx = torch.where(self.claims.gather(0, idx) == order, idx, trash)  # index_put_ order is unspecified on CUDA
         self.position.index_put_((idx,), positions)
         self.prev_slot.index_put_((idx,), prev_slots)
         self.owner.index_put_((idx,), owners)
         self.step.index_put_((idx,), step.expand_as(idx))
 
     def memory_bytes(self) -> int:
-        return 5 * self.position.numel() * 8
+        return 5 * self.position.numel() * 8 + self.epoch.numel() * 8
 
 
 class CanaryGroup:

@@ -28,6 +28,7 @@ from kvcanary.ops import (
     launch_canary_write_kernel,
     launch_stamp_violation_rows,
 )
+from kvcanary.runtime import kernels
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
 from kvcanary.runtime.drain import ViolationRings
@@ -223,13 +224,9 @@ class ForwardLaunches:
         prev.copy_(torch.where(first, anchors[row], prev))
 
     def _token_rows(self, wplan: WritePlan, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(batch row of each staged token, its offset within the row, valid: inside the write range)."""
-        offsets = wplan.write_offsets[: bs + 1]
-        idx = self.static.token_arange[:n]
-        row = torch.searchsorted(offsets[1:], idx, right=True).clamp_(max=max(bs - 1, 0))
-        local = idx - offsets[row]
-        valid = idx < offsets[bs]
-        return row, local, valid
+        """(batch row of each staged token, its offset within the row, valid: inside the write range); one
+        kernel on CUDA (`kernels.token_rows`)."""
+        return kernels.token_rows(wplan.write_offsets, bs, n, self.static.token_arange)
 
     def _oracle(self, tokens_row, bs: int, n: int):
         """Expected tokens / positions of the staged tokens for the write-input assert, or (None, None)."""
@@ -256,15 +253,12 @@ class ForwardLaunches:
         return expected, positions
 
     def _record_slots(self, g: CanaryGroup, wplan: WritePlan, tokens_row, out_loc: torch.Tensor, n: int) -> None:
-        """Slot records of this write: position, predecessor (the seed for a row's first token), step, owner."""
+        """Slot records of this write: position, predecessor (the seed for a row's first token), step, owner;
+        two kernels on CUDA (`kernels.record_write`)."""
         row, local, valid = tokens_row
-        seeds = wplan.write_seed_slot_indices[row]
-        prev = torch.where(local == 0, seeds, out_loc.roll(1))
-        prev = torch.where(prev >= g.num_slots, g.num_slots, prev)  # a context anchor: no slot to link to (trash)
-        owners = self.step * self.owner_span + row
-        g.records.record(
-            slots=out_loc, valid=valid, positions=self.static.positions[:n], prev_slots=prev, owners=owners,
-            step=self.step,
+        kernels.record_write(
+            g.records, seeds=wplan.write_seed_slot_indices, row=row, local=local, valid=valid, out_loc=out_loc,
+            positions=self.static.positions[:n], step=self.step, owner_span=self.owner_span,
         )
 
     def _warn_unhashed(self, g: CanaryGroup) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, VerifyPlan, launch_canary_verify_kernel, launch_stamp_violation_rows
+from kvcanary.runtime import kernels
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
 from kvcanary.runtime.drain import ViolationRings
@@ -137,19 +138,14 @@ class Sweeper:
         self.slices_run += 1
 
     def slice_device(self) -> None:
-        """The device half of `slice` (capturable; the caller counts ``slices_run``)."""
+        """The device half of `slice` (capturable; the caller counts ``slices_run``). Per group the slice's
+        plan, owners, ``verified`` and cursor come from one fused kernel pair on CUDA (`kernels.sweep_slice`)."""
         for name, sl in self._slices.items():
             g = self.groups[name]
-            rec = g.records
-            trash = g.num_slots
-            slots = sl.offsets + sl.cursor
-            slots = torch.where(slots < trash, slots, trash)
-            written_at = rec.step[slots]
-            live = sl.live[slots] & (written_at != NEVER_WRITTEN)
-            self._fill_plan(sl.plan, rec, slots, written_at, live)
-            sl.owner_history.index_copy_(0, self.step.remainder(OWNER_HISTORY), rec.owner[slots][None])
-            sl.verified += live.sum()
-            sl.cursor.add_(sl.size).remainder_(sl.span)
+            kernels.sweep_slice(
+                records=g.records, plan=sl.plan, live_mask=sl.live, cursor=sl.cursor, offsets=sl.offsets,
+                span=sl.span, step=self.step, owner_history=sl.owner_history, verified=sl.verified,
+            )
             self._launch(g, sl.plan, entry_rows=sl.ones)
 
     # ---- explicit full sweep ------------------------------------------------------------------------
@@ -185,16 +181,7 @@ class Sweeper:
     # ---- helpers ------------------------------------------------------------------------------------
     @staticmethod
     def _fill_plan(plan: VerifyPlan, rec, slots: torch.Tensor, written_at: torch.Tensor, live: torch.Tensor) -> None:
-        prev = rec.prev_slot[slots]
-        position = rec.position[slots]
-        safe_prev = prev.clamp(min=0)
-        prev_at = rec.step[safe_prev]
-        # The link is checkable only while the predecessor still holds the previous position.
-        intact = (prev >= 0) & (prev_at <= written_at) & (prev_at != NEVER_WRITTEN) & (rec.position[safe_prev] == position - 1)
-        prev = torch.where(prev < 0, prev, torch.where(intact, prev, 0))
-        plan.verify_slot_indices.copy_(torch.where(live, slots, TOKEN_TO_KV_SLOT_PADDING))
-        plan.verify_expected_positions.copy_(position)
-        plan.verify_prev_slot_indices.copy_(prev)
+        kernels.fill_sweep_plan(plan, rec, slots, written_at, live)
 
     def _launch(self, g: CanaryGroup, plan: VerifyPlan, entry_rows: Optional[torch.Tensor] = None) -> None:
         """Verify ``plan`` on every TAIL side and stamp the rows (with ``entry_rows`` — ones — a stamp's batch

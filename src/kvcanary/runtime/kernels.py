@@ -1,0 +1,282 @@
+"""Fused device glue of the runtime: the per-forward bookkeeping around the ops, one Triton kernel or two
+per block instead of a few dozen small torch ops.
+
+Three blocks, each a torch twin (the reference; what the CPU runs) and a Triton launcher bit-identical to it:
+
+* ``token_rows`` — per staged token: its batch row in the write plan (a search over the plan's offsets),
+  its offset within the row, and whether it lies inside the write range.
+* ``record_write`` — the slot records of one HEAD write (`SlotRecords`): position, predecessor slot (the
+  row's seed for a row's first token, else the previous token's slot; a context anchor becomes the trash
+  row), owner ``step * owner_span + row`` and step, last write wins when a slot repeats. Triton: kernel 1
+  claims each slot with ``atomic_max`` of the key ``epoch * 2**20 + token``, kernel 2 stores the fields of
+  the token whose key won. The epoch is a device counter of the records advanced once per launch pair, so
+  keys grow across launches and the scratch never needs a reset (a step number would not do: a step can
+  be replayed with another batch, e.g. by an engine warming up its own graphs).
+* ``sweep_slice`` — one rotating sweep slice's verify plan from the slot records (`Sweeper`): slots from
+  the device cursor (clamped to the trash row), live = in the pass's live set and written, the chain link
+  kept only while the predecessor still holds the previous position (an older, unwritten or moved
+  predecessor becomes 0, unreachable), the owners remembered per step, ``verified`` counted, the cursor
+  advanced. Triton: one grid kernel (``verified`` by atomic add) and a one-program kernel that advances the
+  cursor after every program of the first has read it.
+
+Every launcher is device-only (no host reads; grids from host-known sizes), so it can be captured in a CUDA
+graph. ``use_kernels(t)``: Triton imports and ``t`` is on CUDA; otherwise callers use the twins. Triton
+rules (SPEC §3.9): int64 index math, large blocks; under ``TRITON_INTERPRET=1`` the launchers also run on
+CPU tensors (tests).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, VerifyPlan
+from kvcanary.runtime.groups import NEVER_WRITTEN, SlotRecords
+
+try:  # Triton is optional: CPU-only installs use the twins.
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the environment
+    AVAILABLE = False
+else:
+    AVAILABLE = True
+
+KEY_TOKEN_BITS = 20  # a record_write key is ``epoch << 20 | token``: launches of up to 2**20 tokens
+MAX_RECORD_TOKENS = 1 << KEY_TOKEN_BITS
+_BLOCK = 1024
+_WARPS = 4
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """True when the Triton launchers serve ``t``'s device (CUDA with Triton installed)."""
+    return AVAILABLE and t.is_cuda
+
+
+# ---- torch twins -------------------------------------------------------------------------------------
+
+def token_rows_twin(offsets: torch.Tensor, bs: int, n: int, token_arange: torch.Tensor):
+    """(row, local, valid) of tokens ``0..n-1``: int64 [n] batch row (``searchsorted(offsets[1:bs+1], t,
+    right=True)`` clamped to ``bs - 1``), int64 [n] ``t - offsets[row]``, bool [n] ``t < offsets[bs]``.
+    ``offsets``: the write plan's int64 [>= bs + 1]; ``token_arange``: int64 [>= n], ``arange``."""
+    offsets = offsets[: bs + 1]
+    idx = token_arange[:n]
+    row = torch.searchsorted(offsets[1:], idx, right=True).clamp_(max=max(bs - 1, 0))
+    local = idx - offsets[row]
+    valid = idx < offsets[bs]
+    return row, local, valid
+
+
+def record_write_twin(records: SlotRecords, *, seeds: torch.Tensor, row: torch.Tensor, local: torch.Tensor,
+                      valid: torch.Tensor, out_loc: torch.Tensor, positions: torch.Tensor, step: torch.Tensor,
+                      owner_span: int) -> None:
+    """Record one write of ``n`` tokens (all int64 [n] but ``valid`` bool [n]; ``seeds`` int64 [>= rows],
+    the write plan's seed slot per row; ``step`` int64 [1]): see the module docstring."""
+    trash = records.num_slots
+    prev = torch.where(local == 0, seeds[row], out_loc.roll(1))
+    prev = torch.where(prev >= trash, trash, prev)  # a context anchor: no slot to link to (trash)
+    records.record(slots=out_loc, valid=valid, positions=positions, prev_slots=prev,
+                   owners=step * owner_span + row, step=step)
+
+
+def fill_sweep_plan(plan: VerifyPlan, records: SlotRecords, slots: torch.Tensor, written_at: torch.Tensor,
+                    live: torch.Tensor) -> None:
+    """Slot, expected position and checkable predecessor of each entry of ``plan`` (int64 [cap] ``slots`` in
+    ``[0, num_slots]``, their ``written_at`` steps, bool ``live``; a slot not live becomes padding slot 0)."""
+    prev = records.prev_slot[slots]
+    position = records.position[slots]
+    safe_prev = prev.clamp(min=0)
+    prev_at = records.step[safe_prev]
+    # The link is checkable only while the predecessor still holds the previous position.
+    intact = ((prev >= 0) & (prev_at <= written_at) & (prev_at != NEVER_WRITTEN)
+              & (records.position[safe_prev] == position - 1))
+    prev = torch.where(prev < 0, prev, torch.where(intact, prev, 0))
+    plan.verify_slot_indices.copy_(torch.where(live, slots, TOKEN_TO_KV_SLOT_PADDING))
+    plan.verify_expected_positions.copy_(position)
+    plan.verify_prev_slot_indices.copy_(prev)
+
+
+def sweep_slice_twin(*, records: SlotRecords, plan: VerifyPlan, live_mask: torch.Tensor, cursor: torch.Tensor,
+                     offsets: torch.Tensor, span: int, step: torch.Tensor, owner_history: torch.Tensor,
+                     verified: torch.Tensor) -> None:
+    """One slice of ``size = offsets.numel()`` entries (``offsets`` int64 arange): fill ``plan`` (capacity
+    ``size``), ``owner_history[step % rows] = owner`` (int64 [rows, size]), ``verified += live entries``,
+    ``cursor = (cursor + size) % span`` (int64 [1] each; ``live_mask`` bool [num_slots + 1])."""
+    trash = records.num_slots
+    slots = offsets + cursor
+    slots = torch.where(slots < trash, slots, trash)
+    written_at = records.step[slots]
+    live = live_mask[slots] & (written_at != NEVER_WRITTEN)
+    fill_sweep_plan(plan, records, slots, written_at, live)
+    owner_history.index_copy_(0, step.remainder(owner_history.shape[0]), records.owner[slots][None])
+    verified += live.sum()
+    cursor.add_(offsets.shape[0]).remainder_(span)
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------
+
+def token_rows(offsets: torch.Tensor, bs: int, n: int, token_arange: torch.Tensor):
+    """`token_rows_twin`, on the Triton kernel for CUDA tensors."""
+    if use_kernels(offsets) and n > 0:
+        return launch_token_rows(offsets, bs, n)
+    return token_rows_twin(offsets, bs, n, token_arange)
+
+
+def record_write(records: SlotRecords, **kw) -> None:
+    """`record_write_twin`, on the Triton kernels for CUDA tensors of up to ``MAX_RECORD_TOKENS`` tokens."""
+    n = kw["out_loc"].shape[0]
+    if use_kernels(records.step) and 0 < n <= MAX_RECORD_TOKENS:
+        launch_record_write(records, **kw)
+    else:
+        record_write_twin(records, **kw)
+
+
+def sweep_slice(**kw) -> None:
+    """`sweep_slice_twin`, on the Triton kernels for CUDA tensors."""
+    if use_kernels(kw["cursor"]):
+        launch_sweep_slice(**kw)
+    else:
+        sweep_slice_twin(**kw)
+
+
+# ---- Triton -------------------------------------------------------------------------------------------
+
+if AVAILABLE:
+
+    @triton.jit
+    def _token_rows_kernel(offsets_ptr, row_ptr, local_ptr, valid_ptr, bs, n, SEARCH_STEPS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """Per token t < n: the upper-bound search of torch.searchsorted (same probes) over offsets[1 : bs+1];
+        ``SEARCH_STEPS`` >= the search's depth (a constexpr: one compile per power of two of ``bs``)."""
+        t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        m = t < n
+        lo = tl.zeros([BLOCK], tl.int64)
+        hi = tl.zeros([BLOCK], tl.int64) + bs
+        for _ in range(SEARCH_STEPS):
+            active = lo < hi
+            mid = lo + ((hi - lo) >> 1)
+            probe = tl.load(offsets_ptr + 1 + mid, mask=m & active, other=0)
+            right = probe <= t
+            lo = tl.where(active, tl.where(right, mid + 1, lo), lo)
+            hi = tl.where(active, tl.where(right, hi, mid), hi)
+        row = tl.minimum(lo, tl.maximum(bs - 1, 0))
+        local = t - tl.load(offsets_ptr + row, mask=m, other=0)
+        end = tl.load(offsets_ptr + bs)
+        tl.store(row_ptr + t, row, mask=m)
+        tl.store(local_ptr + t, local, mask=m)
+        tl.store(valid_ptr + t, (t < end).to(tl.uint8), mask=m)
+
+    @triton.jit
+    def _record_claim_kernel(out_loc_ptr, valid_ptr, scratch_ptr, epoch_ptr, n, num_slots,
+                             TOKEN_BITS: tl.constexpr, BLOCK: tl.constexpr):
+        """scratch[slot] = max(scratch[slot], key) per token; program 0 publishes the epoch in epoch[1]."""
+        pid = tl.program_id(0)
+        t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        m = t < n
+        slot = tl.load(out_loc_ptr + t, mask=m, other=-1)
+        ok = tl.load(valid_ptr + t, mask=m, other=0) != 0
+        idx = tl.where(ok & (slot >= 0) & (slot < num_slots), slot, num_slots)
+        epoch = tl.load(epoch_ptr) + 1  # epoch[0]: the last finished launch pair (read only here)
+        tl.atomic_max(scratch_ptr + idx, (epoch << TOKEN_BITS) + t, mask=m)
+        if pid == 0:
+            tl.store(epoch_ptr + 1, epoch)  # epoch[1]: read only by the store kernel
+
+    @triton.jit
+    def _record_store_kernel(out_loc_ptr, valid_ptr, row_ptr, local_ptr, seed_ptr, positions_ptr, step_ptr,
+                             scratch_ptr, epoch_ptr, rec_position_ptr, rec_prev_ptr, rec_owner_ptr, rec_step_ptr,
+                             n, num_slots, owner_span, TOKEN_BITS: tl.constexpr, BLOCK: tl.constexpr):
+        """The fields of each token whose key won its slot; program 0 retires the epoch into epoch[0]."""
+        pid = tl.program_id(0)
+        t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        m = t < n
+        slot = tl.load(out_loc_ptr + t, mask=m, other=-1)
+        ok = tl.load(valid_ptr + t, mask=m, other=0) != 0
+        idx = tl.where(ok & (slot >= 0) & (slot < num_slots), slot, num_slots)
+        epoch = tl.load(epoch_ptr + 1)
+        won = m & (tl.load(scratch_ptr + idx, mask=m, other=-1) == (epoch << TOKEN_BITS) + t)
+        row = tl.load(row_ptr + t, mask=won, other=0)
+        local = tl.load(local_ptr + t, mask=won, other=0)
+        seed = tl.load(seed_ptr + row, mask=won, other=0)
+        before = tl.where(t == 0, n - 1, t - 1)  # roll(1) over the n tokens
+        prev = tl.where(local == 0, seed, tl.load(out_loc_ptr + before, mask=won, other=0))
+        prev = tl.where(prev >= num_slots, num_slots, prev)
+        step = tl.load(step_ptr)
+        tl.store(rec_position_ptr + idx, tl.load(positions_ptr + t, mask=won, other=0), mask=won)
+        tl.store(rec_prev_ptr + idx, prev, mask=won)
+        tl.store(rec_owner_ptr + idx, step * owner_span + row, mask=won)
+        tl.store(rec_step_ptr + idx, step + tl.zeros([BLOCK], tl.int64), mask=won)
+        if pid == 0:
+            tl.store(epoch_ptr, epoch)
+
+    @triton.jit
+    def _sweep_slice_kernel(cursor_ptr, step_ptr, live_ptr, rec_step_ptr, rec_position_ptr, rec_prev_ptr,
+                            rec_owner_ptr, slot_out_ptr, position_out_ptr, prev_out_ptr, history_ptr,
+                            history_rows, verified_ptr, size, num_slots, NEVER: tl.constexpr,
+                            PADDING: tl.constexpr, BLOCK: tl.constexpr):
+        """Entries [pid * BLOCK, ...) of the slice starting at the cursor (read, not moved, here)."""
+        e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        m = e < size
+        slot = e + tl.load(cursor_ptr)
+        slot = tl.where(slot < num_slots, slot, num_slots)
+        written_at = tl.load(rec_step_ptr + slot, mask=m, other=NEVER)
+        live = m & (tl.load(live_ptr + slot, mask=m, other=0) != 0) & (written_at != NEVER)
+        prev = tl.load(rec_prev_ptr + slot, mask=m, other=0)
+        position = tl.load(rec_position_ptr + slot, mask=m, other=0)
+        safe_prev = tl.minimum(tl.maximum(prev, 0), num_slots)  # records hold slots <= num_slots (trash)
+        prev_at = tl.load(rec_step_ptr + safe_prev, mask=m, other=NEVER)
+        prev_position = tl.load(rec_position_ptr + safe_prev, mask=m, other=0)
+        intact = (prev >= 0) & (prev_at <= written_at) & (prev_at != NEVER) & (prev_position == position - 1)
+        prev = tl.where(prev < 0, prev, tl.where(intact, prev, 0))
+        tl.store(slot_out_ptr + e, tl.where(live, slot, PADDING), mask=m)
+        tl.store(position_out_ptr + e, position, mask=m)
+        tl.store(prev_out_ptr + e, prev, mask=m)
+        step = tl.load(step_ptr)
+        hrow = ((step % history_rows) + history_rows) % history_rows  # torch.remainder: sign of the divisor
+        tl.store(history_ptr + hrow * size + e, tl.load(rec_owner_ptr + slot, mask=m, other=0), mask=m)
+        tl.atomic_add(verified_ptr, tl.sum(live.to(tl.int64), 0))
+
+    @triton.jit
+    def _advance_cursor_kernel(cursor_ptr, size, span):
+        c = tl.load(cursor_ptr) + size
+        tl.store(cursor_ptr, ((c % span) + span) % span)
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, _BLOCK),)
+
+
+def launch_token_rows(offsets: torch.Tensor, bs: int, n: int):
+    """Triton `token_rows_twin` (``n >= 1``): returns new (row, local, valid) tensors of ``n`` tokens."""
+    dev = offsets.device
+    row = torch.empty(n, dtype=torch.int64, device=dev)
+    local = torch.empty(n, dtype=torch.int64, device=dev)
+    valid = torch.empty(n, dtype=torch.uint8, device=dev)
+    _token_rows_kernel[_grid(n)](offsets, row, local, valid, bs, n, SEARCH_STEPS=max(bs, 0).bit_length() + 1,
+                                 BLOCK=_BLOCK, num_warps=_WARPS)
+    return row, local, valid.view(torch.bool)
+
+
+def launch_record_write(records: SlotRecords, *, seeds: torch.Tensor, row: torch.Tensor, local: torch.Tensor,
+                        valid: torch.Tensor, out_loc: torch.Tensor, positions: torch.Tensor, step: torch.Tensor,
+                        owner_span: int) -> None:
+    """Triton `record_write_twin` (``1 <= n <= MAX_RECORD_TOKENS``; int64 inputs, contiguous)."""
+    n = out_loc.shape[0]
+    grid = _grid(n)
+    valid = valid.view(torch.uint8)
+    _record_claim_kernel[grid](out_loc, valid, records.claims, records.epoch, n, records.num_slots,
+                               TOKEN_BITS=KEY_TOKEN_BITS, BLOCK=_BLOCK, num_warps=_WARPS)
+    _record_store_kernel[grid](out_loc, valid, row, local, seeds, positions, step, records.claims, records.epoch,
+                               records.position, records.prev_slot, records.owner, records.step,
+                               n, records.num_slots, owner_span, TOKEN_BITS=KEY_TOKEN_BITS, BLOCK=_BLOCK,
+                               num_warps=_WARPS)
+
+
+def launch_sweep_slice(*, records: SlotRecords, plan: VerifyPlan, live_mask: torch.Tensor, cursor: torch.Tensor,
+                       offsets: torch.Tensor, span: int, step: torch.Tensor, owner_history: torch.Tensor,
+                       verified: torch.Tensor) -> None:
+    """Triton `sweep_slice_twin` (``offsets`` only gives the size: entry e is ``cursor + e``)."""
+    size = offsets.shape[0]
+    _sweep_slice_kernel[_grid(size)](
+        cursor, step, live_mask.view(torch.uint8), records.step, records.position, records.prev_slot, records.owner,
+        plan.verify_slot_indices, plan.verify_expected_positions, plan.verify_prev_slot_indices,
+        owner_history, owner_history.shape[0], verified, size, records.num_slots,
+        NEVER=NEVER_WRITTEN, PADDING=TOKEN_TO_KV_SLOT_PADDING, BLOCK=_BLOCK, num_warps=_WARPS,
+    )
+    _advance_cursor_kernel[(1,)](cursor, size, span, num_warps=1)

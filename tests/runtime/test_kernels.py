@@ -1,0 +1,276 @@
+"""Fused runtime glue (`kvcanary.runtime.kernels`): each Triton launcher vs its torch twin under the
+Triton interpreter (CPU tensors, TRITON_INTERPRET=1), bit for bit — token rows, slot records, sweep
+slices — on seeded random inputs with the edge cases named in each test, then the runtime end to end
+with the kernels forced on (twins elsewhere) against the runtime on the twins."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it on machines without a GPU
+    pytest.skip("needs TRITON_INTERPRET=1 set before Triton is imported", allow_module_level=True)
+pytest.importorskip("triton")
+
+from kvcanary.ops import VerifyPlan  # noqa: E402
+from kvcanary.runtime import kernels  # noqa: E402
+from kvcanary.runtime.groups import NEVER_WRITTEN, SlotRecords  # noqa: E402
+from kvcanary.runtime.sweep import OWNER_HISTORY  # noqa: E402
+
+from .conftest import make_sim, warm_sim  # noqa: E402
+
+
+def _records_state(rec: SlotRecords) -> dict[str, torch.Tensor]:
+    return {k: getattr(rec, k).clone() for k in ("position", "prev_slot", "step", "owner")}
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        diff = (a[k] != b[k]).nonzero().flatten()[:8].tolist()
+        assert torch.equal(a[k], b[k]), f"{k} differs at {diff}: {a[k][diff].tolist()} vs {b[k][diff].tolist()}"
+
+
+def _random_offsets(gen: torch.Generator, bs: int, cap: int) -> torch.Tensor:
+    """Write-plan offsets int64 [cap + 1]: cumulative lengths of ``bs`` rows (zero-length rows included),
+    zeros past ``bs`` (as the plan leaves them)."""
+    lens = torch.randint(0, 6, (bs,), generator=gen)
+    lens[torch.rand(bs, generator=gen) < 0.3] = 0
+    offsets = torch.zeros(cap + 1, dtype=torch.int64)
+    offsets[1 : bs + 1] = lens.cumsum(0)
+    return offsets
+
+
+# ---- token rows ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_token_rows_match_twin(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    cap = 40
+    for bs in (0, 1, 2, 7, 33, cap):
+        offsets = _random_offsets(gen, bs, cap)
+        total = int(offsets[bs])
+        for n in {1, max(total, 1), total + 5, 1500}:  # padding tokens past the write range; several programs
+            got = kernels.launch_token_rows(offsets, bs, n)
+            want = kernels.token_rows_twin(offsets, bs, n, torch.arange(n))
+            for g, w, name in zip(got, want, ("row", "local", "valid")):
+                assert g.dtype == w.dtype and torch.equal(g, w), f"{name} bs={bs} n={n}"
+
+
+def test_token_rows_unsorted_offsets_probe_like_searchsorted() -> None:
+    """Offsets that are not sorted (never planned, but the kernel must not diverge): same probes, same rows."""
+    gen = torch.Generator().manual_seed(11)
+    for bs in (3, 5, 16, 31):
+        offsets = torch.randint(0, 12, (bs + 1,), generator=gen)
+        got = kernels.launch_token_rows(offsets, bs, 20)
+        want = kernels.token_rows_twin(offsets, bs, 20, torch.arange(20))
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (offsets.tolist(), g.tolist(), w.tolist())
+
+
+# ---- slot records -------------------------------------------------------------------------------------
+
+def _random_records(gen: torch.Generator, num_slots: int) -> SlotRecords:
+    rec = SlotRecords(num_slots, torch.device("cpu"))
+    written = torch.rand(num_slots + 1, generator=gen) < 0.5
+    for t in (rec.position, rec.prev_slot, rec.step, rec.owner):
+        t.copy_(torch.where(written, torch.randint(-1, 50, (num_slots + 1,), generator=gen), NEVER_WRITTEN))
+    return rec
+
+
+def _random_write(gen: torch.Generator, num_slots: int, rows: int, n: int, step: int, shift: int = 0):
+    """One write's inputs: ``out_loc`` with duplicates, padding (-1), other negatives and slots past the slot
+    space; seeds with chain heads (-1) and context anchors (>= num_slots); padding tokens past the plan.
+    ``shift`` > 0 starts the offsets there (no plan does: token 0 then chains from the last token, roll)."""
+    cap = rows + 3
+    bs = rows
+    offsets = _random_offsets(gen, bs, cap)
+    offsets[: bs + 1] += shift
+    out_loc = torch.randint(1, max(2, num_slots // 3), (n,), generator=gen)  # a small range: many duplicates
+    r = torch.rand(n, generator=gen)
+    out_loc[r < 0.15] = -1
+    out_loc[(r >= 0.15) & (r < 0.2)] = -7
+    out_loc[(r >= 0.2) & (r < 0.25)] = num_slots + torch.randint(0, 3, (1,), generator=gen).item()
+    out_loc[(r >= 0.25) & (r < 0.28)] = 0
+    seeds = torch.randint(0, num_slots, (cap,), generator=gen)
+    seeds[torch.rand(cap, generator=gen) < 0.3] = -1
+    seeds[torch.rand(cap, generator=gen) < 0.2] = num_slots + torch.randint(0, cap, (1,), generator=gen).item()
+    row, local, valid = kernels.token_rows_twin(offsets, bs, n, torch.arange(n))
+    return dict(seeds=seeds, row=row, local=local, valid=valid, out_loc=out_loc,
+                positions=torch.randint(0, 400, (n,), generator=gen), step=torch.tensor([step]), owner_span=37)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_record_write_matches_twin(seed: int) -> None:
+    """Several writes in a row on random records, incl. a step repeated with another batch and one going
+    back (the claim scratch is never reset: keys grow with the records' epoch, not the step)."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    num_slots = 64
+    twin = _random_records(gen, num_slots)
+    fused = SlotRecords(num_slots, torch.device("cpu"))
+    for k, v in _records_state(twin).items():
+        getattr(fused, k).copy_(v)
+    cases = [(5, 4, 30, 0), (5, 6, 45, 0), (6, 1, 7, 2), (3, 9, 60, 0), (7, 2, 1, 0), (8, 12, 1100, 0), (9, 5, 40, 3)]
+    for i, (step, rows, n, shift) in enumerate(cases):
+        write = _random_write(gen, num_slots, rows, n, step, shift)
+        kernels.record_write_twin(twin, **write)
+        kernels.launch_record_write(fused, **write)
+        _assert_same(_records_state(fused), _records_state(twin))
+        assert fused.epoch.tolist() == [i + 1, i + 1]
+
+
+def test_record_write_last_duplicate_wins_and_skips() -> None:
+    """Hand case: slot 5 written three times (the last, token 4, wins, chaining from token 3's slot);
+    negative and invalid (past the write range) tokens leave the slot records alone; a row's first token
+    chains from its seed, an anchor seed from the trash row."""
+    num_slots = 16
+    rec = SlotRecords(num_slots, torch.device("cpu"))
+    offsets = torch.tensor([0, 3, 5, 5], dtype=torch.int64)  # rows 0..2: tokens 0-2, 3-4, none; token 5 padding
+    row, local, valid = kernels.launch_token_rows(offsets, 3, 6)
+    write = dict(seeds=torch.tensor([-1, num_slots + 1, 2]), row=row, local=local, valid=valid,
+                 out_loc=torch.tensor([5, -1, 5, 9, 5, 7]), positions=torch.tensor([10, 11, 12, 20, 21, 99]),
+                 step=torch.tensor([4]), owner_span=100)
+    kernels.launch_record_write(rec, **write)
+    assert rec.position[5].item() == 21 and rec.prev_slot[5].item() == 9 and rec.owner[5].item() == 401
+    assert rec.position[9].item() == 20 and rec.prev_slot[9].item() == num_slots  # anchor -> trash
+    assert rec.step[7].item() == NEVER_WRITTEN  # token 5 is past the write range
+    twin = SlotRecords(num_slots, torch.device("cpu"))
+    kernels.record_write_twin(twin, **write)
+    _assert_same(_records_state(rec), _records_state(twin))
+
+
+def test_record_write_shares_scratch_with_twin() -> None:
+    """Twin and kernel alternating on the same records (a CUDA canary falls back to the twin past
+    MAX_RECORD_TOKENS) still agree with the twin alone."""
+    gen = torch.Generator().manual_seed(7)
+    num_slots = 48
+    ref, mixed = SlotRecords(num_slots, torch.device("cpu")), SlotRecords(num_slots, torch.device("cpu"))
+    for i in range(6):
+        write = _random_write(gen, num_slots, 5, 40, step=i)
+        kernels.record_write_twin(ref, **write)
+        (kernels.launch_record_write if i % 2 else kernels.record_write_twin)(mixed, **write)
+        _assert_same(_records_state(mixed), _records_state(ref))
+
+
+# ---- sweep slices -------------------------------------------------------------------------------------
+
+def _sweep_state(plan: VerifyPlan, history, verified, cursor) -> dict[str, torch.Tensor]:
+    return dict(slots=plan.verify_slot_indices.clone(), positions=plan.verify_expected_positions.clone(),
+                prev=plan.verify_prev_slot_indices.clone(), history=history.clone(), verified=verified.clone(),
+                cursor=cursor.clone())
+
+
+def _chained_records(gen: torch.Generator, num_slots: int) -> SlotRecords:
+    """Records of chains (each slot's predecessor holds the previous position, written no later), then
+    damage: never-written slots, rewritten predecessors (later step), moved positions, chain heads, the
+    trash row as predecessor (anchors), predecessors never written."""
+    rec = SlotRecords(num_slots, torch.device("cpu"))
+    perm = torch.randperm(num_slots - 1, generator=gen) + 1
+    pos = 0
+    for i, s in enumerate(perm.tolist()):
+        start = i == 0 or torch.rand(1, generator=gen).item() < 0.1
+        pos = 0 if start else pos + 1
+        rec.position[s] = pos
+        rec.prev_slot[s] = -1 if start else perm[i - 1]
+        rec.step[s] = 10 + pos // 4
+        rec.owner[s] = 1000 + i
+    r = torch.rand(num_slots + 1, generator=gen)
+    damaged = torch.arange(num_slots + 1)
+    rec.step[(r < 0.1) & (damaged > 0)] = NEVER_WRITTEN
+    rec.step[(r >= 0.1) & (r < 0.2)] += 50  # rewritten later: its successors' links are stale
+    rec.position[(r >= 0.2) & (r < 0.25)] += 3
+    rec.prev_slot[(r >= 0.25) & (r < 0.3)] = num_slots
+    rec.prev_slot[(r >= 0.3) & (r < 0.33)] = -1
+    return rec
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("num_slots,interval", [(37, 4), (300, 3), (2600, 2)])
+def test_sweep_slice_matches_twin(seed: int, num_slots: int, interval: int) -> None:
+    """Consecutive slices over a full pass and past its wrap (the last slice of a pass reaches past the slot
+    space into the trash row), steps past OWNER_HISTORY; several programs when a slice exceeds a block."""
+    gen = torch.Generator().manual_seed(1000 * seed + num_slots)
+    rec = _chained_records(gen, num_slots)
+    size = -(-num_slots // interval)
+    span = size * interval
+    live = torch.rand(num_slots + 1, generator=gen) < 0.7
+    live[0] = live[-1] = False
+    offsets = torch.arange(size)
+    states = []
+    for _ in range(2):
+        plan = VerifyPlan.allocate(size, "cpu")
+        states.append(dict(plan=plan, history=torch.full((OWNER_HISTORY, size), -1, dtype=torch.int64),
+                           verified=torch.zeros(1, dtype=torch.int64), cursor=torch.zeros(1, dtype=torch.int64)))
+    for k in range(interval + 2):
+        step = torch.tensor([60 + 3 * k])
+        kernels.sweep_slice_twin(records=rec, live_mask=live, offsets=offsets, span=span, step=step,
+                                 plan=states[0]["plan"], owner_history=states[0]["history"],
+                                 verified=states[0]["verified"], cursor=states[0]["cursor"])
+        kernels.launch_sweep_slice(records=rec, live_mask=live, offsets=offsets, span=span, step=step,
+                                   plan=states[1]["plan"], owner_history=states[1]["history"],
+                                   verified=states[1]["verified"], cursor=states[1]["cursor"])
+        _assert_same(_sweep_state(**states[1]), _sweep_state(**states[0]))
+    assert states[1]["cursor"].item() == (interval + 2) * size % span
+    plan = states[1]["plan"]
+    assert (plan.verify_prev_slot_indices == 0).any() and (plan.verify_prev_slot_indices > 0).any()  # broken + intact
+
+
+def test_sweep_slice_hand_case() -> None:
+    """Slot 3 chains from 2 (intact), slot 4 from 2 at the wrong position (unreachable: 0), slot 5 from
+    a predecessor rewritten after it (0), slot 6 never written (padding), slot 7 a chain head (-1)."""
+    rec = SlotRecords(8, torch.device("cpu"))
+    for s, (pos, prev, step) in {2: (4, -1, 1), 3: (5, 2, 2), 4: (9, 2, 2), 5: (6, 1, 3), 1: (5, -1, 9),
+                                 7: (0, -1, 4)}.items():
+        rec.position[s], rec.prev_slot[s], rec.step[s], rec.owner[s] = pos, prev, step, 100 + s
+    live = torch.ones(9, dtype=torch.bool)
+    live[0] = live[-1] = False
+    plan = VerifyPlan.allocate(6, "cpu")
+    history = torch.full((OWNER_HISTORY, 6), -1, dtype=torch.int64)
+    verified, cursor = torch.zeros(1, dtype=torch.int64), torch.tensor([2])
+    kernels.launch_sweep_slice(records=rec, plan=plan, live_mask=live, cursor=cursor, offsets=torch.arange(6),
+                               span=12, step=torch.tensor([OWNER_HISTORY + 1]), owner_history=history, verified=verified)
+    assert plan.verify_slot_indices.tolist() == [2, 3, 4, 5, 0, 7]
+    assert plan.verify_prev_slot_indices.tolist() == [-1, 2, 0, 0, -1, -1]
+    assert plan.verify_expected_positions.tolist() == [4, 5, 9, 6, NEVER_WRITTEN, 0]
+    assert history[1].tolist() == [102, 103, 104, 105, NEVER_WRITTEN, 107]
+    assert verified.item() == 5 and cursor.item() == 8
+
+
+# ---- the runtime with the kernels forced on ----------------------------------------------------------
+
+def _runtime_state(canary) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, g in canary.groups.items():
+        for k, v in _records_state(g.records).items():
+            out[f"{name}.{k}"] = v
+        for side, buf in g.tail_bufs.items():
+            out[f"{name}.tail_{side}"] = buf.clone()
+        out[f"{name}.head"] = g.head_buf.clone()
+    for name, sl in canary.sweeper._slices.items():
+        out[f"{name}.history"] = sl.owner_history.clone()
+        out[f"{name}.cursor"] = sl.cursor.clone()
+        out[f"{name}.verified"] = sl.verified.clone()
+    return out
+
+
+def test_runtime_with_kernels_matches_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A simulated engine (full + sliding-window groups, a rotating sweep) run twice with the same seed:
+    the runtime's glue on the twins, then on the Triton kernels: same records, buffers, sweep state and
+    violations (none)."""
+    options = dict(canary_options=dict(sweep_interval=4), num_slots=160, swa_num_slots=96, max_requests=6,
+                   max_context=64, sliding_window=16)
+
+    def run():
+        engine, canary = make_sim(**options)
+        warm_sim(engine, steps=12)
+        return _runtime_state(canary), canary.stats()
+
+    twin_state, twin_stats = run()
+    calls = []
+    real = kernels.use_kernels
+    monkeypatch.setattr(kernels, "use_kernels", lambda t: calls.append(1) or real(t) or t.device.type == "cpu")
+    fused_state, fused_stats = run()
+    assert calls  # the forced path was taken
+    _assert_same(fused_state, twin_state)
+    assert fused_stats.violations == twin_stats.violations == 0
