@@ -65,3 +65,25 @@ def test_twin_matches_oracle_with_repeated_rows():
     want = oracle_scatter(pool.tolist(), flat_in=flat, offsets=offsets, req_pool_indices=rows)
     go(scatter_req_token_ids_torch_reference, pool, flat, offsets, rows)
     assert pool.tolist() == want == [[-1] * 4, [4, 2, 3, -1], [5, 6, 7, -1]]
+
+
+@pytest.mark.parametrize("bad_row", [-1, 4, 99])
+def test_request_row_outside_the_table_raises_before_writing(bad_row):
+    from kvcanary.errors import KvCanaryValueError
+
+    pool = torch.full((4, 3), 5, dtype=torch.int32)
+    with pytest.raises(KvCanaryValueError, match=r"req_pool_indices\[1\]=.* outside the request table rows \[0, 4\)"):
+        go(launch_scatter_req_token_ids_kernel, pool, [1, 2, 3, 4], [0, 2, 4], [1, bad_row])
+    assert pool.eq(5).all(), "nothing may be written when the launcher raises"
+
+
+def test_triton_scatter_writes_nothing_for_a_row_outside_the_table():
+    """What the kernel does under graph capture (no host check): the bad row is skipped, the others land."""
+    triton_ops = pytest.importorskip("kvcanary.ops.triton")
+    if not getattr(triton_ops, "AVAILABLE", False):
+        pytest.skip("Triton unavailable")
+    pool = torch.full((4, 3), 5, dtype=torch.int32)
+    triton_ops.launch_scatter(flat_in=torch.tensor([1, 2, 3, 4, 6], dtype=torch.int64),
+                              offsets=torch.tensor([0, 2, 4, 5], dtype=torch.int64),
+                              req_pool_indices=torch.tensor([1, 7, -3], dtype=torch.int64), pool_out=pool)
+    assert pool.tolist() == [[5, 5, 5], [1, 2, 5], [5, 5, 5], [5, 5, 5]]

@@ -3,7 +3,8 @@
 One program per batch row copies ``flat_in[offsets[r] : offsets[r] + n]`` (int64 -> int32) into
 ``pool_out[req_pool_indices[r], :n]``. Batch rows sharing a request row behave as a sequential
 loop (the later row wins): each program first finds the longest later row with the same
-request row and copies only the columns past it.
+request row and copies only the columns past it. A request row outside the table writes nothing
+(the launcher raises for one before launching, except under CUDA-graph capture).
 """
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _scatter_kernel(flat_ptr, off_ptr, rp_ptr, out_ptr, out_stride, out_cstride, width, bs, BLOCK: tl.constexpr):
+def _scatter_kernel(flat_ptr, off_ptr, rp_ptr, out_ptr, out_stride, out_cstride, width, bs, n_rows,
+                    BLOCK: tl.constexpr):
     r = tl.program_id(0)
     rp = tl.load(rp_ptr + r)
     start = tl.load(off_ptr + r)
     n = tl.minimum(tl.load(off_ptr + r + 1) - start, width)
+    n = n * ((rp >= 0) & (rp < n_rows)).to(tl.int64)  # a request row outside the table writes nothing
     # Columns [0, covered) are overwritten by a later batch row with the same request row.
     covered = tl.zeros([], tl.int64)
     for b in range(r + 1, bs, BLOCK):
@@ -47,5 +50,5 @@ def launch_scatter(
         return
     _scatter_kernel[(bs,)](
         flat_in, offsets, req_pool_indices, pool_out, pool_out.stride(0), pool_out.stride(1), pool_out.shape[1], bs,
-        BLOCK=_BLOCK, num_warps=4,
+        pool_out.shape[0], BLOCK=_BLOCK, num_warps=4,
     )
