@@ -347,7 +347,9 @@ class ForwardTranslator:
     def live_slots(self) -> dict[str, torch.Tensor]:
         """Every slot holding live KV, per group: written positions of running requests and every slot of
         the blocks kept cached for prefix sharing (sliding window: the window's positions, less a window
-        head whose predecessor slot the same forward recycled). Called between forwards."""
+        head whose predecessor slot the same forward recycled). Called between forwards, once per sweep pass.
+        Built in host memory from the engine's host-side block tables (int64 CPU tensors): no device read
+        and no pageable upload that would wait for the stream — the runtime uploads them without blocking."""
         active = compat.active_requests(self.processor)
         out = {}
         for g in self.layouts:
@@ -375,19 +377,18 @@ class ForwardTranslator:
                 parts.append(self._slots_of_positions(g, blocks_of, starts, counts))
             cached = compat.cached_blocks(alloc)
             if cached:
-                base = torch.tensor(cached, dtype=torch.int64, device=self.device)[:, None] * g.page_size
-                parts.append((base + self._arange[: g.page_size]).flatten())
-            slots = torch.cat(parts).unique() if parts else torch.zeros(0, dtype=torch.int64, device=self.device)
+                base = torch.tensor(cached, dtype=torch.int64)[:, None] * g.page_size
+                parts.append((base + torch.arange(g.page_size, dtype=torch.int64)).flatten())
+            slots = torch.cat(parts).unique() if parts else torch.zeros(0, dtype=torch.int64)
             out[g.name] = slots[slots > PADDING_SLOT]
         return out
 
     def _slots_of_positions(self, g: GroupLayout, blocks_of: list, starts: list, counts: list) -> torch.Tensor:
         """Slots of positions ``[start, start + count)`` of each request (ring positions for a window)."""
         nb = max(len(b) for b in blocks_of)
-        dev = self.device
-        blocks = torch.tensor([b + [0] * (nb - len(b)) for b in blocks_of], dtype=torch.int64, device=dev)
-        lens = torch.tensor([starts, counts], dtype=torch.int64, device=dev)
-        col = self._arange[: max(counts)]
+        blocks = torch.tensor([b + [0] * (nb - len(b)) for b in blocks_of], dtype=torch.int64)  # host memory
+        lens = torch.tensor([starts, counts], dtype=torch.int64)
+        col = torch.arange(max(counts), dtype=torch.int64)
         pos = lens[0][:, None] + col[None, :]
         if g.sliding_window:
             pos = pos % g.sliding_window
