@@ -10,6 +10,7 @@ from kvcanary.ops.checks import INDEX_DTYPES, check_tensor
 from kvcanary.ops.dispatch import capturing, triton_backend
 from kvcanary.ops.records import VerifyPlan, WritePlan
 from kvcanary.ops.reference.plan import (
+    check_prefix_lens,
     check_request_rows,
     launch_canary_plan_kernels_torch_reference,
     request_row_bound,
@@ -102,10 +103,21 @@ def launch_canary_plan_kernels(
     skipped and the Triton kernels plan such a row as a padding row (no verify entries, no write
     tokens, seed -1): nothing outside the tables is read.
 
+    Prefix lengths: an active row whose prefix ``P`` exceeds the table width ``w =
+    req_to_token.shape[1]`` raises ``KvCanaryValueError("kv-canary: launch_canary_plan_kernels row
+    {r}: prefix {P} exceeds the request table width {w}")``, on the same host path, after the row
+    check (the plan reads positions below ``P`` only, so ``P + extend > w`` is legal). Under capture
+    the Triton kernels plan such a row inside its request row only: verify entries for positions
+    ``[lo, w)`` (``lo`` the window start computed from ``P`` as usual; the positions ``[w, P)`` get
+    no entry, so ``verify_num_valid`` counts only the planned ones), seed -1 (``P - 1`` is past the
+    row), write offsets unchanged (the write op does not read the table). Expected tokens: a column
+    at or past ``req_to_verify_expected_tokens.shape[1]`` is never read, whatever the valid length
+    (token -1, on every path).
+
     ``check_request_rows_on_host`` (an extension, keyword only): None (default) checks as above;
-    False skips the host read on CUDA too (a caller that must not wait for the stream, e.g. the
-    runtime's per-forward path, gets the capture behaviour: bad rows planned as padding). CPU
-    tensors are always checked (the twin would index out of bounds).
+    False skips the host reads on CUDA too (a caller that must not wait for the stream, e.g. the
+    runtime's per-forward path, gets the capture behaviour: bad rows planned as padding, long
+    prefixes cut at the width). CPU tensors are always checked (the twin would index out of bounds).
     """
     kwargs = dict(
         verify_plan_out=verify_plan_out,
@@ -126,8 +138,9 @@ def launch_canary_plan_kernels(
     _check_plan_args(**check_args)
     dev = req_to_token.device
     host_check = check_request_rows_on_host is not False or dev.type != "cuda"
-    if host_check and not capturing(dev):  # a host read; under capture the kernel plans such rows as padding
+    if host_check and not capturing(dev):  # host reads; under capture the kernels never read outside the tables
         check_request_rows(_OP, req_pool_indices, request_row_bound(req_to_token, req_to_verify_expected_tokens))
+        check_prefix_lens(_OP, req_pool_indices, prefix_lens, int(req_to_token.shape[1]))
     backend = triton_backend(req_to_token.device)
     impl = backend.launch_plan if backend else launch_canary_plan_kernels_torch_reference
     impl(**kwargs)

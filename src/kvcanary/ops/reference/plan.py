@@ -51,6 +51,21 @@ def check_request_rows(op: str, req_pool_indices: torch.Tensor, n_rows: int) -> 
         )
 
 
+def check_prefix_lens(op: str, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, width: int) -> None:
+    """Raise ``KvCanaryValueError`` for the first active batch row (request row not 0) whose prefix
+    length exceeds ``width`` (``req_to_token.shape[1]``): its verify entries and seed would read
+    positions past the row. Padding rows are never checked; the extend length is not read (the
+    plan reads positions below the prefix only). A host read."""
+    active = req_pool_indices.to(torch.int64) != REQ_POOL_IDX_PADDING
+    prefix = prefix_lens.to(torch.int64)
+    bad = active & (prefix > width)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        raise KvCanaryValueError(
+            f"kv-canary: {op} row {r}: prefix {int(prefix[r])} exceeds the request table width {width}"
+        )
+
+
 def launch_canary_plan_kernels_torch_reference(
     *,
     verify_plan_out: VerifyPlan,
@@ -69,7 +84,9 @@ def launch_canary_plan_kernels_torch_reference(
     """Gather the verify entries of every active row's cached prefix (window) and the write
     offsets / seeds of its extend. Mutates only the nine plan tensors; unchanged if it raises.
     An active row whose request row is outside the request table (``request_row_bound``) raises
-    ``KvCanaryValueError`` after the capacity and table checks, before any lookup."""
+    ``KvCanaryValueError`` after the capacity and table checks, then one whose prefix exceeds
+    ``req_to_token.shape[1]`` (``check_prefix_lens``), before any lookup. An expected-token column
+    at or past the table's width is never read (token -1, as past the valid length)."""
     capacity = int(verify_plan_out.verify_slot_indices.shape[0])
     if verify_capacity != capacity:
         raise KvCanaryValueError(
@@ -82,6 +99,7 @@ def launch_canary_plan_kernels_torch_reference(
             f"kv-canary: {_NAME} requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
         )
     check_request_rows(_NAME, req_pool_indices, request_row_bound(req_to_token, table))
+    check_prefix_lens(_NAME, req_pool_indices, prefix_lens, int(req_to_token.shape[1]))
     lut = full_to_swa_index_mapping
     rp = req_pool_indices.to(torch.int64)
     prefix = prefix_lens.to(torch.int64)
@@ -107,7 +125,7 @@ def launch_canary_plan_kernels_torch_reference(
     prevs = _translate(prev_raw, lut)
     if table is not None and table.shape[1] > 0:
         col = pos + int(kv_token_id_vs_position_offset)
-        readable = (col >= 0) & (col < valid_lens.to(torch.int64)[row])
+        readable = (col >= 0) & (col < valid_lens.to(torch.int64)[row]) & (col < table.shape[1])
         looked = table[row_rp, torch.clamp(col, 0, table.shape[1] - 1)].to(torch.int64)
         tokens = torch.where(readable, looked, torch.full_like(pos, -1))
     else:

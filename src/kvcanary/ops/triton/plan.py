@@ -19,7 +19,9 @@ Larger batches:
 There is no batch-size ceiling. LUT range errors (ValueError, outputs untouched) need a host
 read: outside CUDA-graph capture a check kernel finds the first offending lookup in gather order
 before anything is written; under capture the check is skipped and an out-of-range lookup
-stores -1 instead of reading past the LUT.
+stores -1 instead of reading past the LUT. No load leaves its table row: request-table reads are
+masked to positions below the width (a prefix past it is planned up to the width only, seed -1)
+and expected-token reads to columns below the table's width (token -1).
 """
 from __future__ import annotations
 
@@ -61,9 +63,10 @@ DEFAULT_PLAN_CONFIG = PlanLaunchConfig()
 
 
 @triton.jit
-def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows):
+def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows, width):
     """Per batch row: (verify entries, write tokens, window start), int64. A request row outside
-    ``[0, n_rows)`` counts as padding (only reachable under graph capture: see ``launch_plan``)."""
+    ``[0, n_rows)`` counts as padding, and verify entries stop at the table width ``width``
+    (both only reachable under graph capture: see ``launch_plan``)."""
     m = rows < bs
     rp = tl.load(rp_ptr + rows, mask=m, other=0).to(tl.int64)
     p = tl.load(prefix_ptr + rows, mask=m, other=0).to(tl.int64)
@@ -73,27 +76,28 @@ def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows):
         lo = tl.maximum(p - window, 0)
     else:
         lo = p * 0
-    n_verify = tl.where(active, tl.maximum(p - lo, 0), 0)
+    n_verify = tl.where(active, tl.maximum(tl.minimum(p, width) - lo, 0), 0)
     n_write = tl.where(active & (e > 0), e, 0)
     return n_verify, n_write, lo
 
 
 @triton.jit
 def _row_block_sums_kernel(
-    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, bs, window, nblocks, n_rows, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, bs, window, nblocks, n_rows, width,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     pdl_release(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
-    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows)
+    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows, width)
     tl.store(sums_ptr + pid, tl.sum(nv, 0))
     tl.store(sums_ptr + nblocks + pid, tl.sum(nw, 0))
 
 
 @triton.jit
 def _row_scan_kernel(
-    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, starts_ptr, bs, window, nblocks, n_rows,
+    rp_ptr, prefix_ptr, extend_ptr, sums_ptr, starts_ptr, bs, window, nblocks, n_rows, width,
     MULTI: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """starts[0:bs+1] = exclusive sums of verify entries; starts[bs+1:2bs+2] = of write tokens."""
@@ -109,7 +113,7 @@ def _row_scan_kernel(
             base_v += tl.sum(tl.load(sums_ptr + blk, mask=bm, other=0), 0)
             base_w += tl.sum(tl.load(sums_ptr + nblocks + blk, mask=bm, other=0), 0)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
-    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows)
+    nv, nw, _lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows, width)
     cv = tl.cumsum(nv, 0)
     cw = tl.cumsum(nw, 0)
     m = rows < bs
@@ -134,9 +138,10 @@ def _entry_rows(starts_ptr, e, bs, NSTEPS: tl.constexpr):
 
 
 @triton.jit
-def _fields_in_row(e, m, row, row_start, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, window):
+def _fields_in_row(e, m, row, row_start, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, width, window):
     """(request row, position, raw slot, raw predecessor or -1, has predecessor) of entries e
-    (mask m) of batch rows ``row`` whose first entry is ``row_start``."""
+    (mask m) of batch rows ``row`` whose first entry is ``row_start``. Loads stay below ``width``
+    (a position at or past it reads as slot 0, predecessor -1: not reachable through the counts)."""
     row = tl.where(m, row, 0)
     rp = tl.load(rp_ptr + row, mask=m, other=0).to(tl.int64)
     p = tl.load(prefix_ptr + row, mask=m, other=0).to(tl.int64)
@@ -146,28 +151,28 @@ def _fields_in_row(e, m, row, row_start, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride
         lo = p * 0
     pos = lo + e - row_start
     line = rtt_ptr + rp * rtt_stride
-    slot_raw = tl.load(line + pos, mask=m, other=0).to(tl.int64)
+    slot_raw = tl.load(line + pos, mask=m & (pos < width), other=0).to(tl.int64)
     has_prev = m & (pos > 0)
-    prev_raw = tl.load(line + pos - 1, mask=has_prev, other=-1).to(tl.int64)
+    prev_raw = tl.load(line + pos - 1, mask=has_prev & (pos - 1 < width), other=-1).to(tl.int64)
     return rp, pos, slot_raw, prev_raw, has_prev
 
 
 @triton.jit
 def _entry_fields(
-    e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, bs, window, NSTEPS: tl.constexpr,
+    e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, width, bs, window, NSTEPS: tl.constexpr,
 ):
     """(row, request row, position, raw slot, raw predecessor or -1) of entries e (mask m)."""
     row = _entry_rows(starts_ptr, e, bs, NSTEPS)
     row = tl.where(m, row, 0)
     row_start = tl.load(starts_ptr + row, mask=m, other=0)
     rp, pos, slot_raw, prev_raw, has_prev = _fields_in_row(
-        e, m, row, row_start, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, window)
+        e, m, row, row_start, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, width, window)
     return row, rp, pos, slot_raw, prev_raw, has_prev
 
 
 @triton.jit
 def _lut_check_kernel(
-    starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, lut_len, first_bad_ptr, bs, window,
+    starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, width, lut_len, first_bad_ptr, bs, window,
     NSTEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """first_bad = min over offending lookups of (2 * entry + (0 slot | 1 predecessor))."""
@@ -180,7 +185,7 @@ def _lut_check_kernel(
         e = start + tl.arange(0, BLOCK).to(tl.int64)
         m = e < total
         _row, _rp, _pos, slot_raw, prev_raw, has_prev = _entry_fields(
-            e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, bs, window, NSTEPS)
+            e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, width, bs, window, NSTEPS)
         key = tl.where(m & (slot_raw >= lut_len), 2 * e, _NO_ERROR_K)
         key = tl.minimum(key, tl.where(has_prev & (prev_raw >= lut_len), 2 * e + 1, _NO_ERROR_K))
         worst = tl.min(key, 0)
@@ -201,17 +206,18 @@ def _translate(raw, lut_ptr, lut_len, HAS_LUT: tl.constexpr):
 
 @triton.jit
 def _store_entries(
-    e, m, row, rp, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr, table_stride, valid_ptr, token_offset,
-    v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr,
+    e, m, row, rp, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr, table_stride, table_cols, valid_ptr,
+    token_offset, v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr,
 ):
-    """Write verify entries e (mask m): translated slot and predecessor, position, token."""
+    """Write verify entries e (mask m): translated slot and predecessor, position, token (read only
+    from columns below the valid length and the table's width ``table_cols``, else -1)."""
     tl.store(v_slot_ptr + e, _translate(slot_raw, lut_ptr, lut_len, HAS_LUT), mask=m)
     tl.store(v_prev_ptr + e, _translate(prev_raw, lut_ptr, lut_len, HAS_LUT), mask=m)
     tl.store(v_pos_ptr + e, pos, mask=m)
     if HAS_TABLE:
         col = pos + token_offset
         valid = tl.load(valid_ptr + row, mask=m, other=0).to(tl.int64)
-        readable = m & (col >= 0) & (col < valid)
+        readable = m & (col >= 0) & (col < valid) & (col < table_cols)
         tok = tl.load(table_ptr + rp * table_stride + col, mask=readable, other=-1).to(tl.int64)
     else:
         tok = tl.zeros(e.shape, tl.int64) - 1
@@ -219,22 +225,23 @@ def _store_entries(
 
 
 @triton.jit
-def _store_seeds(i, sm, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, lut_ptr, lut_len, w_seed_ptr, n_rows,
-                 HAS_LUT: tl.constexpr):
-    """Seeds of batch rows i (mask sm): T(req_to_token[rp, P - 1]) or -1."""
+def _store_seeds(i, sm, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, width, lut_ptr, lut_len, w_seed_ptr,
+                 n_rows, HAS_LUT: tl.constexpr):
+    """Seeds of batch rows i (mask sm): T(req_to_token[rp, P - 1]) or -1 (also when P - 1 is at or
+    past the table width ``width``)."""
     rp = tl.load(rp_ptr + i, mask=sm, other=0).to(tl.int64)
     p = tl.load(prefix_ptr + i, mask=sm, other=0).to(tl.int64)
     e = tl.load(extend_ptr + i, mask=sm, other=0).to(tl.int64)
-    seeded = sm & (rp != REQ_PADDING) & (rp >= 0) & (rp < n_rows) & (e > 0) & (p > 0)
+    seeded = sm & (rp != REQ_PADDING) & (rp >= 0) & (rp < n_rows) & (e > 0) & (p > 0) & (p - 1 < width)
     raw = tl.load(rtt_ptr + rp * rtt_stride + p - 1, mask=seeded, other=-1).to(tl.int64)
     tl.store(w_seed_ptr + i, _translate(raw, lut_ptr, lut_len, HAS_LUT), mask=sm)
 
 
 @triton.jit
 def _gather_kernel(
-    starts_ptr, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, bs, window,
+    starts_ptr, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, width, bs, window,
     lut_ptr, lut_len,
-    table_ptr, table_stride, valid_ptr, token_offset,
+    table_ptr, table_stride, table_cols, valid_ptr, token_offset,
     v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
     w_off_ptr, w_seed_ptr, w_num_ptr, w_cap, n_rows,
     HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr, NSTEPS: tl.constexpr,
@@ -255,7 +262,7 @@ def _gather_kernel(
         i = start + tl.arange(0, ROW_BLOCK)
         off = tl.load(starts_ptr + bs + 1 + i, mask=i <= bs, other=0)
         tl.store(w_off_ptr + i, off, mask=i <= w_cap)
-        _store_seeds(i, (i < bs) & (i < w_cap), rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride,
+        _store_seeds(i, (i < bs) & (i < w_cap), rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, width,
                      lut_ptr, lut_len, w_seed_ptr, n_rows, HAS_LUT)
     # Verify entries, unless they overflow the capacity.
     n = tl.where(overflow, 0, total)
@@ -263,16 +270,16 @@ def _gather_kernel(
         e = start + tl.arange(0, BLOCK).to(tl.int64)
         m = e < n
         row, rp, pos, slot_raw, prev_raw, _hp = _entry_fields(
-            e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, bs, window, NSTEPS)
-        _store_entries(e, m, row, rp, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr, table_stride,
+            e, m, starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, width, bs, window, NSTEPS)
+        _store_entries(e, m, row, rp, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr, table_stride, table_cols,
                        valid_ptr, token_offset, v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, HAS_LUT, HAS_TABLE)
 
 
 @triton.jit
 def _tile_plan_kernel(
-    rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, bs, window,
+    rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, width, bs, window,
     lut_ptr, lut_len,
-    table_ptr, table_stride, valid_ptr, token_offset,
+    table_ptr, table_stride, table_cols, valid_ptr, token_offset,
     v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
     w_off_ptr, w_seed_ptr, w_num_ptr, w_cap, tiles_per_row, n_rows,
     HAS_LUT: tl.constexpr, HAS_TABLE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -286,7 +293,7 @@ def _tile_plan_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     rows = tl.arange(0, ROWS)
-    nv, nw, lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows)
+    nv, nw, lo = _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows, width)
     starts = tl.cumsum(nv, 0) - nv
     total = tl.sum(nv, 0)
     overflow = total > v_cap
@@ -297,7 +304,7 @@ def _tile_plan_kernel(
         w_starts = tl.cumsum(nw, 0) - nw
         tl.store(w_off_ptr + rows, w_starts, mask=(rows < bs) & (rows <= w_cap))
         tl.store(w_off_ptr + bs + rows * 0, tl.zeros([ROWS], tl.int64) + tl.sum(nw, 0), mask=(rows == 0) & (bs <= w_cap))
-        _store_seeds(rows, (rows < bs) & (rows < w_cap), rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride,
+        _store_seeds(rows, (rows < bs) & (rows < w_cap), rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, width,
                      lut_ptr, lut_len, w_seed_ptr, n_rows, HAS_LUT)
     for start in range(bs + 1 + pid * ZBLOCK, w_cap + 1, nprog * ZBLOCK):  # offsets past the batch
         i = start + tl.arange(0, ZBLOCK)
@@ -316,11 +323,11 @@ def _tile_plan_kernel(
             m = first + k < count
             pos = pos0 + k
             line = rtt_ptr + rp * rtt_stride
-            slot_raw = tl.load(line + pos, mask=m, other=0).to(tl.int64)
-            prev_raw = tl.load(line + pos - 1, mask=m & (pos > 0), other=-1).to(tl.int64)
+            slot_raw = tl.load(line + pos, mask=m & (pos < width), other=0).to(tl.int64)
+            prev_raw = tl.load(line + pos - 1, mask=m & (pos > 0) & (pos - 1 < width), other=-1).to(tl.int64)
             _store_entries(e0 + k, m, r + k * 0, rp + k * 0, pos, slot_raw, prev_raw, lut_ptr, lut_len, table_ptr,
-                           table_stride, valid_ptr, token_offset, v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr,
-                           HAS_LUT, HAS_TABLE)
+                           table_stride, table_cols, valid_ptr, token_offset, v_slot_ptr, v_tok_ptr, v_pos_ptr,
+                           v_prev_ptr, HAS_LUT, HAS_TABLE)
 
 
 def _nsteps(bs: int) -> int:
@@ -366,6 +373,9 @@ def launch_plan(
     # Request rows outside [0, n_rows) are refused by the public launcher outside capture; under
     # capture the kernels plan such a row as padding (no entries, no writes, seed untouched as -1).
     n_rows = min(int(req_to_token.shape[0]), int(table.shape[0]) if table is not None else 2**62)
+    # Prefixes past the width are refused by the public launcher likewise; under capture every
+    # request-table load is masked to positions below the width (entries stop there, seed -1).
+    width = int(req_to_token.shape[1])
     v_cap = int(vp.verify_slot_indices.shape[0])
     w_cap = int(wp.write_seed_slot_indices.shape[0])
     sms = num_sms(dev)
@@ -380,16 +390,16 @@ def launch_plan(
     lut_args = (lut, lut.shape[0]) if lut is not None else (req_to_token, 0)
     table_args = (
         table if table is not None else req_to_token, table.stride(0) if table is not None else 0,
+        int(table.shape[1]) if table is not None else 0,
         valid if valid is not None else req_pool_indices, int(kv_token_id_vs_position_offset),
     )
     if 0 < bs <= min(config.tile_rows, _MAX_TILE_ROWS) and not lut_check:
         rows = max(16, triton.next_power_of_2(bs))
-        width = int(req_to_token.shape[1])
         block = config.tile_block
         tiles_per_row = max(1, triton.cdiv(min(width, window) if window > 0 else width, block))
         grid = (max(1, min(bs * tiles_per_row, sms * config.programs_per_sm)),)
         _tile_plan_kernel[grid](
-            req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, bs, window,
+            req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, width, bs, window,
             *lut_args, *table_args, *outputs, tiles_per_row, n_rows,
             HAS_LUT=lut is not None, HAS_TABLE=table is not None, ROWS=rows, BLOCK=block, ZBLOCK=1024,
             PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
@@ -403,10 +413,10 @@ def launch_plan(
     else:
         if nblocks > 1:
             _row_block_sums_kernel[(nblocks,)](
-                req_pool_indices, prefix_lens, extend_seq_lens, sums, bs, window, nblocks, n_rows,
+                req_pool_indices, prefix_lens, extend_seq_lens, sums, bs, window, nblocks, n_rows, width,
                 BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
         _row_scan_kernel[(nblocks,)](
-            req_pool_indices, prefix_lens, extend_seq_lens, sums, starts, bs, window, nblocks, n_rows,
+            req_pool_indices, prefix_lens, extend_seq_lens, sums, starts, bs, window, nblocks, n_rows, width,
             MULTI=nblocks > 1, BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
     nsteps = _nsteps(bs)
     entry_block = config.entry_block
@@ -414,14 +424,14 @@ def launch_plan(
         first_bad = torch.full((1,), _NO_ERROR, dtype=torch.int64, device=dev)
         grid = (max(1, min(triton.cdiv(max(v_cap, 1), entry_block), sms * config.programs_per_sm)),)
         _lut_check_kernel[grid](
-            starts, req_pool_indices, prefix_lens, req_to_token, rtt_stride, lut.shape[0], first_bad,
+            starts, req_pool_indices, prefix_lens, req_to_token, rtt_stride, width, lut.shape[0], first_bad,
             bs, window, NSTEPS=nsteps, BLOCK=entry_block, PDL=pdl, num_warps=4, launch_pdl=pdl)
         key = int(first_bad.item())
         if key != _NO_ERROR:
             _raise_lut_error(key, starts, req_pool_indices, prefix_lens, req_to_token, bs, window, int(lut.shape[0]))
     grid = (max(1, min(triton.cdiv(max(v_cap, w_cap + 1), entry_block), sms * config.programs_per_sm)),)
     _gather_kernel[grid](
-        starts, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, bs, window,
+        starts, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, width, bs, window,
         *lut_args, *table_args, *outputs, n_rows,
         HAS_LUT=lut is not None, HAS_TABLE=table is not None, NSTEPS=nsteps,
         BLOCK=entry_block, ROW_BLOCK=entry_block, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
