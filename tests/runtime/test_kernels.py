@@ -17,29 +17,17 @@ from kvcanary.ops import VerifyPlan  # noqa: E402
 from kvcanary.runtime import kernels  # noqa: E402
 from kvcanary.runtime.groups import NEVER_WRITTEN, SlotRecords  # noqa: E402
 from kvcanary.runtime.sweep import OWNER_HISTORY  # noqa: E402
-
-from .conftest import make_sim, warm_sim  # noqa: E402
-
-
-def _records_state(rec: SlotRecords) -> dict[str, torch.Tensor]:
-    return {k: getattr(rec, k).clone() for k in ("position", "prev_slot", "step", "owner")}
-
-
-def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        diff = (a[k] != b[k]).nonzero().flatten()[:8].tolist()
-        assert torch.equal(a[k], b[k]), f"{k} differs at {diff}: {a[k][diff].tolist()} vs {b[k][diff].tolist()}"
-
-
-def _random_offsets(gen: torch.Generator, bs: int, cap: int) -> torch.Tensor:
-    """Write-plan offsets int64 [cap + 1]: cumulative lengths of ``bs`` rows (zero-length rows included),
-    zeros past ``bs`` (as the plan leaves them)."""
-    lens = torch.randint(0, 6, (bs,), generator=gen)
-    lens[torch.rand(bs, generator=gen) < 0.3] = 0
-    offsets = torch.zeros(cap + 1, dtype=torch.int64)
-    offsets[1 : bs + 1] = lens.cumsum(0)
-    return offsets
+from tests.runtime.conftest import make_sim, warm_sim  # noqa: E402
+from tests.runtime.kernel_cases import (  # noqa: E402
+    SweepState,
+    assert_same,
+    chained_records,
+    random_offsets,
+    random_records,
+    random_write,
+    records_like,
+    records_state,
+)
 
 
 # ---- token rows ---------------------------------------------------------------------------------------
@@ -49,7 +37,7 @@ def test_token_rows_match_twin(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     cap = 40
     for bs in (0, 1, 2, 7, 33, cap):
-        offsets = _random_offsets(gen, bs, cap)
+        offsets = random_offsets(gen, bs, cap)
         total = int(offsets[bs])
         for n in {1, max(total, 1), total + 5, 1500}:  # padding tokens past the write range; several programs
             got = kernels.launch_token_rows(offsets, bs, n)
@@ -71,59 +59,27 @@ def test_token_rows_unsorted_offsets_probe_like_searchsorted() -> None:
 
 # ---- slot records -------------------------------------------------------------------------------------
 
-def _random_records(gen: torch.Generator, num_slots: int) -> SlotRecords:
-    rec = SlotRecords(num_slots, torch.device("cpu"))
-    written = torch.rand(num_slots + 1, generator=gen) < 0.5
-    for t in (rec.position, rec.prev_slot, rec.step, rec.owner):
-        t.copy_(torch.where(written, torch.randint(-1, 50, (num_slots + 1,), generator=gen), NEVER_WRITTEN))
-    return rec
-
-
-def _random_write(gen: torch.Generator, num_slots: int, rows: int, n: int, step: int, shift: int = 0):
-    """One write's inputs: ``out_loc`` with duplicates, padding (-1), other negatives and slots past the slot
-    space; seeds with chain heads (-1) and context anchors (>= num_slots); padding tokens past the plan.
-    ``shift`` > 0 starts the offsets there (no plan does: token 0 then chains from the last token, roll)."""
-    cap = rows + 3
-    bs = rows
-    offsets = _random_offsets(gen, bs, cap)
-    offsets[: bs + 1] += shift
-    out_loc = torch.randint(1, max(2, num_slots // 3), (n,), generator=gen)  # a small range: many duplicates
-    r = torch.rand(n, generator=gen)
-    out_loc[r < 0.15] = -1
-    out_loc[(r >= 0.15) & (r < 0.2)] = -7
-    out_loc[(r >= 0.2) & (r < 0.25)] = num_slots + torch.randint(0, 3, (1,), generator=gen).item()
-    out_loc[(r >= 0.25) & (r < 0.28)] = 0
-    seeds = torch.randint(0, num_slots, (cap,), generator=gen)
-    seeds[torch.rand(cap, generator=gen) < 0.3] = -1
-    seeds[torch.rand(cap, generator=gen) < 0.2] = num_slots + torch.randint(0, cap, (1,), generator=gen).item()
-    row, local, valid = kernels.token_rows_twin(offsets, bs, n, torch.arange(n))
-    return dict(seeds=seeds, row=row, local=local, valid=valid, out_loc=out_loc,
-                positions=torch.randint(0, 400, (n,), generator=gen), step=torch.tensor([step]), owner_span=37)
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_record_write_matches_twin(seed: int) -> None:
     """Several writes in a row on random records, incl. a step repeated with another batch and one going
     back (the claim scratch is never reset: keys grow with the records' epoch, not the step)."""
     gen = torch.Generator().manual_seed(100 + seed)
     num_slots = 64
-    twin = _random_records(gen, num_slots)
-    fused = SlotRecords(num_slots, torch.device("cpu"))
-    for k, v in _records_state(twin).items():
-        getattr(fused, k).copy_(v)
+    twin = random_records(gen, num_slots)
+    fused = records_like(twin, "cpu")
     cases = [(5, 4, 30, 0), (5, 6, 45, 0), (6, 1, 7, 2), (3, 9, 60, 0), (7, 2, 1, 0), (8, 12, 1100, 0), (9, 5, 40, 3)]
     for i, (step, rows, n, shift) in enumerate(cases):
-        write = _random_write(gen, num_slots, rows, n, step, shift)
+        write = random_write(gen, num_slots, rows, n, step, shift)
         kernels.record_write_twin(twin, **write)
         kernels.launch_record_write(fused, **write)
-        _assert_same(_records_state(fused), _records_state(twin))
+        assert_same(records_state(fused), records_state(twin))
         assert fused.epoch.tolist() == [i + 1, i + 1]
 
 
 def test_record_write_last_duplicate_wins_and_skips() -> None:
     """Hand case: slot 5 written three times (the last, token 4, wins, chaining from token 3's slot);
-    negative and invalid (past the write range) tokens leave the slot records alone; a row's first token
-    chains from its seed, an anchor seed from the trash row."""
+    negative and invalid (past the write range) tokens leave the slot records alone, the trash row
+    included; a row's first token chains from its seed, an anchor seed from the trash row."""
     num_slots = 16
     rec = SlotRecords(num_slots, torch.device("cpu"))
     offsets = torch.tensor([0, 3, 5, 5], dtype=torch.int64)  # rows 0..2: tokens 0-2, 3-4, none; token 5 padding
@@ -135,9 +91,10 @@ def test_record_write_last_duplicate_wins_and_skips() -> None:
     assert rec.position[5].item() == 21 and rec.prev_slot[5].item() == 9 and rec.owner[5].item() == 401
     assert rec.position[9].item() == 20 and rec.prev_slot[9].item() == num_slots  # anchor -> trash
     assert rec.step[7].item() == NEVER_WRITTEN  # token 5 is past the write range
+    assert [getattr(rec, k)[num_slots].item() for k in ("position", "prev_slot", "owner", "step")] == [NEVER_WRITTEN] * 4
     twin = SlotRecords(num_slots, torch.device("cpu"))
     kernels.record_write_twin(twin, **write)
-    _assert_same(_records_state(rec), _records_state(twin))
+    assert_same(records_state(rec), records_state(twin))
 
 
 def test_record_write_shares_scratch_with_twin() -> None:
@@ -147,43 +104,13 @@ def test_record_write_shares_scratch_with_twin() -> None:
     num_slots = 48
     ref, mixed = SlotRecords(num_slots, torch.device("cpu")), SlotRecords(num_slots, torch.device("cpu"))
     for i in range(6):
-        write = _random_write(gen, num_slots, 5, 40, step=i)
+        write = random_write(gen, num_slots, 5, 40, step=i)
         kernels.record_write_twin(ref, **write)
         (kernels.launch_record_write if i % 2 else kernels.record_write_twin)(mixed, **write)
-        _assert_same(_records_state(mixed), _records_state(ref))
+        assert_same(records_state(mixed), records_state(ref))
 
 
 # ---- sweep slices -------------------------------------------------------------------------------------
-
-def _sweep_state(plan: VerifyPlan, history, verified, cursor) -> dict[str, torch.Tensor]:
-    return dict(slots=plan.verify_slot_indices.clone(), positions=plan.verify_expected_positions.clone(),
-                prev=plan.verify_prev_slot_indices.clone(), history=history.clone(), verified=verified.clone(),
-                cursor=cursor.clone())
-
-
-def _chained_records(gen: torch.Generator, num_slots: int) -> SlotRecords:
-    """Records of chains (each slot's predecessor holds the previous position, written no later), then
-    damage: never-written slots, rewritten predecessors (later step), moved positions, chain heads, the
-    trash row as predecessor (anchors), predecessors never written."""
-    rec = SlotRecords(num_slots, torch.device("cpu"))
-    perm = torch.randperm(num_slots - 1, generator=gen) + 1
-    pos = 0
-    for i, s in enumerate(perm.tolist()):
-        start = i == 0 or torch.rand(1, generator=gen).item() < 0.1
-        pos = 0 if start else pos + 1
-        rec.position[s] = pos
-        rec.prev_slot[s] = -1 if start else perm[i - 1]
-        rec.step[s] = 10 + pos // 4
-        rec.owner[s] = 1000 + i
-    r = torch.rand(num_slots + 1, generator=gen)
-    damaged = torch.arange(num_slots + 1)
-    rec.step[(r < 0.1) & (damaged > 0)] = NEVER_WRITTEN
-    rec.step[(r >= 0.1) & (r < 0.2)] += 50  # rewritten later: its successors' links are stale
-    rec.position[(r >= 0.2) & (r < 0.25)] += 3
-    rec.prev_slot[(r >= 0.25) & (r < 0.3)] = num_slots
-    rec.prev_slot[(r >= 0.3) & (r < 0.33)] = -1
-    return rec
-
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("num_slots,interval", [(37, 4), (300, 3), (2600, 2)])
@@ -191,28 +118,20 @@ def test_sweep_slice_matches_twin(seed: int, num_slots: int, interval: int) -> N
     """Consecutive slices over a full pass and past its wrap (the last slice of a pass reaches past the slot
     space into the trash row), steps past OWNER_HISTORY; several programs when a slice exceeds a block."""
     gen = torch.Generator().manual_seed(1000 * seed + num_slots)
-    rec = _chained_records(gen, num_slots)
+    rec = chained_records(gen, num_slots)
     size = -(-num_slots // interval)
     span = size * interval
     live = torch.rand(num_slots + 1, generator=gen) < 0.7
     live[0] = live[-1] = False
     offsets = torch.arange(size)
-    states = []
-    for _ in range(2):
-        plan = VerifyPlan.allocate(size, "cpu")
-        states.append(dict(plan=plan, history=torch.full((OWNER_HISTORY, size), -1, dtype=torch.int64),
-                           verified=torch.zeros(1, dtype=torch.int64), cursor=torch.zeros(1, dtype=torch.int64)))
+    twin, fused = SweepState(size, "cpu"), SweepState(size, "cpu")
     for k in range(interval + 2):
-        step = torch.tensor([60 + 3 * k])
-        kernels.sweep_slice_twin(records=rec, live_mask=live, offsets=offsets, span=span, step=step,
-                                 plan=states[0]["plan"], owner_history=states[0]["history"],
-                                 verified=states[0]["verified"], cursor=states[0]["cursor"])
-        kernels.launch_sweep_slice(records=rec, live_mask=live, offsets=offsets, span=span, step=step,
-                                   plan=states[1]["plan"], owner_history=states[1]["history"],
-                                   verified=states[1]["verified"], cursor=states[1]["cursor"])
-        _assert_same(_sweep_state(**states[1]), _sweep_state(**states[0]))
-    assert states[1]["cursor"].item() == (interval + 2) * size % span
-    plan = states[1]["plan"]
+        common = dict(records=rec, live_mask=live, offsets=offsets, span=span, step=torch.tensor([60 + 3 * k]))
+        kernels.sweep_slice_twin(**common, **twin.args())
+        kernels.launch_sweep_slice(**common, **fused.args())
+        assert_same(fused.snapshot(), twin.snapshot())
+    assert fused.cursor.item() == (interval + 2) * size % span
+    plan = fused.plan
     assert (plan.verify_prev_slot_indices == 0).any() and (plan.verify_prev_slot_indices > 0).any()  # broken + intact
 
 
@@ -242,7 +161,7 @@ def test_sweep_slice_hand_case() -> None:
 def _runtime_state(canary) -> dict[str, torch.Tensor]:
     out = {}
     for name, g in canary.groups.items():
-        for k, v in _records_state(g.records).items():
+        for k, v in records_state(g.records).items():
             out[f"{name}.{k}"] = v
         for side, buf in g.tail_bufs.items():
             out[f"{name}.tail_{side}"] = buf.clone()
@@ -272,5 +191,5 @@ def test_runtime_with_kernels_matches_twins(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(kernels, "use_kernels", lambda t: calls.append(1) or real(t) or t.device.type == "cpu")
     fused_state, fused_stats = run()
     assert calls  # the forced path was taken
-    _assert_same(fused_state, twin_state)
+    assert_same(fused_state, twin_state)
     assert fused_stats.violations == twin_stats.violations == 0

@@ -41,7 +41,8 @@ KvLayers = Union[Mapping[int, tuple[torch.Tensor, torch.Tensor]], Callable[[int]
 
 class SlotRecords:
     """What the runtime last wrote into each slot: int64 [num_slots + 1] each (the extra last
-    element is a trash row that absorbs skipped entries, so updates need no compaction).
+    element is a trash row: reads clamped past the slot space land there, and it always reads as
+    never written — so a link to it, e.g. from a context anchor, is never checkable).
 
     position / prev_slot: the written position and the slot the write chained from (-1 = chain
     head); step: the forward that wrote it (-1 = never); owner: ``step * owner_span + batch row``
@@ -66,7 +67,9 @@ class SlotRecords:
                owners: torch.Tensor, step: torch.Tensor) -> None:
         """Record one write launch's entries (int64 [n], in write order; ``valid`` bool [n] marks the
         entries the write stored). A slot written twice keeps its last entry, as the canary buffer
-        does. Device ops only, no host reads (capturable); ``step`` is an int64 [1] device tensor."""
+        does. The trash row stays ``NEVER_WRITTEN`` (skipped entries are dumped there, then it is reset), so
+        a link to it is never checkable. Device ops only, no host reads (capturable); ``step`` is an int64 [1]
+        device tensor."""
         trash = self.num_slots
         idx = torch.where(valid & (slots >= 0) & (slots < trash), slots, trash)
         order = torch.arange(idx.shape[0], dtype=torch.int64, device=idx.device)
@@ -77,6 +80,8 @@ class SlotRecords:
         self.prev_slot.index_put_((idx,), prev_slots)
         self.owner.index_put_((idx,), owners)
         self.step.index_put_((idx,), step.expand_as(idx))
+        for field in (self.position, self.prev_slot, self.owner, self.step):
+            field[trash:].fill_(NEVER_WRITTEN)
 
     def memory_bytes(self) -> int:
         return 5 * self.position.numel() * 8 + self.epoch.numel() * 8

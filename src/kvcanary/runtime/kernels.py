@@ -11,7 +11,9 @@ Three blocks, each a torch twin (the reference; what the CPU runs) and a Triton 
   claims each slot with ``atomic_max`` of the key ``epoch * 2**20 + token``, kernel 2 stores the fields of
   the token whose key won. The epoch is a device counter of the records advanced once per launch pair, so
   keys grow across launches and the scratch never needs a reset (a step number would not do: a step can
-  be replayed with another batch, e.g. by an engine warming up its own graphs).
+  be replayed with another batch, e.g. by an engine warming up its own graphs). Skipped tokens (invalid,
+  negative or out-of-range slots) touch nothing — no atomics piling onto one dump row — and the records'
+  trash row stays never written (the twin resets it after dumping there).
 * ``sweep_slice`` — one rotating sweep slice's verify plan from the slot records (`Sweeper`): slots from
   the device cursor (clamped to the trash row), live = in the pass's live set and written, the chain link
   kept only while the predecessor still holds the previous position (an older, unwritten or moved
@@ -171,10 +173,9 @@ if AVAILABLE:
         t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         m = t < n
         slot = tl.load(out_loc_ptr + t, mask=m, other=-1)
-        ok = tl.load(valid_ptr + t, mask=m, other=0) != 0
-        idx = tl.where(ok & (slot >= 0) & (slot < num_slots), slot, num_slots)
+        keep = m & (tl.load(valid_ptr + t, mask=m, other=0) != 0) & (slot >= 0) & (slot < num_slots)
         epoch = tl.load(epoch_ptr) + 1  # epoch[0]: the last finished launch pair (read only here)
-        tl.atomic_max(scratch_ptr + idx, (epoch << TOKEN_BITS) + t, mask=m)
+        tl.atomic_max(scratch_ptr + slot, (epoch << TOKEN_BITS) + t, mask=keep)  # skipped tokens: no atomics
         if pid == 0:
             tl.store(epoch_ptr + 1, epoch)  # epoch[1]: read only by the store kernel
 
@@ -187,10 +188,9 @@ if AVAILABLE:
         t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         m = t < n
         slot = tl.load(out_loc_ptr + t, mask=m, other=-1)
-        ok = tl.load(valid_ptr + t, mask=m, other=0) != 0
-        idx = tl.where(ok & (slot >= 0) & (slot < num_slots), slot, num_slots)
+        keep = m & (tl.load(valid_ptr + t, mask=m, other=0) != 0) & (slot >= 0) & (slot < num_slots)
         epoch = tl.load(epoch_ptr + 1)
-        won = m & (tl.load(scratch_ptr + idx, mask=m, other=-1) == (epoch << TOKEN_BITS) + t)
+        won = keep & (tl.load(scratch_ptr + slot, mask=keep, other=-1) == (epoch << TOKEN_BITS) + t)
         row = tl.load(row_ptr + t, mask=won, other=0)
         local = tl.load(local_ptr + t, mask=won, other=0)
         seed = tl.load(seed_ptr + row, mask=won, other=0)
@@ -198,10 +198,10 @@ if AVAILABLE:
         prev = tl.where(local == 0, seed, tl.load(out_loc_ptr + before, mask=won, other=0))
         prev = tl.where(prev >= num_slots, num_slots, prev)
         step = tl.load(step_ptr)
-        tl.store(rec_position_ptr + idx, tl.load(positions_ptr + t, mask=won, other=0), mask=won)
-        tl.store(rec_prev_ptr + idx, prev, mask=won)
-        tl.store(rec_owner_ptr + idx, step * owner_span + row, mask=won)
-        tl.store(rec_step_ptr + idx, step + tl.zeros([BLOCK], tl.int64), mask=won)
+        tl.store(rec_position_ptr + slot, tl.load(positions_ptr + t, mask=won, other=0), mask=won)
+        tl.store(rec_prev_ptr + slot, prev, mask=won)
+        tl.store(rec_owner_ptr + slot, step * owner_span + row, mask=won)
+        tl.store(rec_step_ptr + slot, step + tl.zeros([BLOCK], tl.int64), mask=won)
         if pid == 0:
             tl.store(epoch_ptr, epoch)
 
