@@ -36,10 +36,10 @@ def records_like(rec: SlotRecords, device) -> SlotRecords:
     return out
 
 
-def random_offsets(gen: torch.Generator, bs: int, cap: int) -> torch.Tensor:
-    """Write-plan offsets int64 [cap + 1]: cumulative lengths (0..5, a third empty) of ``bs`` rows, zeros
+def random_offsets(gen: torch.Generator, bs: int, cap: int, max_len: int = 5) -> torch.Tensor:
+    """Write-plan offsets int64 [cap + 1]: cumulative lengths (0..max_len, ~30% empty) of ``bs`` rows, zeros
     past ``bs`` (as the plan leaves them)."""
-    lens = torch.randint(0, 6, (bs,), generator=gen)
+    lens = torch.randint(0, max_len + 1, (bs,), generator=gen)
     lens[torch.rand(bs, generator=gen) < 0.3] = 0
     offsets = torch.zeros(cap + 1, dtype=torch.int64)
     offsets[1 : bs + 1] = lens.cumsum(0)
@@ -57,13 +57,14 @@ def random_records(gen: torch.Generator, num_slots: int, device="cpu") -> SlotRe
 
 
 def random_write(gen: torch.Generator, num_slots: int, rows: int, n: int, step: int, shift: int = 0,
-                 device="cpu", owner_span: int = 37) -> dict:
+                 device="cpu", owner_span: int = 37, max_len: int = 5) -> dict:
     """One write's keyword arguments for `kernels.record_write_twin` / `launch_record_write`: ``out_loc`` with
     duplicates (slots drawn from a third of the space), padding (-1), other negatives, slots past the slot
     space and slot 0; seeds with chain heads (-1) and context anchors (>= num_slots); tokens past the write
-    range. ``shift`` > 0 starts the offsets there (no plan does: token 0 then chains from the last token)."""
+    range (rows of 0..``max_len`` tokens). ``shift`` > 0 starts the offsets there (no plan does: token 0
+    then chains from the last token)."""
     cap = rows + 3
-    offsets = random_offsets(gen, rows, cap)
+    offsets = random_offsets(gen, rows, cap, max_len)
     offsets[: rows + 1] += shift
     out_loc = torch.randint(1, max(2, num_slots // 3), (n,), generator=gen)
     r = torch.rand(n, generator=gen)
