@@ -400,3 +400,229 @@ def test_counters_moved_by_a_raising_launch_are_the_documented_ones():
             _winputs([1, 2], [0, 1], [3, 4]), positions=torch.tensor([0])))
     after = context_state(ctx)
     assert torch.equal(after["counters"], before["counters"]) and torch.equal(after["buf"], before["buf"])
+
+
+# --------------------------------------------------------------------------- prefix lengths past the table width
+# An active row's verify entries and seed read req_to_token[rp, pos] for pos < P only, so P > width
+# is the out-of-range case (P + extend > width is legal: the write op does not read the table).
+
+SENTINEL = 777_777
+
+
+def _guarded(values, rows, fill=SENTINEL):
+    """``values`` (int32 [rows, w]) as the leading rows of a larger tensor whose extra row holds
+    ``fill``: a load past the last row's end reads the sentinel instead of unknown memory."""
+    big = torch.full((rows + 1, values.shape[1]), fill, dtype=torch.int32)
+    big[:rows] = values
+    return big[:rows]
+
+
+@pytest.mark.parametrize("impl", [launch_canary_plan_kernels, launch_canary_plan_kernels_torch_reference])
+@pytest.mark.parametrize("rp,prefix,extend,bad_row", [
+    ([1, 2], [12, 3], [1, 1], 0),  # the repro: prefix 12 in a width-10 table
+    ([0, 3, 2], [50, 4, 11], [1, 0, 1], 2),  # the padding row's 50 is never checked; row 2 is
+    ([3, 1], [10, 11], [0, 0], 1),  # prefix == width is legal; width + 1 is not (even with no extend)
+])
+def test_plan_prefix_past_width_raises_before_any_change(impl, rp, prefix, extend, bad_row):
+    vp, wp = _fresh_plans()
+    before = _plan_tensors(vp, wp)
+    kw = _plan_args(rp, prefix, extend)
+    msg = rf"^kv-canary: {impl.__name__} row {bad_row}: prefix {prefix[bad_row]} exceeds the request table width 10$"
+    with pytest.raises(KvCanaryValueError, match=msg):
+        impl(verify_plan_out=vp, write_plan_out=wp, **kw)
+    for x, y in zip(before, _plan_tensors(vp, wp)):
+        assert torch.equal(x, y)
+
+
+def test_plan_launcher_checks_prefix_on_cpu_even_when_host_checks_are_off():
+    vp, wp = _fresh_plans()
+    before = _plan_tensors(vp, wp)
+    with pytest.raises(KvCanaryValueError, match=r"row 0: prefix 11 exceeds the request table width 10"):
+        launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, check_request_rows_on_host=False,
+                                   **_plan_args([1], [11], [1]))
+    assert all(torch.equal(x, y) for x, y in zip(before, _plan_tensors(vp, wp)))
+
+
+def test_plan_request_row_error_comes_before_prefix_error():
+    vp, wp = _fresh_plans()
+    with pytest.raises(KvCanaryValueError, match=r"req_pool_indices\[1\]=9 is outside the request table rows"):
+        launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp,
+                                                   **_plan_args([1, 9], [40, 2], [1, 1]))
+
+
+@pytest.mark.parametrize("impl", [launch_canary_plan_kernels, launch_canary_plan_kernels_torch_reference])
+def test_plan_prefix_at_width_with_extend_past_it_is_planned(impl):
+    """P == width with E > 0 (P + E > width) is in the contract: every position of the row is an
+    entry and the seed is the row's last slot."""
+    vp, wp = _fresh_plans()
+    kw = _plan_args([2, 1], [10, 1], [6, 2])
+    impl(verify_plan_out=vp, write_plan_out=wp, **kw)
+    rtt = kw["req_to_token"]
+    n = int(vp.verify_num_valid[0])
+    assert n == 11 and vp.verify_slot_indices[:10].tolist() == rtt[2].tolist()
+    assert vp.verify_expected_positions[:n].tolist() == list(range(10)) + [0]
+    assert wp.write_seed_slot_indices[:2].tolist() == [int(rtt[2, 9]), int(rtt[1, 0])]
+    assert wp.write_offsets[:3].tolist() == [0, 6, 8]
+
+
+def _capture_model(kw, width):
+    """What the Triton kernels plan under capture (no host check): the twin's plan of the same batch
+    on the table widened with zero columns up to the longest prefix, minus every entry at a position
+    at or past ``width`` (the window start still comes from the full prefix); a seed that would come
+    from such a column is -1. The verify capacity must hold the widened plan."""
+    rp, prefix, extend = kw["req_pool_indices"], kw["prefix_lens"], kw["extend_seq_lens"]
+    rtt = kw["req_to_token"]
+    extra = max(0, int(prefix.max()) - width) if prefix.numel() else 0
+    wide = torch.cat([rtt, torch.zeros(rtt.shape[0], extra, dtype=rtt.dtype)], dim=1)
+    cap = kw["verify_capacity"]
+    full_v, wp = VerifyPlan.allocate(cap, "cpu"), WritePlan.allocate(rp.shape[0], "cpu")
+    wp.write_seed_slot_indices.fill_(5)
+    launch_canary_plan_kernels_torch_reference(verify_plan_out=full_v, write_plan_out=wp, **dict(kw, req_to_token=wide))
+    assert int(full_v.enable[0]) == 1, "model capacity too small"
+    wp.write_seed_slot_indices[(rp != 0) & (prefix > width) & (extend > 0)] = -1
+    n = int(full_v.verify_num_valid[0])
+    keep = full_v.verify_expected_positions[:n] < width
+    k = int(keep.sum())
+    vp = VerifyPlan.allocate(cap, "cpu")
+    for name in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices"):
+        out = getattr(vp, name)
+        out.fill_(5)
+        out[:k] = getattr(full_v, name)[:n][keep]
+    vp.verify_num_valid.fill_(k)
+    vp.enable.fill_(1)
+    return vp, wp
+
+
+def _triton_capture_plan(kw, config=None):
+    triton_ops, _cfg = _triton()
+    bs = kw["req_pool_indices"].shape[0]
+    vp, wp = VerifyPlan.allocate(kw["verify_capacity"], "cpu"), WritePlan.allocate(bs, "cpu")
+    for t in (vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
+              vp.verify_prev_slot_indices, wp.write_seed_slot_indices):
+        t.fill_(5)
+    extra = {} if config is None else {"config": config}
+    triton_ops.launch_plan(verify_plan_out=vp, write_plan_out=wp, **kw, **extra)
+    return vp, wp
+
+
+def _assert_no_sentinel(vp, wp, lut=None):
+    n = int(vp.verify_num_valid[0])
+    bad = {SENTINEL} if lut is None else {SENTINEL, *(() if SENTINEL >= lut.shape[0] else (int(lut[SENTINEL]),))}
+    seen = set(vp.verify_slot_indices[:n].tolist()) | set(vp.verify_prev_slot_indices[:n].tolist())
+    seen |= set(vp.verify_expected_tokens[:n].tolist()) | set(wp.write_seed_slot_indices.tolist())
+    assert not seen & bad
+
+
+@pytest.mark.parametrize("bs_rows", [3, 300])
+@pytest.mark.parametrize("window,with_lut", [(0, False), (4, False), (0, True), (6, True)])
+def test_triton_plan_never_reads_past_the_request_row(bs_rows, window, with_lut):
+    """Capture behaviour (launch_plan called directly, no host check): rows with prefixes past the
+    width name request rows followed by sentinel rows (row 2, and the memory after the last row);
+    no sentinel reaches the plan, and the plan equals the cut-at-the-width model."""
+    _triton()
+    from kvcanary.ops.triton.plan import PlanLaunchConfig
+
+    g = torch.Generator().manual_seed(bs_rows + window)
+    rows, width = 4, 10
+    vals = (torch.arange(rows * width, dtype=torch.int32).reshape(rows, width) % 13) + 1
+    vals[2] = SENTINEL
+    rtt = _guarded(vals, rows)
+    rp = torch.tensor([1, 3])[torch.randint(0, 2, (bs_rows,), generator=g)]
+    rp[torch.randint(0, bs_rows, (bs_rows // 4,), generator=g)] = 0
+    prefix = torch.randint(0, 3 * width, (bs_rows,), generator=g)
+    prefix[:3] = torch.tensor([width + 1, width, 3 * width])
+    rp[:3] = torch.tensor([3, 1, 1])
+    extend = torch.randint(0, 3, (bs_rows,), generator=g)
+    kw = _plan_args(rp.tolist(), prefix.tolist(), extend.tolist(), rows=rows, width=width)
+    lut = torch.arange(64, dtype=torch.int64) * 3 if with_lut else None
+    kw.update(req_to_token=rtt, swa_window_size=window, full_to_swa_index_mapping=lut, verify_capacity=8192)
+    want_v, want_w = _capture_model(kw, width)
+    # small batches: the one-launch tile kernel and the scan + gather path; 300 rows: scan + gather
+    configs = [None, PlanLaunchConfig(tile_rows=0)] if bs_rows <= 256 else [None]
+    for config in configs:
+        got_v, got_w = _triton_capture_plan(kw, config)
+        _assert_no_sentinel(got_v, got_w, lut)
+        for x, y in zip(_plan_tensors(want_v, want_w), _plan_tensors(got_v, got_w)):
+            assert torch.equal(x, y)
+        assert int(got_v.enable[0]) == 1
+        n_cut_rows = int(((rp != 0) & (prefix > width) & (extend > 0)).sum())
+        assert n_cut_rows > 0 and int((got_w.write_seed_slot_indices == -1).sum()) >= n_cut_rows
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+def test_expected_tokens_past_the_table_width_are_never_read(impl):
+    """Valid lengths above the expected-token table's width: columns at or past the width give
+    token -1 (the twin used to return the last column's value; Triton read the next row)."""
+    rows, width, cols = 4, 10, 6
+    table_vals = torch.arange(rows * cols, dtype=torch.int32).reshape(rows, cols) + 100
+    table_vals[2] = SENTINEL
+    kw = _plan_args([1, 3, 0], [8, 9, 3], [1, 1, 1], rows=rows, width=width)
+    kw.update(req_to_verify_expected_tokens=_guarded(table_vals, rows),
+              req_to_verify_expected_tokens_valid_lens=torch.tensor([1000, 7, 1000]),
+              kv_token_id_vs_position_offset=1)
+    if impl == "twin":
+        vp, wp = _fresh_plans()
+        launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp, **kw)
+    else:
+        vp, wp = _triton_capture_plan(kw)
+    _assert_no_sentinel(vp, wp)
+    n = int(vp.verify_num_valid[0])
+    assert n == 17
+    tokens = vp.verify_expected_tokens[:n].tolist()
+    # row 1 (request row 1): columns pos + 1 = 1..8; readable below min(valid 1000, width 6)
+    assert tokens[:8] == [int(table_vals[1, c]) if c < cols else -1 for c in range(1, 9)]
+    # row 3: valid length 7 > width 6 too; columns 1..9
+    assert tokens[8:] == [int(table_vals[3, c]) if c < cols else -1 for c in range(1, 10)]
+
+
+def test_random_long_lengths_raise_exactly_when_a_prefix_passes_the_width():
+    """40 seeded cases with prefix and extend lengths up to twice the width and valid lengths past
+    the expected-token table's width: the public launcher raises (a kv-canary error, nothing
+    changed) iff an active row's prefix exceeds the width; otherwise every planned slot, predecessor
+    and token comes from inside its row. On the interpreter the Triton plan (capture behaviour)
+    never reads a sentinel row and equals the cut-at-the-width model."""
+    rng = random.Random(4321)
+    raised = planned = 0
+    for case in range(40):
+        rows, width, cols = rng.randint(3, 6), rng.randint(2, 12), rng.randint(1, 12)
+        bs = rng.randint(1, 8)
+        vals = torch.tensor([[rng.randint(1, 500) for _ in range(width)] for _ in range(rows)], dtype=torch.int32)
+        sentinel_row = rng.randint(1, rows - 1)
+        vals[sentinel_row] = SENTINEL
+        table_vals = torch.tensor([[rng.randint(-1, 900) for _ in range(cols)] for _ in range(rows)],
+                                  dtype=torch.int32)
+        table_vals[sentinel_row] = SENTINEL
+        live = [r for r in range(1, rows) if r != sentinel_row]
+        rp = [0 if rng.random() < 0.2 else rng.choice(live) for _ in range(bs)]
+        prefix = [rng.randint(0, 2 * width) if rng.random() < 0.3 else rng.randint(0, width) for _ in range(bs)]
+        extend = [rng.randint(-1, 2 * width) for _ in range(bs)]
+        window = rng.choice([0, 0, rng.randint(1, width + 2)])
+        kw = dict(
+            req_pool_indices=torch.tensor(rp), prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(extend),
+            req_to_token=_guarded(vals, rows), swa_window_size=window,
+            full_to_swa_index_mapping=torch.arange(600, dtype=torch.int64) + 1 if window else None,
+            verify_capacity=256, req_to_verify_expected_tokens=_guarded(table_vals, rows),
+            req_to_verify_expected_tokens_valid_lens=torch.tensor([rng.randint(0, 3 * cols) for _ in range(bs)]),
+            kv_token_id_vs_position_offset=rng.randint(-1, 2),
+        )
+        too_long = [r for r in range(bs) if rp[r] != 0 and prefix[r] > width]
+        vp, wp = VerifyPlan.allocate(256, "cpu"), WritePlan.allocate(bs, "cpu")
+        before = _plan_tensors(vp, wp)
+        try:
+            launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, **kw)
+        except KvCanaryValueError as exc:
+            assert too_long and str(exc).startswith(
+                f"kv-canary: launch_canary_plan_kernels row {too_long[0]}: prefix {prefix[too_long[0]]} exceeds")
+            assert all(torch.equal(x, y) for x, y in zip(before, _plan_tensors(vp, wp)))
+            raised += 1
+        else:
+            assert not too_long
+            _assert_no_sentinel(vp, wp, kw["full_to_swa_index_mapping"])
+            planned += 1
+        if INTERPRET:
+            want_v, want_w = _capture_model(kw, width)
+            got_v, got_w = _triton_capture_plan(kw)
+            _assert_no_sentinel(got_v, got_w, kw["full_to_swa_index_mapping"])
+            for x, y in zip(_plan_tensors(want_v, want_w), _plan_tensors(got_v, got_w)):
+                assert torch.equal(x, y)
+    assert raised > 0 and planned > 0
