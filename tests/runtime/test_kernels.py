@@ -57,6 +57,34 @@ def test_token_rows_unsorted_offsets_probe_like_searchsorted() -> None:
             assert torch.equal(g, w), (offsets.tolist(), g.tolist(), w.tolist())
 
 
+# ---- expected tokens (write-input assert) --------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_expected_tokens_match_twin(seed: int, table_dtype) -> None:
+    """Positions inside and past the history length, past the table width, negative prefixes (never planned,
+    but the kernel must agree), padding tokens past the write range; int32 and int64 histories."""
+    gen = torch.Generator().manual_seed(seed)
+    reqs, width, cap = 9, 24, 30
+    table = torch.randint(-5, 30000, (reqs, width), generator=gen).to(table_dtype)
+    from_history = 0
+    for bs in (1, 2, 7, cap):
+        offsets = random_offsets(gen, bs, cap)
+        n = int(offsets[bs]) + 3
+        row, local, _ = kernels.token_rows_twin(offsets, bs, n, torch.arange(n))
+        prefix = torch.randint(-2, width + 4, (bs,), generator=gen)
+        rows = torch.randint(0, reqs, (bs,), generator=gen)
+        lens = torch.randint(0, width + 6, (bs,), generator=gen)
+        ids = torch.randint(0, 30000, (n,), generator=gen)
+        kw = dict(row=row, local=local, prefix=prefix, rows=rows, lens=lens, table=table, input_ids=ids)
+        got = kernels.launch_expected_tokens(**kw)
+        want = kernels.expected_tokens_twin(**kw)
+        for g, w, name in zip(got, want, ("expected", "positions")):
+            assert g.dtype == w.dtype and torch.equal(g, w), f"{name} bs={bs}"
+        from_history += int((got[0] != ids).sum())
+    assert from_history > 0, "the cases must take tokens from the history"
+
+
 # ---- slot records -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(5))

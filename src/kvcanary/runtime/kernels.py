@@ -14,6 +14,9 @@ Three blocks, each a torch twin (the reference; what the CPU runs) and a Triton 
   be replayed with another batch, e.g. by an engine warming up its own graphs). Skipped tokens (invalid,
   negative or out-of-range slots) touch nothing — no atomics piling onto one dump row — and the records'
   trash row stays never written (the twin resets it after dumping there).
+* ``expected_tokens`` — the write-input assert's expectation per staged token: its position
+  ``prefix[row] + local`` and, from the engine's token history, ``table[rows[row], position]`` where the
+  history knows it (``position < lens[row]`` and inside the table), else the staged input id itself.
 * ``sweep_slice`` — one rotating sweep slice's verify plan from the slot records (`Sweeper`): slots from
   the device cursor (clamped to the trash row), live = in the pass's live set and written, the chain link
   kept only while the predecessor still holds the previous position (an older, unwritten or moved
@@ -78,6 +81,18 @@ def record_write_twin(records: SlotRecords, *, seeds: torch.Tensor, row: torch.T
                    owners=step * owner_span + row, step=step)
 
 
+def expected_tokens_twin(*, row: torch.Tensor, local: torch.Tensor, prefix: torch.Tensor, rows: torch.Tensor,
+                         lens: torch.Tensor, table: torch.Tensor, input_ids: torch.Tensor):
+    """(expected int64 [n], positions int64 [n]) of ``n`` staged tokens: ``row`` / ``local`` from
+    `token_rows_twin`; ``prefix`` / ``rows`` (request rows) / ``lens`` (history lengths) int64 per batch row;
+    ``table`` the token history [max_reqs, width] (int32 or int64); ``input_ids`` int64 [n]."""
+    positions = prefix[row] + local
+    known = (positions < lens[row]) & (positions < table.shape[1])
+    col = positions.clamp(0, table.shape[1] - 1)
+    expected = torch.where(known, table[rows[row], col].to(torch.int64), input_ids)
+    return expected, positions
+
+
 def fill_sweep_plan(plan: VerifyPlan, records: SlotRecords, slots: torch.Tensor, written_at: torch.Tensor,
                     live: torch.Tensor) -> None:
     """Slot, expected position and checkable predecessor of each entry of ``plan`` (int64 [cap] ``slots`` in
@@ -119,6 +134,13 @@ def token_rows(offsets: torch.Tensor, bs: int, n: int, token_arange: torch.Tenso
     if use_kernels(offsets) and n > 0:
         return launch_token_rows(offsets, bs, n)
     return token_rows_twin(offsets, bs, n, token_arange)
+
+
+def expected_tokens(**kw):
+    """`expected_tokens_twin`, on the Triton kernel for CUDA tensors."""
+    if use_kernels(kw["row"]) and kw["row"].shape[0] > 0 and kw["table"].shape[1] > 0 and kw["table"].stride(1) == 1:
+        return launch_expected_tokens(**kw)
+    return expected_tokens_twin(**kw)
 
 
 def record_write(records: SlotRecords, **kw) -> None:
@@ -164,6 +186,22 @@ if AVAILABLE:
         tl.store(row_ptr + t, row, mask=m)
         tl.store(local_ptr + t, local, mask=m)
         tl.store(valid_ptr + t, (t < end).to(tl.uint8), mask=m)
+
+    @triton.jit
+    def _expected_tokens_kernel(row_ptr, local_ptr, prefix_ptr, rows_ptr, lens_ptr, table_ptr, table_stride,
+                                width, n_table_rows, ids_ptr, expected_ptr, positions_ptr, n, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        m = t < n
+        r = tl.load(row_ptr + t, mask=m, other=0)
+        pos = tl.load(prefix_ptr + r, mask=m, other=0) + tl.load(local_ptr + t, mask=m, other=0)
+        known = m & (pos < tl.load(lens_ptr + r, mask=m, other=0)) & (pos < width)
+        col = tl.minimum(tl.maximum(pos, 0), width - 1)
+        rp = tl.load(rows_ptr + r, mask=m, other=0)
+        readable = known & (rp >= 0) & (rp < n_table_rows)  # never outside the history (the twin would raise)
+        tok = tl.load(table_ptr + rp * table_stride + col, mask=readable, other=0).to(tl.int64)
+        ids = tl.load(ids_ptr + t, mask=m, other=0)
+        tl.store(expected_ptr + t, tl.where(readable, tok, ids), mask=m)
+        tl.store(positions_ptr + t, pos, mask=m)
 
     @triton.jit
     def _record_claim_kernel(out_loc_ptr, valid_ptr, scratch_ptr, epoch_ptr, n, num_slots,
@@ -251,6 +289,18 @@ def launch_token_rows(offsets: torch.Tensor, bs: int, n: int):
     _token_rows_kernel[_grid(n)](offsets, row, local, valid, bs, n, SEARCH_STEPS=max(bs, 0).bit_length() + 1,
                                  BLOCK=_BLOCK, num_warps=_WARPS)
     return row, local, valid.view(torch.bool)
+
+
+def launch_expected_tokens(*, row: torch.Tensor, local: torch.Tensor, prefix: torch.Tensor, rows: torch.Tensor,
+                           lens: torch.Tensor, table: torch.Tensor, input_ids: torch.Tensor):
+    """Triton `expected_tokens_twin` (``n >= 1``; ``table`` rows contiguous): new (expected, positions)."""
+    n = row.shape[0]
+    expected = torch.empty(n, dtype=torch.int64, device=row.device)
+    positions = torch.empty(n, dtype=torch.int64, device=row.device)
+    _expected_tokens_kernel[_grid(n)](row, local, prefix, rows, lens, table, table.stride(0), table.shape[1],
+                                      table.shape[0], input_ids, expected, positions, n, BLOCK=_BLOCK,
+                                      num_warps=_WARPS)
+    return expected, positions
 
 
 def launch_record_write(records: SlotRecords, *, seeds: torch.Tensor, row: torch.Tensor, local: torch.Tensor,

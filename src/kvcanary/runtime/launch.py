@@ -234,9 +234,8 @@ class ForwardLaunches:
             return None, None
         s = self.static
         row, local, _ = tokens_row
-        positions = s.prefix[row] + local
         if s.has_oracle:
-            return s.expected_ids[:n], positions
+            return s.expected_ids[:n], s.prefix[row] + local
         table = s.token_table
         if table is None:
             self.write_assert_skipped += 1
@@ -246,11 +245,8 @@ class ForwardLaunches:
                 "the write-input assert is skipped (counted in stats.write_assert_skipped)",
             )
             return None, None
-        lens = s.token_lens[row]
-        known = (positions < lens) & (positions < table.shape[1])
-        col = positions.clamp(0, table.shape[1] - 1)
-        expected = torch.where(known, table[s.rows[row], col].to(torch.int64), s.input_ids[:n])
-        return expected, positions
+        return kernels.expected_tokens(row=row, local=local, prefix=s.prefix, rows=s.rows, lens=s.token_lens,
+                                       table=table, input_ids=s.input_ids[:n])
 
     def _record_slots(self, g: CanaryGroup, wplan: WritePlan, tokens_row, out_loc: torch.Tensor, n: int) -> None:
         """Slot records of this write: position, predecessor (the seed for a row's first token), step, owner;
