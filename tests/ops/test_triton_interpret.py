@@ -225,6 +225,29 @@ def test_verify_chain_position_token_and_real_kv():
             _compare_verify(wctx, vp, check)
 
 
+@pytest.mark.parametrize("nbpt", [128, 1024])
+def test_all_mode_long_rows_fold_in_a_loop_bit_identically(nbpt):
+    """ALL mode over rows longer than the unrolled limit (16 and 128 words per token: a real model's layer)
+    takes the looped fold; write and verify match the twins, and a flipped byte deep in a row is seen."""
+    g = torch.Generator().manual_seed(nbpt)
+    srcs = tuple(make_source(g, "cpu", num_slots=16, page_size=4, nbpt=nbpt, read_bytes=nbpt, dtype=torch.bfloat16)
+                 for _ in range(2))
+    ctx = _ctx(sources=srcs, mode=RealKvHashMode.ALL)
+    wp, kw = _wplan([4], [-1]), _winputs([5, 6, 7, 8], [0, 1, 2, 3], [1, 2, 3, 4])
+    _compare_write(ctx, wp, **kw)
+    launch_canary_write_kernel_torch_reference(context=ctx, plan=wp, **kw)
+    srcs[1].tensor.view(torch.uint8)[0, 3 * nbpt - 5] ^= 0x10  # slot 2 (page 0, offset 2): 5 bytes before its end
+    vp = VerifyPlan.allocate(8, "cpu")
+    vp.verify_slot_indices[:4] = torch.tensor([1, 2, 3, 4])
+    vp.verify_prev_slot_indices[:4] = torch.tensor([-1, 1, 2, 3])
+    vp.verify_expected_positions[:4] = torch.tensor([0, 1, 2, 3])
+    vp.verify_num_valid[0] = 4
+    _compare_verify(ctx, vp, False)
+    b = clone_context(ctx)
+    launch_verify(context=b, plan=vp, check_verify_expected_token=False)
+    assert int(b.violation_write_index[0]) - int(ctx.violation_write_index[0]) == 1
+
+
 def test_verify_disabled_and_narrow_source_error():
     g = torch.Generator().manual_seed(4)
     src = make_source(g, "cpu", num_slots=16, page_size=4, nbpt=32, read_bytes=32, dtype=torch.uint8)

@@ -58,6 +58,11 @@ def slot_hash_of_fields(prev_hash, token, position):
     return mix3(as_u64(prev_hash), as_u64(token), as_u64(position))
 
 
+UNROLLED_WORDS = tl.constexpr(8)
+"""Strips of at most this many 8-byte words are folded by unrolled code; longer ones by a loop (compile time
+and registers stay flat however many bytes ALL mode hashes per token)."""
+
+
 @triton.jit
 def _source_fold(ptr, slot, mask, page_size, nbpt_words, row_words, NWORDS: tl.constexpr):
     """Fold the first NWORDS little-endian words of each slot's strip: acc = splitmix64(acc ^ w).
@@ -70,13 +75,23 @@ def _source_fold(ptr, slot, mask, page_size, nbpt_words, row_words, NWORDS: tl.c
     first = tl.multiple_of(first, 2)
     wptr = ptr.to(tl.pointer_type(tl.int64))
     acc = tl.zeros(slot.shape, dtype=tl.uint64)
-    pair = tl.arange(0, 2)
-    for k in tl.static_range(NWORDS // 2):
-        two = tl.load(wptr + first[:, None] + (2 * k + pair)[None, :], mask=mask[:, None], other=0)
-        w0, w1 = tl.split(two)
-        acc = splitmix64(acc ^ as_u64(w0))
-        acc = splitmix64(acc ^ as_u64(w1))
+    if NWORDS <= UNROLLED_WORDS:  # PARTIAL (2 words) and short rows: unrolled
+        for k in tl.static_range(NWORDS // 2):
+            acc = _fold_two_words(acc, wptr, first, mask, k)
+    else:  # ALL over long rows (e.g. 128 words per token and layer): a loop, not thousands of unrolled steps
+        for k in range(NWORDS // 2):
+            acc = _fold_two_words(acc, wptr, first, mask, k)
     return acc
+
+
+@triton.jit
+def _fold_two_words(acc, wptr, first, mask, k):
+    """acc = splitmix64(splitmix64(acc ^ w[2k]) ^ w[2k+1]) for each slot's words 2k, 2k+1 (one 16-byte load)."""
+    pair = tl.arange(0, 2)
+    two = tl.load(wptr + first[:, None] + (2 * k + pair)[None, :], mask=mask[:, None], other=0)
+    w0, w1 = tl.split(two)
+    acc = splitmix64(acc ^ as_u64(w0))
+    return splitmix64(acc ^ as_u64(w1))
 
 
 @triton.jit
