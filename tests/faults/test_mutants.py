@@ -1,7 +1,8 @@
 """Tests aimed at the five runtime mutants an outside mutation audit found surviving (issue 11 item 7):
 HEAD verify-token off, write-input assert off, attribution off by one at a request boundary, the
 sweep's chain-link check off (the fifth, the transformers adapter's live-slot set dropping idle cached
-blocks, is killed in tests/faults/test_transformers_faults.py)."""
+blocks, is killed in tests/engines/test_transformers_sweep_live.py). Each was checked by hand against its
+mutant applied to a copy of src/ (docs/mutation.md)."""
 import dataclasses
 
 import torch

@@ -1,0 +1,52 @@
+"""`summarize` over several outcomes: every count exact, a custom key, a class with no detection
+(mutation audit, docs/mutation.md)."""
+from types import SimpleNamespace
+
+from kvcanary.faults import Injection, account, summarize
+
+
+def _inj(**kw):
+    base = dict(fault="slot_redirect", engine="sim", step=10, group="full", slot=7, position=3, request_id="a",
+                expected=("verify_position", "verify_chain_hash"))
+    return Injection(**{**base, **kw})
+
+
+def _v(step, slot, rid, label, group="full"):
+    return SimpleNamespace(step=step, slot=slot, request_id=rid, reason_label=label, group=group)
+
+
+def test_summary_of_several_outcomes_under_a_custom_key():
+    outcomes = [
+        # detected at once against its own request, by two checks; a token row elsewhere is collateral
+        account(_inj(), [_v(10, 7, "a", "verify_position+verify_chain_hash"), _v(10, 3, "q", "verify_token")]),
+        # detected one forward later on its slot but charged to another request; collateral again
+        account(_inj(step=20), [_v(21, 7, "b", "verify_position"), _v(21, 5, "q", "verify_token")]),
+        # detected two forwards later; the injection names no request, so it cannot be charged wrongly
+        account(_inj(step=40, slot=9, request_id=None, expected_detectable=False, why_not="shadowed"),
+                [_v(42, 9, "y", "verify_position")]),
+        # missed: only an unrelated write row in its window
+        account(_inj(step=30), [_v(30, 2, "z", "write_token")]),
+        # another engine, missed twice with the same reason for it
+        account(_inj(engine="transformers", expected_detectable=False, why_not="no history"), []),
+        account(_inj(engine="transformers", expected_detectable=False, why_not="no history"), []),
+    ]
+    s = summarize(outcomes, key=lambda o: f"{o.injection.fault}@{o.injection.engine}")
+    assert set(s) == {"slot_redirect@sim", "slot_redirect@transformers"}
+    assert s["slot_redirect@sim"] == {
+        "injected": 4, "detected": 3, "missed": 1, "expected_detectable": 3, "detected_expected": 2,
+        "wrong_request": 1, "collateral_reasons": {"verify_token": 2, "write_token": 1},
+        "detected_by": {"position": 3, "chain": 1}, "why_not": ["shadowed"], "median_latency_forwards": 1,
+    }
+    assert s["slot_redirect@transformers"] == {
+        "injected": 2, "detected": 0, "missed": 2, "expected_detectable": 0, "detected_expected": 0,
+        "wrong_request": 0, "collateral_reasons": {}, "detected_by": {}, "why_not": ["no history"],
+        "median_latency_forwards": None,
+    }
+
+
+def test_summary_without_a_key_groups_by_fault_class():
+    outcomes = [account(_inj(), [_v(10, 7, "a", "verify_position")]),
+                account(_inj(fault="kv_flip_cached", expected=("verify_real_kv_hash",)), [])]
+    s = summarize(outcomes)
+    assert set(s) == {"slot_redirect", "kv_flip_cached"}
+    assert (s["slot_redirect"]["detected"], s["kv_flip_cached"]["missed"]) == (1, 1)
