@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvcanary.ops import FailReason
-from tests.runtime.conftest import make_sim
+from kvcanary.ops.constants import CANARY_FIELD_PREV_HASH
+from tests.runtime.conftest import make_canary, make_sim
 
 NUM_SLOTS = 64  # full_spec
 
@@ -26,6 +27,23 @@ def test_report_names_the_step_and_counts_live_verified_and_unrecorded_slots(man
     # padding slot 0 is dropped; 40 and 41 are live but were never written
     assert (report.live, report.verified, report.unrecorded) == ({"full": 6}, {"full": 4}, {"full": 2})
     assert report.complete and eng.canary.violations() == []
+    stats = eng.canary.stats()  # the explicit sweep is counted and is the stats' last sweep
+    assert (stats.sweeps, stats.sweep_passes) == (1, 0)
+    assert (stats.last_sweep_live, stats.last_sweep_verified, stats.last_sweep_unrecorded) == (
+        {"full": 6}, {"full": 4}, {"full": 2})
+    eng.canary.sweep(live={"full": torch.tensor([10])})
+    assert eng.canary.stats().sweeps == 2 and eng.canary.stats().last_sweep_live == {"full": 1}
+
+
+def test_a_single_recorded_live_slot_is_verified(manual):
+    eng = _two_forwards(manual)
+    eng.kv[1][1][12, 0] ^= 4  # last layer, V: bytes the default real-KV hash covers
+    report = eng.canary.sweep(live={"full": torch.tensor([12, 50])})  # 50: never written
+    assert (report.verified, report.unrecorded) == ({"full": 1}, {"full": 1})
+    vs = eng.canary.violations()
+    assert vs and {v.slot for v in vs} == {12} and all(v.phase == "sweep" for v in vs)
+    # a sweep row expects no token (the sweep's plan carries none: -1)
+    assert all(v.expected_token is None for v in vs)
 
 
 @pytest.mark.parametrize("slots,lo,hi", [([-1, 10], -1, 10), ([10, NUM_SLOTS], 10, NUM_SLOTS), ([NUM_SLOTS + 3], NUM_SLOTS + 3, NUM_SLOTS + 3)])
@@ -56,3 +74,39 @@ def test_rotating_passes_report_live_and_verified_slots_per_group():
     assert set(stats.last_pass) == {g.name for g in engine.config.group_specs()}
     for p in stats.last_pass.values():
         assert set(p) == {"live", "verified"} and p["live"] > 0 and p["verified"] == p["live"]
+
+
+def test_a_group_with_nothing_recorded_does_not_end_the_sweep():
+    """Groups are swept in the order given; one with no recorded live slot is skipped, the next still swept."""
+    engine, canary = make_sim(canary_options={"sweep_interval": 0}, seed=0, sliding_window=16, num_layers=2)
+    engine.run(12)
+    assert canary.violations() == []
+    names = [g.name for g in engine.config.group_specs()]
+    assert len(names) == 2
+    first, second = names
+    g = canary.groups[second]
+    written = (g.records.step != -1).nonzero().flatten()
+    written = written[written > 0]
+    assert written.numel() > 0
+    slot = int(written[0])
+    for side in g.tail_sides:  # break the slot's stored link: nothing else is wrong
+        g.buffer("tail", side).view(torch.int64)[slot, CANARY_FIELD_PREV_HASH] ^= 1
+    report = canary.sweep(live={first: torch.zeros(0, dtype=torch.int64), second: torch.tensor([slot])})
+    assert report.live == {first: 0, second: 1} and report.verified == {first: 0, second: 1}
+    vs = canary.violations()
+    assert vs and {(v.group, v.slot) for v in vs} == {(second, slot)} and all(v.phase == "sweep" for v in vs)
+
+
+@pytest.mark.parametrize("interval,starts", [
+    (0, [False] * 7),  # no rotating sweep: no pass ever starts
+    (1, [True] * 7),  # a pass is one slice
+    (3, [True, False, False, True, False, False, True]),
+])
+def test_a_pass_starts_every_interval_slices(full_spec, interval, starts):
+    sweeper = make_canary(full_spec, sweep_interval=interval).sweeper
+    seen = []
+    for _ in starts:
+        seen.append(sweeper.pass_starts())
+        if interval:
+            sweeper.slice()
+    assert seen == starts
