@@ -1,6 +1,6 @@
 """The simulated engine's slot allocator: LIFO reuse, double frees counted, and the fault hook
 `force_free` (a slot put back on top of the free list while still referenced; mutation audit)."""
-from kvcanary.engines.sim.pool import PADDING_SLOT, SlotAllocator
+from kvcanary.engines.sim.pool import PADDING_SLOT, RequestTable, SlotAllocator
 
 
 def test_force_free_puts_a_used_slot_on_top_and_marks_it_free():
@@ -23,3 +23,23 @@ def test_force_free_of_a_free_slot_moves_it_to_the_top_without_a_duplicate():
     a.free([deep, deep, PADDING_SLOT])  # the second free of the same slot is counted, padding ignored
     assert a.double_frees == 1 and a.num_free == free_before
     assert sorted(a.alloc(a.num_free)) == sorted(set(range(1, 8)) - {s1})
+
+
+def test_free_skips_padding_and_counts_every_double_free():
+    a = SlotAllocator(8)
+    s1, s2 = a.alloc(2)
+    a.free([PADDING_SLOT, s1, s2])  # padding first: the slots after it are still freed
+    assert not bool(a.in_use[s1]) and not bool(a.in_use[s2]) and a.num_free == 7
+    a.free([s1])
+    a.free([s2, s1])
+    assert a.double_frees == 3 and a.num_free == 7
+    assert a.alloc(2) == [s2, s1]  # LIFO: the last freed (s2) comes back first
+
+
+def test_request_rows_run_out_without_an_error_and_padding_row_is_never_handed_out():
+    t = RequestTable(max_requests=3, max_context=4)
+    rows = [t.alloc_row(), t.alloc_row()]
+    assert sorted(rows) == [1, 2] and t.alloc_row() is None and t.num_free == 0
+    t.req_to_token[rows[0]] = 9
+    t.free_row(rows[0])
+    assert t.req_to_token[rows[0]].tolist() == [0, 0, 0, 0] and t.alloc_row() == rows[0]

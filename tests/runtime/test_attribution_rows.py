@@ -42,3 +42,6 @@ def test_request_of_a_row_from_the_step_log_or_the_device_history():
     assert att._request(8, 0) == (None, None)
     log.add(7, StepEntry(request_ids=("c",), request_rows=(4,), forward_kind="decode"))  # step 5 forgotten
     assert att._request(5, 0) == (None, None) and log.forgotten == 1
+    assert att._request(7, 0) == ("c", 4)  # the newest step is kept
+    log.add(8, StepEntry(request_ids=("d",), request_rows=(5,), forward_kind="decode"))  # step 6 forgotten
+    assert log.forgotten == 2 and att._request(7, 0) == ("c", 4) and att._request(8, 0) == ("d", 5)
