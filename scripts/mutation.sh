@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mutation audit (issue 11 item 7) with mutmut 3.8.1: one small change at a time to the code under
 # test; each mutant runs only the tests that reached its function in mutmut's stats run (the pool:
-# pyproject [tool.mutmut] pytest_add_cli_args_test_selection, which leaves out the slow soak). A surviving mutant is a bug the tests would
-# not catch. Slow: not part of CI. Triage of the survivors: docs/mutation.md.
+# pyproject [tool.mutmut] pytest_add_cli_args_test_selection, which leaves out the slow soak). A
+# surviving mutant is a bug the tests would not catch. Slow: not part of CI. Triage of the survivors: docs/mutation.md.
 #   bash scripts/mutation.sh --audit                        # the committed, bounded selection (docs/mutation.md)
 #   bash scripts/mutation.sh 'kvcanary.faults.accounting*'  # mutants whose name matches (mutmut globs)
 #   bash scripts/mutation.sh                                # every mutant of runtime/, engines/sim/, faults/ (hours)
