@@ -41,9 +41,10 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
+from twin_fallbacks import count_twin_fallbacks  # bench/twin_fallbacks.py
 
 PRESETS = {
     "full": dict(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192, vocab=128256,
@@ -197,27 +198,6 @@ def pool(logs: list) -> StepLog:
         for k, v in lg.by_entry.items():
             out.by_entry[k] = out.by_entry.get(k, 0.0) + v
     return out
-
-
-def count_twin_fallbacks(fn):
-    """(fn(), launches the Triton launchers handed to the torch twins meanwhile: each is a slow host path)."""
-    from kvcanary.ops.triton import verify as tverify, write as twrite
-
-    calls = [0]
-    saved = (tverify.launch_canary_verify_kernel_torch_reference, twrite.launch_canary_write_kernel_torch_reference)
-
-    def counted(real):
-        def wrapper(**kw):
-            calls[0] += 1
-            return real(**kw)
-        return wrapper
-
-    tverify.launch_canary_verify_kernel_torch_reference = counted(saved[0])
-    twrite.launch_canary_write_kernel_torch_reference = counted(saved[1])
-    try:
-        return fn(), calls[0]
-    finally:
-        tverify.launch_canary_verify_kernel_torch_reference, twrite.launch_canary_write_kernel_torch_reference = saved
 
 
 def summarize(log: StepLog) -> dict:

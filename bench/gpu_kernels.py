@@ -57,6 +57,7 @@ from kvcanary.ops.reference.real_kv import fingerprint_slots  # noqa: E402
 from kvcanary.ops.triton import plan as tplan, stamp as tstamp, verify as tverify, write as twrite  # noqa: E402
 from kvcanary.ops.triton.hashing import as_i64, as_u64, mix3  # noqa: E402
 from kvcanary.ops.triton.launch import pdl_release, pdl_wait  # noqa: E402
+from twin_fallbacks import count_twin_fallbacks  # noqa: E402  (bench/twin_fallbacks.py)
 
 DEV = "cpu" if DRY else "cuda"
 if DRY:  # Triton 3.6's interpreter vs numpy >= 2.4: loop bounds read from memory (see the tests)
@@ -462,27 +463,6 @@ class PrefillLayout:
             ops.write(context=ctx, plan=wp, **w)
 
 
-def count_twin_fallbacks(fn):
-    """(result of fn(), number of launches the Triton launchers handed to the torch twins)."""
-    calls = [0]
-    saved = (tverify.launch_canary_verify_kernel_torch_reference, twrite.launch_canary_write_kernel_torch_reference)
-
-    def counted(real):
-        def wrapper(**kw):
-            calls[0] += 1
-            return real(**kw)
-        return wrapper
-
-    tverify.launch_canary_verify_kernel_torch_reference = counted(saved[0])
-    twrite.launch_canary_write_kernel_torch_reference = counted(saved[1])
-    try:
-        result = fn()
-        sync()
-    finally:
-        tverify.launch_canary_verify_kernel_torch_reference, twrite.launch_canary_write_kernel_torch_reference = saved
-    return result, calls[0]
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -677,7 +657,7 @@ def main():
         name = "contiguous copies" if contiguous else "row-strided views"
         sync()
         for label, (vp_, wp_, w_) in (("prefill (prefix 0)", (vp0, wp0, w0)), ("chunk after prefix", (vp1, wp1, w1))):
-            ms, fallbacks = count_twin_fallbacks(lambda: bench(lambda: lay.run(default, vp_, wp_, w_), reps=10))
+            ms, fallbacks = count_twin_fallbacks(lambda: (bench(lambda: lay.run(default, vp_, wp_, w_), reps=10), sync())[0])
             per_tok = ms * 1e3 / (lay.reqs * lay.tokens)
             pre[(name, label)] = per_tok
             print(f"TAIL K+V PARTIAL [{name}] {label}: {ms * 1e3:.0f} us per step = {per_tok:.4f} us per prefill "

@@ -4,8 +4,10 @@ Builders are plain functions handed out by fixtures, so hypothesis tests can use
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import pytest
 import torch
@@ -17,6 +19,50 @@ if not torch.cuda.is_available():
 
 from kvcanary.ops.constants import CanaryLaunchTag, RealKvHashMode
 from kvcanary.ops.records import RealKvSource, VerifyOrWriteContext, VerifyPlan, WritePlan
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """The named loggers at CRITICAL for the block, their levels restored after."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def quiet_engine() -> Iterator[None]:
+    """transformers' continuous-batching logger silenced for a module (``pytest.mark.usefixtures``)."""
+    with quiet_loggers("ContinuousBatchingLogger"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def quiet_engine_and_canary() -> Iterator[None]:
+    """The engine's and kvcanary's loggers silenced for a module."""
+    with quiet_loggers("ContinuousBatchingLogger", "kvcanary"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """The demo's tiny random Llama on the CPU (seed 0); modules using it skip without transformers."""
+    from kvcanary.cli.demo import tiny_model
+
+    return tiny_model("llama", torch.device("cpu"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    """The demo's tiny random Qwen3 with sliding-window layers on the CPU (seed 0)."""
+    from kvcanary.cli.demo import tiny_model
+
+    return tiny_model("qwen3_swa", torch.device("cpu"), seed=0)
+
 
 RING_SENTINEL = -77
 NUM_TAGS = len(CanaryLaunchTag)

@@ -14,30 +14,11 @@ import torch
 pytest.importorskip("transformers")
 
 import kvcanary  # noqa: E402
-from kvcanary.cli.demo import generate, tiny_model, workload  # noqa: E402
+from kvcanary.cli.demo import generate, workload  # noqa: E402
 from kvcanary.engines.transformers_cb import attach  # noqa: E402
 from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryTypeError, KvCanaryValueError  # noqa: E402
 
-CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_engine():
-    logger = logging.getLogger("ContinuousBatchingLogger")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama", CPU, seed=0)
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    return tiny_model("qwen3_swa", CPU, seed=0)
+pytestmark = pytest.mark.usefixtures("quiet_engine")
 
 
 def _hooks(model) -> int:

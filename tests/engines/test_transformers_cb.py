@@ -7,7 +7,6 @@ A probe hook (reading only the forward's kwargs) counts what the canary should h
 """
 from __future__ import annotations
 
-import logging
 import types
 
 import pytest
@@ -23,33 +22,14 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
 )
 
 import kvcanary  # noqa: E402
-from kvcanary.cli.demo import SLIDING_WINDOW, FlipSharedBlockByte, RedirectRead, generate, tiny_model, workload  # noqa: E402
+from kvcanary.cli.demo import SLIDING_WINDOW, FlipSharedBlockByte, RedirectRead, generate, workload  # noqa: E402
 from engines.cb_support import BetweenSteps, padded_like_graphs  # noqa: E402
 from kvcanary.engines.transformers_cb import attach, compat  # noqa: E402
 from kvcanary.engines.transformers_cb.attach import _refuse_unobservable_paths  # noqa: E402
 from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator  # noqa: E402
 from kvcanary.runtime import CanaryViolationError  # noqa: E402
 
-CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_engine():
-    logger = logging.getLogger("ContinuousBatchingLogger")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama", CPU, seed=0)
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    return tiny_model("qwen3_swa", CPU, seed=0)
+pytestmark = pytest.mark.usefixtures("quiet_engine")
 
 
 class Probe:

@@ -8,35 +8,19 @@ against the reading request, and a clean run stays silent.
 """
 from __future__ import annotations
 
-import logging
-
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
 from engines.cb_support import padded_like_graphs  # noqa: E402
-from kvcanary.cli.demo import SLIDING_WINDOW, generate, tiny_model, workload  # noqa: E402
+from kvcanary.cli.demo import SLIDING_WINDOW, generate, workload  # noqa: E402
 from kvcanary.engines.transformers_cb import attach  # noqa: E402
 from kvcanary.faults.accounting import account  # noqa: E402
 from kvcanary.faults.transformers import StaleWindowRead  # noqa: E402
 from kvcanary.ops.constants import CanaryLaunchTag  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quiet():
-    loggers = [logging.getLogger(n) for n in ("ContinuousBatchingLogger", "kvcanary")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
-
-
-@pytest.fixture(scope="module")
-def qwen3():
-    return tiny_model("qwen3_swa", torch.device("cpu"), seed=0)
+pytestmark = pytest.mark.usefixtures("quiet_engine_and_canary")
 
 
 @pytest.mark.parametrize("seed,padded", [(0, False), (2, False), (4, False), (1, True)])

@@ -8,7 +8,6 @@ between forwards; an explicit sweep must report exactly that slot, as a SWEEP ro
 """
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -23,13 +22,7 @@ from kvcanary.ops import CanaryLaunchTag, FailReason  # noqa: E402
 SWEEP_TAGS = {CanaryLaunchTag.SWEEP_K_FULL, CanaryLaunchTag.SWEEP_V_FULL}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_engine():
-    logger = logging.getLogger("ContinuousBatchingLogger")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_engine")
 
 
 def _flip_k_bit(cache, alloc, block: int, offset: int, byte: int, bit: int) -> None:

@@ -2,15 +2,12 @@
 the write-input assert end to end (CPU, the demo's tiny random Llama)."""
 from __future__ import annotations
 
-import logging
-
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
 from engines.cb_support import padded_like_graphs  # noqa: E402
-from kvcanary.cli.demo import generate, tiny_model, workload  # noqa: E402
+from kvcanary.cli.demo import generate, workload  # noqa: E402
 from kvcanary.engines.transformers_cb.attach import attach  # noqa: E402
 from kvcanary.errors import KvCanaryRuntimeError, KvCanaryTypeError  # noqa: E402
 from kvcanary.faults.accounting import account  # noqa: E402
@@ -23,20 +20,7 @@ MAX_NEW = 8
 OPTS = dict(mode="log", sweep_interval=8, readable_per_step=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quiet():
-    loggers = [logging.getLogger(n) for n in ("ContinuousBatchingLogger", "kvcanary")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama", torch.device("cpu"), seed=0)
+pytestmark = pytest.mark.usefixtures("quiet_engine_and_canary")
 
 
 @pytest.fixture(scope="module")

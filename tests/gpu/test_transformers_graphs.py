@@ -11,14 +11,14 @@ step 2); the fault tests therefore inject into the first eligible forward, captu
 """
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("quiet_engine")]
 pytest.importorskip("transformers")
 
 from transformers import GenerationConfig  # noqa: E402
@@ -32,15 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines.cb_support import BetweenSteps, count_replays  # noqa: E402
 
 CUDA = torch.device("cuda")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_engine():
-    logger = logging.getLogger("ContinuousBatchingLogger")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from kvcanary.ops import (
 from kvcanary.ops.constants import WRITE_FAIL_REASONS, reason_label
 
 from .triton_cases import assert_same_state, clone_context, context_state, make_context, make_source
+from .triton_cases import write_inputs, write_plan
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
@@ -71,24 +72,6 @@ def _vplan(slots, prevs, positions, tokens=None, capacity=None):
         vp.verify_expected_tokens[:n] = torch.tensor(tokens)
     vp.verify_num_valid[0] = n
     return vp
-
-
-def _wplan(lengths, seeds):
-    wp = WritePlan.allocate(len(lengths), "cpu")
-    wp.write_offsets.copy_(torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist()))
-    wp.write_seed_slot_indices.copy_(torch.tensor(seeds))
-    wp.write_num_valid_reqs[0] = len(lengths)
-    return wp
-
-
-def _winputs(ids, pos, loc, expected=None):
-    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    kw = dict(input_ids=t(ids), positions=t(pos), out_cache_loc=t(loc), enable_write_input_assert=False,
-              expected_input_tokens=None, expected_input_positions=None)
-    if expected is not None:
-        kw.update(enable_write_input_assert=True, expected_input_tokens=t(expected[0]),
-                  expected_input_positions=t(expected[1]))
-    return kw
 
 
 def _rows(ctx):
@@ -189,8 +172,8 @@ def test_write_twin_out_of_range_entry_is_reported_not_stored():
     ctx.canary_buf.view(torch.int64)[9, 1] = -1  # the seed's position: the request continues at 0
     # one request seeded from slot 9: slots 3, 40 (out of range), 4
     a = clone_context(ctx)
-    wp = _wplan([3], [9])
-    launch_canary_write_kernel_torch_reference(context=a, plan=wp, **_winputs([10, 20, 30], [0, 1, 2], [3, 40, 4]))
+    wp = write_plan([3], [9])
+    launch_canary_write_kernel_torch_reference(context=a, plan=wp, **write_inputs([10, 20, 30], [0, 1, 2], [3, 40, 4]))
     rows = _rows(a)
     assert len(rows) == 2  # the out-of-range row, then the chain-position row of slot 4 (1 -> 2 skipped)
     oor = rows[0]
@@ -198,7 +181,7 @@ def test_write_twin_out_of_range_entry_is_reported_not_stored():
     f = a.canary_buf.view(torch.int64)
     # slot 4 chains from slot 3 (the out-of-range entry does not advance the chain)
     ref = clone_context(ctx)
-    launch_canary_write_kernel_torch_reference(context=ref, plan=_wplan([2], [9]), **_winputs([10, 30], [0, 2], [3, 4]))
+    launch_canary_write_kernel_torch_reference(context=ref, plan=write_plan([2], [9]), **write_inputs([10, 30], [0, 2], [3, 4]))
     assert torch.equal(f[:, :4], ref.canary_buf.view(torch.int64)[:, :4])
     assert oor[5] == int(f[4, 2])  # running: the prev_hash the next stored entry got
     assert int(a.slot_run_counter[0]) - int(ctx.slot_run_counter[0]) == 2
@@ -207,8 +190,8 @@ def test_write_twin_out_of_range_entry_is_reported_not_stored():
 def test_write_out_of_range_twin_matches_triton_decode_and_prefill():
     ctx = _ctx(num_slots=32, ring_cap=64)
     # decode-style one-entry requests (one out of range) + a prefill request with two bad slots
-    wp = _wplan([1, 1, 5, 1], [-1, 7, 9, 33])  # the last seed is past the buffer: reads as zeros
-    kw = _winputs([1, 2, 3, 4, 5, 6, 7, 8], [0, 4, 9, 10, 11, 12, 13, 5], [2, 32, 10, 100, 11, -1, 2**35, 12])
+    wp = write_plan([1, 1, 5, 1], [-1, 7, 9, 33])  # the last seed is past the buffer: reads as zeros
+    kw = write_inputs([1, 2, 3, 4, 5, 6, 7, 8], [0, 4, 9, 10, 11, 12, 13, 5], [2, 32, 10, 100, 11, -1, 2**35, 12])
     a = _write_both(ctx, wp, **kw)
     assert sorted(r[1] for r in _rows(a) if r[7] == WOOR) == [32, 100, 2**35]
 
@@ -216,8 +199,8 @@ def test_write_out_of_range_twin_matches_triton_decode_and_prefill():
 def test_write_out_of_range_with_input_assert_and_serial_mode():
     ctx = _ctx(num_slots=24, ring_cap=64)
     # request 1 seeds from slot 5, which request 0 stores: serial mode
-    wp = _wplan([3, 3], [-1, 5])
-    kw = _winputs([1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5], [5, 24, 6, 7, 30, 8],
+    wp = write_plan([3, 3], [-1, 5])
+    kw = write_inputs([1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5], [5, 24, 6, 7, 30, 8],
                   expected=([1, 0, 3, 4, 5, 0], [0, 1, 9, 3, 4, 5]))
     a = _write_both(ctx, wp, **kw)
     assert sorted(r[1] for r in _rows(a) if r[7] == WOOR) == [24, 30]
@@ -228,7 +211,7 @@ def test_write_long_request_with_out_of_range_slots_many_chunks():
     n = 150
     loc = list(range(1, n + 1))
     loc[10], loc[40], loc[77], loc[149] = 500, -1, 200, 10**9
-    _write_both(ctx, _wplan([n], [199]), **_winputs(list(range(1000, 1000 + n)), list(range(n)), loc))
+    _write_both(ctx, write_plan([n], [199]), **write_inputs(list(range(1000, 1000 + n)), list(range(n)), loc))
 
 
 # --------------------------------------------------------------------------- request rows
@@ -353,7 +336,7 @@ def test_random_out_of_range_inputs_only_raise_kvcanary_errors_and_never_change_
         n = int(wp.write_offsets[min(bs, wp.write_offsets.shape[0] - 1)])
         loc = [rng.choice([rng.randint(0, num_slots - 1), rng.randint(num_slots, 4 * num_slots), -1, 2**33])
                for _ in range(n)]
-        winputs = _winputs([rng.randint(0, 99) for _ in range(n)], [rng.randint(0, 20) for _ in range(n)], loc)
+        winputs = write_inputs([rng.randint(0, 99) for _ in range(n)], [rng.randint(0, 20) for _ in range(n)], loc)
         twin = clone_context(ctx)
         launch_canary_verify_kernel(context=twin, plan=vp, check_verify_expected_token=False)
         launch_canary_write_kernel(context=twin, plan=wp, **winputs)
@@ -390,14 +373,14 @@ def test_counters_moved_by_a_raising_launch_are_the_documented_ones():
     assert torch.equal(ctx.violation_ring, before["ring"]) and int(ctx.violation_write_index[0]) == before["index"]
     before = context_state(ctx)
     with pytest.raises(KvCanaryValueError, match="slot stride must hold at least 4 int64 fields"):
-        launch_canary_write_kernel(context=ctx, plan=_wplan([2], [-1]), **_winputs([1, 2], [0, 1], [3, 40]))
+        launch_canary_write_kernel(context=ctx, plan=write_plan([2], [-1]), **write_inputs([1, 2], [0, 1], [3, 40]))
     assert int(ctx.kernel_run_counter[0]) == int(before["counters"][14]) + 1
     assert int(ctx.slot_run_counter[0]) == int(before["counters"][2])
     assert torch.equal(ctx.canary_buf, before["buf"])
     before = context_state(ctx)
     with pytest.raises(KvCanaryError):  # argument error: positions shorter than input_ids
-        launch_canary_write_kernel(context=ctx, plan=_wplan([2], [-1]), **dict(
-            _winputs([1, 2], [0, 1], [3, 4]), positions=torch.tensor([0])))
+        launch_canary_write_kernel(context=ctx, plan=write_plan([2], [-1]), **dict(
+            write_inputs([1, 2], [0, 1], [3, 4]), positions=torch.tensor([0])))
     after = context_state(ctx)
     assert torch.equal(after["counters"], before["counters"]) and torch.equal(after["buf"], before["buf"])
 

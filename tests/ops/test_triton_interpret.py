@@ -62,6 +62,8 @@ from .triton_cases import (  # noqa: E402
     make_context,
     make_source,
     run_plan,
+    write_inputs,
+    write_plan,
 )
 
 
@@ -127,23 +129,9 @@ def _ctx(num_slots=16, **kw):
     return make_context(g, "cpu", **args)
 
 
-def _wplan(lengths, seeds):
-    wp = WritePlan.allocate(len(lengths), "cpu")
-    wp.write_offsets.copy_(torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist()))
-    wp.write_seed_slot_indices.copy_(torch.tensor(seeds))
-    wp.write_num_valid_reqs[0] = len(lengths)
-    return wp
-
-
-def _winputs(ids, pos, loc):
-    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    return dict(input_ids=t(ids), positions=t(pos), out_cache_loc=t(loc), enable_write_input_assert=False,
-                expected_input_tokens=None, expected_input_positions=None)
-
-
 def test_write_pinned_chain_and_parallel_requests():
     ctx = _ctx()
-    _a, b = _compare_write(ctx, _wplan([3, 1, 1], [-1, -1, 9]), **_winputs([10, 20, 30, 7, 8], [0, 1, 2, 0, 5], [3, 4, 5, 6, 7]))
+    _a, b = _compare_write(ctx, write_plan([3, 1, 1], [-1, -1, 9]), **write_inputs([10, 20, 30, 7, 8], [0, 1, 2, 0, 5], [3, 4, 5, 6, 7]))
     f = b.canary_buf.view(torch.int64)
     assert [hex(v & (2**64 - 1)) for v in f[3:6, 2].tolist()] == ["0xde7fae23a9a1b716", "0xcd6d3fc64ab68b75", "0x2c17d4bb20b967a5"]
 
@@ -151,7 +139,7 @@ def test_write_pinned_chain_and_parallel_requests():
 def test_write_seed_stored_earlier_in_launch_and_duplicate_slots():
     ctx = _ctx()
     # Request 1 seeds from slot 5, stored by request 0; slot 4 is stored twice (last wins).
-    _compare_write(ctx, _wplan([3, 2, 2], [-1, 5, 4]), **_winputs([1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 9, 9], [4, 5, 4, 8, 9, 10, -1]))
+    _compare_write(ctx, write_plan([3, 2, 2], [-1, 5, 4]), **write_inputs([1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 9, 9], [4, 5, 4, 8, 9, 10, -1]))
 
 
 def test_write_long_request_many_chunks_with_skips():
@@ -160,7 +148,7 @@ def test_write_long_request_many_chunks_with_skips():
     loc = list(range(1, n + 1))
     loc[40] = -1
     loc[77] = -3
-    _compare_write(ctx, _wplan([n], [199]), **_winputs(list(range(1000, 1000 + n)), list(range(n)), loc))
+    _compare_write(ctx, write_plan([n], [199]), **write_inputs(list(range(1000, 1000 + n)), list(range(n)), loc))
 
 
 @pytest.mark.parametrize("config", [
@@ -180,29 +168,29 @@ def test_write_many_requests_per_program(config):
     loc = list(range(1, n + 1))
     pos = [(r * 3 + k) for r, ln in enumerate(lengths) for k in range(ln)]
     pos[12] += 1  # a chain-position row
-    kw = _winputs(list(range(5000, 5000 + n)), pos, loc)
-    _compare_write(ctx, _wplan(lengths, seeds), config=config, **kw)
+    kw = write_inputs(list(range(5000, 5000 + n)), pos, loc)
+    _compare_write(ctx, write_plan(lengths, seeds), config=config, **kw)
     aliased = list(seeds)
     aliased[120] = loc[3]  # request 120 seeds from a slot request 3 stores: serial mode
-    _compare_write(ctx, _wplan(lengths, aliased), config=config, **kw)
+    _compare_write(ctx, write_plan(lengths, aliased), config=config, **kw)
 
 
 def test_write_input_assert_and_ring_overflow():
     ctx = _ctx(ring_cap=3)
-    kw = _winputs([1, 2, 3, 4], [5, 6, 8, 9], [1, 2, 3, 4])
+    kw = write_inputs([1, 2, 3, 4], [5, 6, 8, 9], [1, 2, 3, 4])
     kw.update(enable_write_input_assert=True, expected_input_tokens=torch.tensor([1, 0, 3, 0]),
               expected_input_positions=torch.tensor([5, 6, 7, 0]))
-    _compare_write(ctx, _wplan([4], [9]), **kw)
+    _compare_write(ctx, write_plan([4], [9]), **kw)
 
 
 def test_write_no_work_and_lazy_errors():
     ctx = _ctx(stride_bytes=24)
-    wp = _wplan([2], [-1])
+    wp = write_plan([2], [-1])
     wp.write_num_valid_reqs[0] = 0
-    _compare_write(ctx, wp, **_winputs([1, 2], [0, 1], [1, 2]))  # no work: only the kernel counter
+    _compare_write(ctx, wp, **write_inputs([1, 2], [0, 1], [1, 2]))  # no work: only the kernel counter
     wp.write_num_valid_reqs[0] = 1
-    _a, b = _compare_write(ctx, wp, **_winputs([1, 2], [0, 1], [1, 2]))  # raises, counter bumped
-    kw = _winputs([1, 2], [0, 1], [1, 2])
+    _a, b = _compare_write(ctx, wp, **write_inputs([1, 2], [0, 1], [1, 2]))  # raises, counter bumped
+    kw = write_inputs([1, 2], [0, 1], [1, 2])
     kw["enable_write_input_assert"] = True
     _compare_write(_ctx(), wp, **kw)
 
@@ -213,7 +201,7 @@ def test_verify_chain_position_token_and_real_kv():
     for mode in RealKvHashMode:
         ctx = _ctx(sources=(src,), mode=mode)
         wctx = clone_context(ctx)
-        launch_canary_write_kernel_torch_reference(context=wctx, plan=_wplan([4], [-1]), **_winputs([5, 6, 7, 8], [0, 1, 2, 3], [1, 2, 3, 4]))
+        launch_canary_write_kernel_torch_reference(context=wctx, plan=write_plan([4], [-1]), **write_inputs([5, 6, 7, 8], [0, 1, 2, 3], [1, 2, 3, 4]))
         wctx.canary_buf.view(torch.int64)[3, 0] += 1  # token flip at slot 3
         vp = VerifyPlan.allocate(8, "cpu")
         vp.verify_slot_indices[:6] = torch.tensor([1, 2, 3, 4, 0, 9])
@@ -233,7 +221,7 @@ def test_all_mode_long_rows_fold_in_a_loop_bit_identically(nbpt):
     srcs = tuple(make_source(g, "cpu", num_slots=16, page_size=4, nbpt=nbpt, read_bytes=nbpt, dtype=torch.bfloat16)
                  for _ in range(2))
     ctx = _ctx(sources=srcs, mode=RealKvHashMode.ALL)
-    wp, kw = _wplan([4], [-1]), _winputs([5, 6, 7, 8], [0, 1, 2, 3], [1, 2, 3, 4])
+    wp, kw = write_plan([4], [-1]), write_inputs([5, 6, 7, 8], [0, 1, 2, 3], [1, 2, 3, 4])
     _compare_write(ctx, wp, **kw)
     launch_canary_write_kernel_torch_reference(context=ctx, plan=wp, **kw)
     srcs[1].tensor.view(torch.uint8)[0, 3 * nbpt - 5] ^= 0x10  # slot 2 (page 0, offset 2): 5 bytes before its end

@@ -42,6 +42,27 @@ def make_context(g, device, *, num_slots, stride_bytes, ring_cap, sources, mode,
     )
 
 
+def write_plan(lengths, seeds) -> WritePlan:
+    """A CPU write plan of requests with these token counts and seed slots."""
+    wp = WritePlan.allocate(len(lengths), "cpu")
+    wp.write_offsets.copy_(torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist()))
+    wp.write_seed_slot_indices.copy_(torch.tensor(seeds))
+    wp.write_num_valid_reqs[0] = len(lengths)
+    return wp
+
+
+def write_inputs(ids, pos, loc, expected=None) -> dict:
+    """Write-op keyword inputs (int64 CPU tensors); ``expected`` = (tokens, positions) turns the
+    write-input assert on."""
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    kw = dict(input_ids=t(ids), positions=t(pos), out_cache_loc=t(loc), enable_write_input_assert=False,
+              expected_input_tokens=None, expected_input_positions=None)
+    if expected is not None:
+        kw.update(enable_write_input_assert=True, expected_input_tokens=t(expected[0]),
+                  expected_input_positions=t(expected[1]))
+    return kw
+
+
 def clone_context(ctx: VerifyOrWriteContext) -> VerifyOrWriteContext:
     counters = ctx.slot_run_counter._base.clone() if ctx.slot_run_counter._base is not None else None
     if counters is not None:

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.cli.tables import fault_lines
 from kvcanary.engines.transformers_cb.attach import attach
 from kvcanary.errors import KvCanaryValueError
 from kvcanary.faults.transformers import FlipSharedBlockByte, RedirectRead, match  # noqa: F401  (demo's injectors)
@@ -174,12 +175,5 @@ def format_table(result: dict) -> str:
                      f"{'yes' if c['outputs_identical'] else 'NO'}")
         for reason, n in sorted(c["by_reason"].items()):
             lines.append(f"{'':<11}   {reason}: {n}")
-    lines += ["", f"{'fault':<38} {'caught':>6}  {'latency':>7}  {'request':<8} reasons"]
-    for f in result["faults"]:
-        lat = "-" if f["latency_forwards"] is None else f"{f['latency_forwards']} fwd"
-        lines.append(f"{f['name']:<38} {'yes' if f['caught'] else 'NO':>6}  {lat:>7}  {str(f['request']):<8} "
-                     f"{'+'.join(f['reasons']) or '-'}")
-        if f["injected"]:
-            inj = f["injected"]
-            lines.append(f"{'':<4}injected at forward {inj['step']} into {inj['request_id']}: {inj['detail']}")
+    lines += ["", *fault_lines(result["faults"], request_width=8, forward_key="step")]
     return "\n".join(lines)

@@ -22,6 +22,7 @@ import tempfile
 import time
 from typing import Optional
 
+from kvcanary.cli.tables import fault_lines
 from kvcanary.errors import KvCanaryRuntimeError
 
 def _run(mode: str, workdir: str, seed: int, processes: bool) -> dict:
@@ -112,12 +113,5 @@ def format_table(result: dict) -> str:
                      f"preemptions {c['preemptions']}, slots reused {c['slots_reused']}")
         for reason, n in sorted(c["by_reason"].items()):
             lines.append(f"{'':<11}   {reason}: {n}")
-    lines += ["", f"{'fault':<38} {'caught':>6}  {'latency':>7}  {'request':<12} reasons"]
-    for f in result["faults"]:
-        lat = "-" if f["latency_forwards"] is None else f"{f['latency_forwards']} fwd"
-        lines.append(f"{f['name']:<38} {'yes' if f['caught'] else 'NO':>6}  {lat:>7}  {str(f['request']):<12} "
-                     f"{'+'.join(f['reasons']) or '-'}")
-        if f["injected"]:
-            inj = f["injected"]
-            lines.append(f"{'':<4}injected at forward {inj['forward']} into {inj['request_id']}: {inj['detail']}")
+    lines += ["", *fault_lines(result["faults"], request_width=12, forward_key="forward")]
     return "\n".join(lines)

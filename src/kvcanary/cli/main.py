@@ -53,15 +53,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             check_device(args.device)
             result = run_demo(device=args.device, seed=args.seed, models=tuple(m for m in args.models.split(",") if m),
                               verbose=args.verbose)
-        except Exception as exc:  # kvcanary's own errors by type (older call sites: by their kv-canary: text)
-            if is_kvcanary_message(exc):
-                print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
-                return 2
-            raise
-        print(format_table(result))
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=2, default=str)
+        except Exception as exc:
+            return _usage_error(exc)
+        _emit(format_table(result), result, args.json)
         clean_ok = result["clean"]["violations"] == 0
         return 0 if clean_ok and all(f["caught"] for f in result["faults"]) else 1
     if args.command == "pd":
@@ -73,12 +67,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         try:
             return (campaign if args.command == "campaign" else replay).run(args)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            if str(exc).startswith("kv-canary:"):
-                print(exc, file=sys.stderr)
-                return 2
-            raise
+        except Exception as exc:
+            return _usage_error(exc)
     return 2
+
+
+def _usage_error(exc: Exception) -> int:
+    """kvcanary's own errors (by type; older call sites by their ``kv-canary:`` text) become one stderr
+    line and exit code 2; anything else propagates."""
+    if not is_kvcanary_message(exc):
+        raise exc
+    print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
+    return 2
+
+
+def _emit(table: str, result: dict, json_path: Optional[str]) -> None:
+    """Print a run's table; write its result as JSON when asked."""
+    print(table)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(result, fh, indent=2, default=str)
 
 
 def _demo_vllm(args) -> int:
@@ -89,14 +97,8 @@ def _demo_vllm(args) -> int:
 
         result = run_demo(seed=args.seed, processes=args.processes)
     except Exception as exc:
-        if is_kvcanary_message(exc):
-            print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr)
-            return 2
-        raise
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2, default=str)
+        return _usage_error(exc)
+    _emit(format_table(result), result, args.json)
     clean_ok = result["clean"]["violations"] == 0 and result["models"]["llama"]["clean"]["outputs_identical"]
     return 0 if clean_ok and all(f["caught"] for f in result["faults"]) else 1
 
