@@ -7,6 +7,7 @@ pages of 32), run back to back in one process under each configuration:
     baseline            no canary
     canary/partial      kvcanary.attach(mode="log", real_kv_hash="partial")   (the default config)
     canary/none         kvcanary.attach(mode="log", real_kv_hash="none")      (no real-KV fingerprints)
+    canary/deep         kvcanary.attach(mode="log", real_kv_hash="partial", deep_fingerprints=True)  (--deep only)
 
 each with CUDA graphs off and on (on: ``ContinuousBatchingConfig(use_cuda_graph=True)``; CUDA only).
 Per configuration: the median decode-step time (an engine step whose requests all decode one token:
@@ -55,6 +56,7 @@ PRESETS = {
                  requests=4, prompt_min=48, prompt_max=80, new_tokens=4, page_size=16, max_batch_tokens=64),
 }
 CONFIGS = [("baseline", None), ("canary/partial", "partial"), ("canary/none", "none")]
+DEEP = ("canary/deep", "partial+deep")  # PARTIAL plus every layer's bytes fingerprinted at write (--deep)
 
 
 @dataclass
@@ -174,7 +176,9 @@ def run_one(model, prompts, args, graphs: bool, hash_mode) -> tuple[dict, StepLo
     log = StepLog()
     handle = None
     if hash_mode is not None:
-        handle = kvcanary.attach(model, mode="log", real_kv_hash=hash_mode, sweep_interval=args.sweep_interval,
+        deep = hash_mode.endswith("+deep")
+        handle = kvcanary.attach(model, mode="log", real_kv_hash=hash_mode.removesuffix("+deep"),
+                                 deep_fingerprints=deep, sweep_interval=args.sweep_interval,
                                  max_requests=args.requests + 8, capture_canary=args.capture_canary == "on")
     try:
         with timed_engine_steps(log), (timed_canary(log) if handle is not None else contextlib.nullcontext()):
@@ -271,6 +275,7 @@ def main(argv=None) -> int:
                    help="graphs off: capture the canary's own HEAD/TAIL work in CUDA graphs (the adapter's default)")
     p.add_argument("--repeats", type=int, default=2, help="measured rounds (each runs every configuration once)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deep", action="store_true", help="also run canary/deep (PARTIAL + deep fingerprints)")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"]
@@ -281,6 +286,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs or ("both" if cuda else "off")]
+    configs = CONFIGS + ([DEEP] if args.deep else [])
     if not cuda:
         graph_modes = [False]
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
@@ -305,7 +311,7 @@ def main(argv=None) -> int:
         # warm round (not reported): every configuration once on the whole workload with few new tokens, so
         # Triton's compilations, the allocator and lazy imports are paid before anything is timed
         warm = argparse.Namespace(**{**vars(args), "new_tokens": 2})
-        for name, hash_mode in CONFIGS[:3]:
+        for name, hash_mode in configs:
             t = time.perf_counter()
             try:
                 run_one(model, prompts, warm, graphs, hash_mode)
@@ -314,11 +320,11 @@ def main(argv=None) -> int:
             _release()
             print(f"# {mode:>3} warm {name:<15} {time.perf_counter() - t:.1f}s", flush=True)
         # measured rounds, interleaved (baseline, partial, none, baseline, ...): drift hits every config alike
-        logs: dict = {name: [] for name, _ in CONFIGS[:3]}
+        logs: dict = {name: [] for name, _ in configs}
         results: dict = {}
         errors: dict = {}
         for r in range(args.repeats):
-            for name, hash_mode in CONFIGS[:3]:
+            for name, hash_mode in configs:
                 t = time.perf_counter()
                 try:
                     (result, log), twins = count_twin_fallbacks(lambda: run_one(model, prompts, args, graphs, hash_mode))
@@ -334,7 +340,7 @@ def main(argv=None) -> int:
         base = {key: statistics.mean(b[key] for b in base_runs if b.get(key) is not None) if base_runs else None
                 for key in ("decode_ms", "prefill_us_per_token")}
         base_tokens = results.get("baseline", {}).get("tokens")
-        for name, hash_mode in CONFIGS[:3]:
+        for name, hash_mode in configs:
             row = {"graphs": mode, "config": name}
             if name in errors:
                 row["error"] = errors[name]

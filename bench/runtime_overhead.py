@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--deep-fingerprints", action="store_true", help="CanaryConfig(deep_fingerprints=True)")
     ap.add_argument("--grid", help="cases as BSxCTX,... (default: the preset grid)")
+    ap.add_argument("--variants", default="both", choices=["both", "graphs", "eager"], help="CUDA variants to run")
     ap.add_argument("--profile", type=int, default=0, help="print the top N host functions (cProfile) of each case")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -119,7 +120,8 @@ def main() -> None:
           f"{'MiB':>7}")
     rows = []
     for bs, ctx in grid:
-        for graphs in ((True, False) if cuda else (False,)):
+        variants = {"both": (True, False), "graphs": (True,), "eager": (False,)}[args.variants]
+        for graphs in (variants if cuda else (False,)):
             reps = 200 if cuda else (20 if bs * ctx > 50_000 else 50)
             r = case(bs, ctx, device=device, graphs=graphs, reps=reps, profile=args.profile, deep=args.deep_fingerprints)
             rows.append(r)

@@ -126,7 +126,7 @@ class _Clock:
 
 def _lazy_drain(canary: Canary, clock: _Clock) -> None:
     canary.drain = ViolationDrain(
-        canary.rings, synchronous=False, watch=canary.drain.watch, asynchronous=True, event=clock.Event,
+        canary.rings, synchronous=False, polled=canary.polled, asynchronous=True, event=clock.Event,
     )
 
 

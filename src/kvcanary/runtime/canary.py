@@ -75,6 +75,7 @@ from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
 from kvcanary.runtime.moves import MoveReport, SlotMoves, move_tags
+from kvcanary.runtime.polled import PolledWords
 from kvcanary.runtime.report import CanaryViolationError, ViolationLedger
 from kvcanary.runtime.staging import StaticBatch, capturing
 from kvcanary.runtime.stats import CanaryStats, StatsReporter
@@ -143,23 +144,21 @@ class Canary:
         self.groups: dict[str, CanaryGroup] = {
             spec.name: CanaryGroup(spec, config=config, device=self.device, anchor_rows=max_requests) for spec in groups
         }
-        self.launch_counters = LaunchCounters(self.device)
-        self.rings = ViolationRings(
-            tags=[tag for g in self.groups.values() for tag in g.tags()] + move_tags(list(self.groups.values())),
-            capacity=config.ring_capacity, device=self.device,
-        )
+        tags = [tag for g in self.groups.values() for tag in g.tags()] + move_tags(list(self.groups.values()))
+        self.polled = PolledWords(num_tags=len(set(tags)), counter_shape=LaunchCounters.SHAPE,
+                                  num_groups=len(self.groups), device=self.device)
+        self.launch_counters = LaunchCounters(self.device, table=self.polled.counters)
+        self.rings = ViolationRings(tags=tags, capacity=config.ring_capacity, device=self.device,
+                                    write_index=self.polled.write_index)
         self.static = StaticBatch(
             groups=tuple(self.groups), max_rows=max_requests, max_tokens=max_batch_tokens, device=self.device,
         )
         self.launches = ForwardLaunches(
             self.groups, config=config, rings=self.rings, counters=self.launch_counters, static=self.static,
             verify_capacity={n: _verify_capacity(g, max_requests, max_context) for n, g in self.groups.items()},
-            owner_span=OWNER_SPAN,
+            owner_span=OWNER_SPAN, plans_disabled=self.polled.plans_disabled,
         )
-        self.drain = ViolationDrain(
-            self.rings, synchronous=config.mode == "raise",
-            watch=(self.launch_counters.table, self.launches.plans_disabled),
-        )
+        self.drain = ViolationDrain(self.rings, synchronous=config.mode == "raise", polled=self.polled)
         self._plans_disabled_seen = [0] * len(self.groups)
         self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
         self._graphs: Optional[CanaryGraphs] = None
@@ -340,10 +339,9 @@ class Canary:
             self._grow_disabled_plans()
         finally:
             self._depth = 0
-        self.health.observe(
-            engine_forwards=max(self._engine_forwards, self._step), canary_forwards=self._step,
-            launches=self._launches_seen(),
-        )
+        forwards = max(self._engine_forwards, self._step)
+        if self.health.due(forwards):
+            self.health.observe(engine_forwards=forwards, canary_forwards=self._step, launches=self._launches_seen())
         self.stats_reporter.maybe_report(self._step, self.stats)
         self._raise_if_needed(self._step)
 
@@ -502,6 +500,8 @@ class Canary:
     def _grow_disabled_plans(self) -> None:
         """A verify plan that overflowed its capacity (seen a step or more late) grows 4x for later steps."""
         disabled = self.drain.watched[1]
+        if disabled == self._plans_disabled_seen:
+            return
         for (name, seen), now in zip(zip(self.groups, self._plans_disabled_seen), disabled):
             if now > seen:
                 self.launches.grow_verify_plan(name)
@@ -566,6 +566,8 @@ class Canary:
             raise CanaryViolationError(found, step=step)
 
     def _check_groups(self, batch: BatchDescription) -> None:
+        if batch.groups.keys() == self.groups.keys():
+            return
         have, want = set(batch.groups), set(self.groups)
         if have != want:
             raise KvCanaryValueError(

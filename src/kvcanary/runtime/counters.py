@@ -6,6 +6,7 @@ one-element views into these arrays, so a whole step's counts are read with one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -39,9 +40,11 @@ class LaunchCounters:
 
     _ROWS = {("verify", "slots"): 0, ("verify", "kernels"): 1, ("write", "slots"): 2, ("write", "kernels"): 3}
     ROW_WIDTH = NUM_TAGS
+    SHAPE = (4, NUM_TAGS)
 
-    def __init__(self, device: torch.device) -> None:
-        self.table = torch.zeros(4, NUM_TAGS, dtype=torch.int64, device=device)
+    def __init__(self, device: torch.device, table: Optional[torch.Tensor] = None) -> None:
+        """``table``: a zeroed int64 ``SHAPE`` tensor to count into (e.g. a view of `PolledWords`), or None."""
+        self.table = torch.zeros(self.SHAPE, dtype=torch.int64, device=device) if table is None else table
 
     def views(self, op: str, tag: CanaryLaunchTag) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slot_run_counter, kernel_run_counter)`` one-element views for ``op`` under ``tag``."""

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops import (
     VIOLATION_FIELD_EXPECTED_AUX,
     VIOLATION_FIELD_EXPECTED_TOKEN,
@@ -34,6 +35,7 @@ from kvcanary.ops import (
     CanaryLaunchTag,
     FailReason,
 )
+from kvcanary.runtime.polled import PolledWords
 
 STAMP_FIELDS = 3  # (step, batch row, expected position): see ops.launch_stamp_violation_rows
 WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH | FailReason.WRITE_SLOT_OUT_OF_RANGE
@@ -74,7 +76,8 @@ class Harvest:
 class ViolationRings:
     """Per-tag device rings (int64 [cap, 8]), write indices (int32), step marks and stamps."""
 
-    def __init__(self, *, tags: Sequence[CanaryLaunchTag], capacity: int, device: torch.device) -> None:
+    def __init__(self, *, tags: Sequence[CanaryLaunchTag], capacity: int, device: torch.device,
+                 write_index: Optional[torch.Tensor] = None) -> None:
         self.tags = sorted(set(tags))
         self.index = {tag: i for i, tag in enumerate(self.tags)}
         self.capacity = capacity
@@ -82,7 +85,10 @@ class ViolationRings:
         t = len(self.tags)
         self.rings = torch.zeros(t, capacity, VIOLATION_FIELDS, dtype=torch.int64, device=device)
         self.stamps = torch.full((t, capacity, STAMP_FIELDS), -1, dtype=torch.int64, device=device)
-        self.write_index = torch.zeros(t, dtype=torch.int32, device=device)
+        self.write_index = torch.zeros(t, dtype=torch.int32, device=device) if write_index is None else write_index
+        if self.write_index.shape != (t,) or self.write_index.dtype != torch.int32:
+            raise KvCanaryValueError(f"kv-canary: ring write_index must be int32 [{t}], got {self.write_index.dtype} "
+                                     f"{tuple(self.write_index.shape)}")
         self.rows_from = torch.zeros(t, dtype=torch.int32, device=device)
 
     def ring_for(self, tag: CanaryLaunchTag) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,22 +113,27 @@ class ViolationRings:
 
 
 class ViolationDrain:
-    """Moves ring rows to the host without a wait on the per-forward path (see the module docstring)."""
+    """Moves ring rows to the host without a wait on the per-forward path (see the module docstring).
 
-    def __init__(self, rings: ViolationRings, *, synchronous: bool, watch: Sequence[torch.Tensor] = (),
+    ``polled`` holds the rings' write indices and the counters the host watches (``watched``: the latest
+    host values of its counters and disabled plans) in one buffer: one copy per step reads them all."""
+
+    def __init__(self, rings: ViolationRings, *, synchronous: bool, polled: PolledWords,
                  asynchronous: Optional[bool] = None, event=None) -> None:
+        if rings.write_index is not polled.write_index:
+            raise KvCanaryValueError("kv-canary: the rings' write_index must be the polled words' view")
         self.rings = rings
+        self.polled = polled
         self.asynchronous = (rings.device.type == "cuda" and not synchronous) if asynchronous is None else asynchronous
         self._event = event or torch.cuda.Event  # a test can hand in a stand-in with record / query / synchronize
-        self.watch = tuple(watch)  # small int64 device tensors read back with every snapshot (counters)
-        self.watched: tuple[list[int], ...] = tuple([0] * t.numel() for t in self.watch)  # latest host values
+        self.watched: tuple[list[int], list[int]] = polled.decode([0] * polled.buffer.numel())[1:]
         self._epoch = 0  # harvests enqueued so far; a snapshot taken before the last one is stale
         self._snapshots: deque = deque()
-        self._harvest: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]] = None
+        self._harvest: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]] = None
         if self.asynchronous:
             t, cap = len(rings.tags), rings.capacity
-            self._pinned_index = [_host(t, dtype=torch.int32) for _ in range(8)]
-            self._pinned_watch = [tuple(_host(w.numel(), dtype=w.dtype) for w in self.watch) for _ in range(8)]
+            self._pinned = [_host(polled.buffer.numel(), dtype=torch.int64) for _ in range(8)]
+            self._events = [self._event() for _ in range(8)]  # reused: one per pinned snapshot buffer
             self._h_rings = _host(t, cap, VIOLATION_FIELDS, dtype=torch.int64)
             self._h_stamps = _host(t, cap, STAMP_FIELDS, dtype=torch.int64)
             self._h_index = _host(t, dtype=torch.int32)
@@ -132,23 +143,22 @@ class ViolationDrain:
     def end_step(self) -> list[Harvest]:
         """Call after a step's launches were enqueued. Returns harvests that completed (maybe none)."""
         if not self.asynchronous:
-            self.watched = tuple(w.flatten().tolist() for w in self.watch)
+            self.watched = self.polled.decode(self.polled.buffer.tolist())[1:]
             return self.flush()
         done = self._take_harvest(wait=False)
         k = self._next_pinned
-        self._next_pinned = (k + 1) % len(self._pinned_index)
-        if len(self._snapshots) == len(self._pinned_index):  # the GPU is far behind: drop the oldest look
+        self._next_pinned = (k + 1) % len(self._pinned)
+        if len(self._snapshots) == len(self._pinned):  # the GPU is far behind: drop the oldest look (slot k)
             self._snapshots.popleft()
-        self._pinned_index[k].copy_(self.rings.write_index, non_blocking=True)
-        for host, dev in zip(self._pinned_watch[k], self.watch):
-            host.copy_(dev.flatten(), non_blocking=True)
-        event = self._event()
+        self._pinned[k].copy_(self.polled.buffer, non_blocking=True)
+        event = self._events[k]
         event.record()
         self._snapshots.append((self._epoch, k, event))
         while self._snapshots and self._snapshots[0][2].query():
             epoch, k, _ = self._snapshots.popleft()
-            self.watched = tuple(h.tolist() for h in self._pinned_watch[k])
-            if epoch == self._epoch and self._harvest is None and bool(self._pinned_index[k].any()):
+            index, *watched = self.polled.decode(self._pinned[k].tolist())
+            self.watched = tuple(watched)
+            if epoch == self._epoch and self._harvest is None and any(index):
                 self._enqueue_harvest()
         return [done] if done is not None else []
 
@@ -161,7 +171,7 @@ class ViolationDrain:
             if pending is not None:
                 out.append(pending)
             self._snapshots.clear()
-            self.watched = tuple(w.flatten().tolist() for w in self.watch)
+            self.watched = self.polled.decode(self.polled.buffer.tolist())[1:]
             self._enqueue_harvest()
             out.append(self._take_harvest(wait=True))
         else:

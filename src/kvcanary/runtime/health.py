@@ -30,9 +30,13 @@ class HealthWatchdog:
         self._next_check = self.interval
         self._stalled = False
 
+    def due(self, engine_forwards: int) -> bool:
+        """Whether `observe` would check at ``engine_forwards`` (lets the caller skip gathering ``launches``)."""
+        return 0 < self.interval and engine_forwards >= self._next_check
+
     def observe(self, *, engine_forwards: int, canary_forwards: int, launches: int) -> None:
         """Check, if ``engine_forwards`` reached the next interval; ``launches``: kernel launches so far."""
-        if self.interval <= 0 or engine_forwards < self._next_check:
+        if not self.due(engine_forwards):
             return
         self._next_check = engine_forwards + self.interval
         forwards_delta = engine_forwards - self._last_forwards

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -54,6 +55,7 @@ class ForwardLaunches:
     def __init__(
         self, groups: dict[str, CanaryGroup], *, config: CanaryConfig, rings: ViolationRings,
         counters: LaunchCounters, static: StaticBatch, verify_capacity: dict[str, int], owner_span: int,
+        plans_disabled: Optional[torch.Tensor] = None,
     ) -> None:
         self.groups = groups
         self.config = config
@@ -68,7 +70,8 @@ class ForwardLaunches:
         self.no_chain_assert = torch.zeros(1, dtype=torch.int32, device=dev)
         self.verify_plans = {n: VerifyPlan.allocate(verify_capacity[n], dev) for n in groups}
         self.write_plans = {n: WritePlan.allocate(static.max_rows, dev) for n in groups}
-        self.plans_disabled = torch.zeros(len(groups), dtype=torch.int64, device=dev)
+        # verify plans skipped for overflowing their capacity, per group (int64 [groups]; polled by the drain)
+        self.plans_disabled = torch.zeros(len(groups), dtype=torch.int64, device=dev) if plans_disabled is None else plans_disabled
         self.row_history = torch.zeros(ROW_HISTORY, static.max_rows, dtype=torch.int64, device=dev)
         self._identity_luts = {
             n: torch.arange(g.num_slots, dtype=torch.int64, device=dev) for n, g in groups.items() if g.window

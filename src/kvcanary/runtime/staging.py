@@ -3,14 +3,23 @@
 Every per-forward launch reads these buffers and nothing else that changes shape, so the launches
 can be captured once in a CUDA graph and replayed for any batch that fits:
 
-* ``rows`` / ``prefix`` / ``extend`` / ``token_lens``: int64 ``[max_rows]`` — the batch rows, padded with
-  request row 0 (the padding row: inactive whatever its lengths say) and zero lengths;
+* ``rows`` / ``prefix`` / ``extend`` / ``token_lens`` / ``context_keys``: int64 ``[max_rows]`` — the batch
+  rows, padded with request row 0 (the padding row: inactive whatever its lengths say) and zero lengths;
 * ``input_ids`` / ``positions`` / ``expected_ids``: int64 ``[max_tokens]``;
 * ``out_loc[group]``: int64 ``[max_tokens]`` — slots written, padded with -1 (not stored);
 * per group, the engine's position -> slot table, LUT and token history are held *by reference*
   (the engine owns them; keep the same tensor objects while a graph is captured).
 
-`stage` is device copies only (no host reads): O(1) Python per forward whatever the batch size.
+All of these per-forward buffers are views of one packed int64 device buffer. `stage` is copies only (no
+host reads), O(1) Python per forward whatever the batch size, by one of two routes:
+
+* the batch's tensors live in host memory (an engine that builds its metadata on the CPU) and the canary
+  on a CUDA device: they are packed into a pinned host mirror of that buffer (one multi-tensor host copy,
+  padding kept in the mirror) and uploaded with **one** non-blocking copy. A small ring of mirrors, each
+  guarded by an event, lets the host fill the next while the device still reads the last (a wait only when
+  the device is a whole ring behind, counted in ``upload_waits``);
+* otherwise (device tensors, or while an engine captures its forward): one multi-tensor device copy.
+
 Buffers grow between steps when a batch exceeds them (logged, counted in ``growths``); a graph
 captured before a growth is stale, so growing while graphs are held is an error.
 """
@@ -28,6 +37,9 @@ from kvcanary.runtime.batch import BatchDescription
 logger = logging.getLogger("kvcanary")
 
 NOT_STORED = -1  # out_loc padding: the write op skips negative slots
+ROW_FIELDS = ("rows", "prefix", "extend", "token_lens", "context_keys")
+TOKEN_FIELDS = ("input_ids", "positions", "expected_ids")
+MIRRORS = 4  # pinned host mirrors in the upload ring
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,33 +50,70 @@ class GroupInputs:
     lut: Optional[torch.Tensor]
 
 
+class _Layout:
+    """Where each field lives in the packed buffer: ``views(buffer)`` -> {field: 1-D view}."""
+
+    def __init__(self, groups: tuple[str, ...], max_rows: int, max_tokens: int) -> None:
+        self.spans: dict[str, tuple[int, int]] = {}
+        at = 0
+        for name in ROW_FIELDS:
+            self.spans[name] = (at, max_rows)
+            at += max_rows
+        for name in TOKEN_FIELDS + tuple(f"out_loc:{g}" for g in groups):
+            self.spans[name] = (at, max_tokens)
+            at += max_tokens
+        self.size = at
+
+    def buffer(self, device: torch.device, *, pinned: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        packed = torch.zeros(self.size, dtype=torch.int64, device=device, pin_memory=pinned)
+        views = {name: packed[at : at + n] for name, (at, n) in self.spans.items()}
+        for name, view in views.items():
+            if name.startswith("out_loc:"):
+                view.fill_(NOT_STORED)
+        return packed, views
+
+
+class _Mirror:
+    """One pinned host copy of the packed buffer, the extents it holds data in, and its upload event."""
+
+    def __init__(self, layout: _Layout, pinned: bool) -> None:
+        self.packed, self.views = layout.buffer(torch.device("cpu"), pinned=pinned)
+        self.extent = {name: 0 for name in layout.spans}  # field -> entries holding data (beyond: padding)
+        self.event = torch.cuda.Event() if pinned else None  # recorded after the upload that read this mirror
+        self.plans: dict[tuple, tuple] = {}  # batch signature -> (host destinations, zero pads, -1 pads)
+
+
 class StaticBatch:
     """Static per-forward input buffers (see the module docstring)."""
 
-    def __init__(self, *, groups: tuple[str, ...], max_rows: int, max_tokens: int, device: torch.device) -> None:
+    def __init__(self, *, groups: tuple[str, ...], max_rows: int, max_tokens: int, device: torch.device,
+                 host_upload: Optional[bool] = None) -> None:
         self.groups = groups
         self.device = device
         self.growths = 0
+        self.upload_waits = 0  # stages that waited for the device to release a host mirror
         self.frozen = False  # True while a captured graph reads these buffers
         self.inputs: dict[str, GroupInputs] = {}
         self.token_table: Optional[torch.Tensor] = None
         self.has_oracle = False
         self.has_context = False  # a batch carried context keys (from then on they are staged every step)
+        # host-memory batches go through pinned mirrors + one upload (CUDA; a test may force it on the CPU)
+        self.host_upload = device.type == "cuda" if host_upload is None else host_upload
         self._allocate(max_rows, max_tokens)
 
     def _allocate(self, max_rows: int, max_tokens: int) -> None:
         dev = self.device
-
-        def zeros(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int64, device=dev)
-
         self.max_rows, self.max_tokens = max_rows, max_tokens
-        self.rows, self.prefix, self.extend, self.token_lens, self.context_keys = (zeros(max_rows) for _ in range(5))
-        self.input_ids, self.positions, self.expected_ids = (zeros(max_tokens) for _ in range(3))
-        self.out_loc = {g: torch.full((max_tokens,), NOT_STORED, dtype=torch.int64, device=dev) for g in self.groups}
+        self._layout = _Layout(self.groups, max_rows, max_tokens)
+        self.packed, views = self._layout.buffer(dev)
+        self.rows, self.prefix, self.extend, self.token_lens, self.context_keys = (views[f] for f in ROW_FIELDS)
+        self.input_ids, self.positions, self.expected_ids = (views[f] for f in TOKEN_FIELDS)
+        self.out_loc = {g: views[f"out_loc:{g}"] for g in self.groups}
         self.token_arange = torch.arange(max_tokens, dtype=torch.int64, device=dev)
         self.row_arange = torch.arange(max_rows, dtype=torch.int64, device=dev)
         self._entry_aranges: dict[int, torch.Tensor] = {}
+        self._mirrors: list[_Mirror] = []  # made on first use
+        self._next_mirror = 0
         self._bs = max_rows  # rows / tokens filled by the last stage (everything, initially)
         self._n = max_tokens
 
@@ -85,77 +134,137 @@ class StaticBatch:
         return self._n
 
     def stage(self, batch: BatchDescription) -> None:
-        """Copy ``batch`` into the buffers and pad the rest. Device copies only, issued as one
-        multi-tensor copy (plus pads when the batch shrank): a handful of host calls per forward."""
+        """Copy ``batch`` into the buffers and pad the rest (see the module docstring for the two routes)."""
         bs, n = batch.batch_size, batch.num_tokens
         if bs > self.max_rows or n > self.max_tokens:
             self._grow(bs, n)
+        self._by_reference(batch)
+        fields = self._fields(batch, n)
         cap = capturing()
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        zero: list[torch.Tensor] = []
-        not_stored: list[torch.Tensor] = []
-        stale_rows = self.max_rows if cap else self._bs  # a graph may replay after any other batch
-        stale_tokens = self.max_tokens if cap else self._n
+        if self.host_upload and not cap and all(t.device.type == "cpu" for t in fields.values()):
+            self._upload(fields, bs, n)
+        else:
+            self._copy(fields, bs, n, cap)
+        self._bs, self._n = bs, n
 
-        def rows(buf: torch.Tensor, values: torch.Tensor) -> None:
-            dst.append(buf[:bs])
-            src.append(values)
-            if stale_rows > bs:
-                zero.append(buf[bs:stale_rows])
-
-        def tokens(buf: torch.Tensor, values: torch.Tensor, m: int, pads: list) -> None:
-            dst.append(buf[:m])
-            src.append(values[:m])
-            stale = max(stale_tokens, n)  # out_loc may hold fewer entries than tokens: pad up to n too
-            if stale > m:
-                pads.append(buf[m:stale])
-
-        rows(self.rows, batch.req_pool_indices)
-        rows(self.prefix, batch.prefix_lens)
-        rows(self.extend, batch.extend_lens)
-        tokens(self.input_ids, batch.input_ids, n, zero)
-        tokens(self.positions, batch.positions, n, zero)
-        if not self.frozen:
-            self.has_oracle = batch.expected_input_ids is not None
-        if batch.expected_input_ids is not None:
-            tokens(self.expected_ids, batch.expected_input_ids, n, zero)
+    def _by_reference(self, batch: BatchDescription) -> None:
+        """Hold the engine's tables (and check they are the captured ones while frozen)."""
         for name in self.groups:
             gb = batch.groups[name]
-            tokens(self.out_loc[name], gb.out_cache_loc, min(n, int(gb.out_cache_loc.shape[0])), not_stored)
+            held = self.inputs.get(name)
             table = gb.req_to_token
+            if held is not None and held.req_to_token is table and held.lut is gb.full_to_group_lut:
+                continue
             if table.dtype != torch.int32:
                 table = table.to(torch.int32)  # a copy per forward: give int32 tables to avoid it
             inputs = GroupInputs(req_to_token=table, lut=gb.full_to_group_lut)
-            if self.frozen and name in self.inputs and not _same_inputs(self.inputs[name], inputs):
+            if self.frozen and held is not None and not _same_inputs(held, inputs):
                 raise KvCanaryValueError(
                     f"kv-canary: group {name!r} req_to_token / full_to_group_lut are not the tensors the canary's graphs "
                     "were captured with; keep the same (int32) tensor objects while graphs are held"
                 )
             self.inputs[name] = inputs
-        if self.frozen and (batch.token_table is not self.token_table or
-                            (batch.expected_input_ids is not None) != self.has_oracle):
+        if not self.frozen:
+            self.has_oracle = batch.expected_input_ids is not None
+        elif batch.token_table is not self.token_table or (batch.expected_input_ids is not None) != self.has_oracle:
             raise KvCanaryValueError(
                 "kv-canary: token_table / expected_input_ids changed since the canary's graphs were captured; "
                 "keep the same token_table object and oracle setting while graphs are held"
             )
         self.token_table = batch.token_table
-        if batch.context_keys is not None:
-            if self.frozen and not self.has_context:
+        if batch.context_keys is not None and not self.has_context:
+            if self.frozen:
                 raise KvCanaryValueError("kv-canary: context_keys appeared after the canary's graphs were captured; "
-                                 "stage a batch with context_keys before capturing")
+                                         "stage a batch with context_keys before capturing")
             self.has_context = True
-            rows(self.context_keys, batch.context_keys)
+
+    def _fields(self, batch: BatchDescription, n: int) -> dict[str, torch.Tensor]:
+        """Field -> values this batch provides. Fields it leaves out (no oracle, no token history) are not read this
+        step; context keys, once seen, are staged every step (all padding when a batch has none)."""
+        fields = {"rows": batch.req_pool_indices, "prefix": batch.prefix_lens, "extend": batch.extend_lens,
+                  "input_ids": batch.input_ids[:n], "positions": batch.positions[:n]}
+        if batch.expected_input_ids is not None:
+            fields["expected_ids"] = batch.expected_input_ids[:n]
+        for name in self.groups:
+            loc = batch.groups[name].out_cache_loc
+            fields[f"out_loc:{name}"] = loc[:n] if loc.shape[0] > n else loc
+        if batch.context_keys is not None:
+            fields["context_keys"] = batch.context_keys
         elif self.has_context:
-            zero.append(self.context_keys)
+            fields["context_keys"] = batch.req_pool_indices.new_zeros(0)  # no keys this step: all padding
         if batch.token_table_lens is not None:
-            rows(self.token_lens, batch.token_table_lens)
+            fields["token_lens"] = batch.token_table_lens
+        return fields
+
+    def _copy(self, fields: dict[str, torch.Tensor], bs: int, n: int, cap: bool) -> None:
+        """Device route: one multi-tensor copy into the device views, then the pads."""
+        views = self._layout_views()
+        stale_rows = self.max_rows if cap else self._bs  # a graph may replay after any other batch
+        stale_tokens = self.max_tokens if cap else self._n
+        dst, src, zero, not_stored = [], [], [], []
+        for name, values in fields.items():
+            view, m = views[name], int(values.shape[0])
+            if m:
+                dst.append(view[:m])
+                src.append(values)
+            stale = stale_rows if name in ROW_FIELDS else max(stale_tokens, n)  # out_loc may hold fewer than n
+            if stale > m:
+                (not_stored if name.startswith("out_loc:") else zero).append(view[m:stale])
         torch._foreach_copy_(dst, src, non_blocking=True)
         if zero:
             torch._foreach_zero_(zero)
         for buf in not_stored:
             buf.fill_(NOT_STORED)
-        self._bs, self._n = bs, n
+
+    def _upload(self, fields: dict[str, torch.Tensor], bs: int, n: int) -> None:
+        """Host route: fill the next pinned mirror (padding kept there), then one upload of the whole buffer."""
+        mirror = self._mirror()
+        signature = tuple((name, int(t.shape[0])) for name, t in fields.items())
+        key = (signature, tuple(mirror.extent.values()))
+        plan = mirror.plans.get(key)
+        if plan is None:
+            if len(mirror.plans) > 64:
+                mirror.plans.clear()
+            plan = mirror.plans[key] = self._mirror_plan(mirror, signature)
+        dst, zero, not_stored = plan
+        torch._foreach_copy_(dst, [t for t in fields.values() if t.shape[0]])
+        if zero:
+            torch._foreach_zero_(zero)
+        for buf in not_stored:
+            buf.fill_(NOT_STORED)
+        mirror.extent.update(signature)
+        self.packed.copy_(mirror.packed, non_blocking=True)
+        if mirror.event is not None:
+            mirror.event.record()
+
+    def _mirror_plan(self, mirror: _Mirror, signature: tuple) -> tuple[list, list, list]:
+        """The mirror views one batch shape writes, and the pads left over from what the mirror held."""
+        dst, zero, not_stored = [], [], []
+        for name, m in signature:
+            view = mirror.views[name]
+            if m:
+                dst.append(view[:m])
+            held = mirror.extent[name]
+            if held > m:
+                (not_stored if name.startswith("out_loc:") else zero).append(view[m:held])
+        return dst, zero, not_stored
+
+    def _mirror(self) -> _Mirror:
+        """The next mirror of the ring, once the device has finished reading it."""
+        if not self._mirrors:
+            pinned = self.device.type == "cuda"
+            self._mirrors = [_Mirror(self._layout, pinned) for _ in range(MIRRORS if pinned else 1)]
+        mirror = self._mirrors[self._next_mirror]
+        self._next_mirror = (self._next_mirror + 1) % len(self._mirrors)
+        if mirror.event is not None and not mirror.event.query():
+            self.upload_waits += 1
+            mirror.event.synchronize()
+        return mirror
+
+    def _layout_views(self) -> dict[str, torch.Tensor]:
+        views = {f: getattr(self, f) for f in ROW_FIELDS + TOKEN_FIELDS}
+        views.update({f"out_loc:{g}": t for g, t in self.out_loc.items()})
+        return views
 
     def clear(self) -> None:
         """Pad everything (an empty batch: no active row, no stored token). Keeps the by-reference inputs."""
