@@ -19,7 +19,7 @@ stage() {  # stage NAME LIMIT_S CMD...
 for s in "$@"; do
   case $s in
     tests)   stage tests "${TESTS_LIMIT:-230}" python3 -m pytest tests/gpu tests/ops/test_copy.py::test_gpu_triton_matches_twin \
-               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph -q -n 6 -p no:cacheprovider --durations=10 ;;
+               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph -q -n ${TESTS_WORKERS:-12} -p no:cacheprovider --durations=10 ;;
     runtime) stage runtime "${RUNTIME_LIMIT:-150}" python3 bench/runtime_overhead.py ${RUNTIME_ARGS:---profile 14} --json "$OUT/runtime.json" ;;
     soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-70}" --json "$OUT/soak.json" ;;
     copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
