@@ -34,7 +34,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: int = 0, deep: bool = False) -> dict:
+def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: int = 0, deep: bool = False,
+         kernel_profile: int = 0) -> dict:
     sc = SimConfig(num_slots=bs * (ctx + 160) + 8, max_requests=bs + 1, max_context=ctx + 160, chunk_size=ctx,
                    max_batch_tokens=max(ctx, 8192), max_running=bs, num_layers=4, kv_bytes=256, seed=0, device=device)
     canary = Canary(CanaryConfig(sweep_interval=64, health_interval=0, readable_per_step=0, deep_fingerprints=deep),
@@ -76,6 +77,22 @@ def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: in
         e1.record()
         torch.cuda.synchronize()
         device_us = e0.elapsed_time(e1) / n * 1e3
+    if kernel_profile and device == "cuda":  # where the device time goes: every kernel / copy, summed over n steps
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        n = 20
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        busy = sum(getattr(e, key) for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / n
+        print(f"# torch.profiler, {bs} x {ctx} {'graphs' if graphs else 'eager'}, {n} steps: device busy "
+              f"{busy:.1f} us per step (kernels + copies, gaps excluded); top {kernel_profile} by device time:")
+        print(events.table(sort_by=key, row_limit=kernel_profile, max_name_column_width=60))
     if profile:  # where the host time goes (after the timed loop: cProfile slows what it watches)
         import cProfile
         import pstats
@@ -92,7 +109,7 @@ def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: in
     assert counters["total"] == 0, counters
     return dict(bs=bs, ctx=ctx, variant="graphs" if graphs else "eager", entries=bs * ctx,
                 us=wall / reps * 1e6, host_us=host / reps * 1e6, device_us=device_us,
-                checked=counters["checked_forwards"], forwards=canary.step,
+                checked=counters["checked_forwards"], forwards=canary.step, upload_waits=canary.static.upload_waits,
                 mib=canary.memory_bytes() / 2**20)
 
 
@@ -103,6 +120,7 @@ def main() -> None:
     ap.add_argument("--deep-fingerprints", action="store_true", help="CanaryConfig(deep_fingerprints=True)")
     ap.add_argument("--grid", help="cases as BSxCTX,... (default: the preset grid)")
     ap.add_argument("--variants", default="both", choices=["both", "graphs", "eager"], help="CUDA variants to run")
+    ap.add_argument("--kernel-profile", type=int, default=0, help="CUDA: print the top N device ops (torch.profiler)")
     ap.add_argument("--profile", type=int, default=0, help="print the top N host functions (cProfile) of each case")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -123,7 +141,8 @@ def main() -> None:
         variants = {"both": (True, False), "graphs": (True,), "eager": (False,)}[args.variants]
         for graphs in (variants if cuda else (False,)):
             reps = 200 if cuda else (20 if bs * ctx > 50_000 else 50)
-            r = case(bs, ctx, device=device, graphs=graphs, reps=reps, profile=args.profile, deep=args.deep_fingerprints)
+            r = case(bs, ctx, device=device, graphs=graphs, reps=reps, profile=args.profile, deep=args.deep_fingerprints,
+                     kernel_profile=args.kernel_profile)
             rows.append(r)
             dev_us = f"{r['device_us']:>9.1f}" if r["device_us"] is not None else f"{'-':>9}"
             print(f"{r['bs']:>4} {r['ctx']:>6} {r['variant']:>7} {r['entries']:>8} {r['us']:>9.1f} {r['host_us']:>8.1f} {dev_us} "
