@@ -22,8 +22,8 @@ SIM = dict(num_slots=2048, swa_num_slots=512, sliding_window=24, max_requests=24
            max_batch_tokens=192, max_running=12, block_size=4, seed=5, device="cuda")
 
 
-def _engine(graphs: bool) -> tuple[SimEngine, Canary]:
-    sc = SimConfig(**SIM)
+def _engine(graphs: bool, **overrides) -> tuple[SimEngine, Canary]:
+    sc = SimConfig(**{**SIM, **overrides})
     canary = Canary(CanaryConfig(mode="log", sweep_interval=16, health_interval=0, readable_per_step=0,
                                  chain_position_warmup=0),
                     groups=sc.group_specs(), max_requests=sc.max_requests, max_context=sc.max_context,
@@ -31,8 +31,8 @@ def _engine(graphs: bool) -> tuple[SimEngine, Canary]:
     return SimEngine(sc, canary), canary
 
 
-def _run(graphs: bool):
-    engine, canary = _engine(graphs)
+def _run(graphs: bool, **overrides):
+    engine, canary = _engine(graphs, **overrides)
     stream = SimWorkload(seed=5, new_tokens=(20, 60), abort_prob=0.0, arrival_prob=0.5).stream(256)
 
     def steps(n: int) -> None:
@@ -60,10 +60,13 @@ def _key(v):
             v.request_id, v.request_row)
 
 
-def test_captured_graphs_match_eager_records_and_violations():
-    eager, found_eager = _run(graphs=False)
-    graphed, found_graphed = _run(graphs=True)
+@pytest.mark.parametrize("max_batch_tokens", [192, 512])  # 512: decode forwards replay the small-token bucket
+def test_captured_graphs_match_eager_records_and_violations(max_batch_tokens):
+    eager, found_eager = _run(graphs=False, max_batch_tokens=max_batch_tokens)
+    graphed, found_graphed = _run(graphs=True, max_batch_tokens=max_batch_tokens)
     assert found_eager, "the faults must be caught"
+    if max_batch_tokens > 256:
+        assert len(graphed._graphs.sets) == 2 and graphed._graphs.sets[0].tokens == 256
     assert sorted(map(_key, found_graphed)) == sorted(map(_key, found_eager))
     for name, g in eager.groups.items():
         h = graphed.groups[name]
@@ -75,8 +78,9 @@ def test_captured_graphs_match_eager_records_and_violations():
     assert eager.counters()["checked_forwards"] == graphed.counters()["checked_forwards"] == graphed.step
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_log_mode_forward_does_not_synchronise(graphs):
+@pytest.mark.parametrize("graphs,route", [(False, "device"), (True, "device"), (True, "host")])
+def test_log_mode_forward_does_not_synchronise(graphs, route):
+    """``route="host"``: the batch stays in host memory (pinned mirror + one upload per forward)."""
     engine, canary = _engine(graphs)
     batch = None
     while batch is None or batch.forward_kind != "decode":
@@ -87,7 +91,7 @@ def test_log_mode_forward_does_not_synchronise(graphs):
                               extend_lens=batch.extend_lens.cuda(), input_ids=batch.input_ids.cuda(),
                               positions=batch.positions.cuda(), token_table_lens=batch.token_table_lens.cuda(),
                               groups={k: dataclasses.replace(g, out_cache_loc=g.out_cache_loc.cuda())
-                                      for k, g in batch.groups.items()})
+                                      for k, g in batch.groups.items()}) if route == "device" else batch
     if graphs:
         canary.capture_graphs()
     for _ in range(3):  # warm: drain buffers, kernels compiled

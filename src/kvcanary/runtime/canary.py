@@ -70,7 +70,7 @@ from kvcanary.runtime.batch import BatchDescription, GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
 from kvcanary.runtime.drain import Harvest, ViolationDrain, ViolationRings
-from kvcanary.runtime.graphs import CanaryGraphs
+from kvcanary.runtime.graphs import CanaryGraphs, GraphSet
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
@@ -162,6 +162,7 @@ class Canary:
         self._plans_disabled_seen = [0] * len(self.groups)
         self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
         self._graphs: Optional[CanaryGraphs] = None
+        self._graph_set: Optional[GraphSet] = None  # the bucket this forward's HEAD replayed
         self._swept_this_step = False  # the sweep slice already replayed with TAIL (own graphs)
         self.canary_errors = 0  # the canary's own failures contained in log mode
         self.unchecked_forwards = 0
@@ -281,7 +282,8 @@ class Canary:
     def launch_head(self) -> None:
         """Plan, HEAD verify + write, slot records (device only; capturable)."""
         if self._graphs is not None:
-            self._graphs.head.replay()
+            self._graph_set = self._graphs.pick(self.static.num_rows, self.static.num_tokens)
+            self._graph_set.head.replay()
         else:
             self.launches.head()
 
@@ -289,13 +291,14 @@ class Canary:
         """TAIL verify + write, row stamps (device only; capturable). ``run_checks=False``: stamps only.
         With the canary's own graphs the forward's sweep slice replays in the same graph as TAIL."""
         if self._graphs is not None:
-            if run_checks and self._graphs.tail_sweep is not None and self._sweeping():
+            graphs = self._graph_set  # the bucket HEAD replayed
+            if run_checks and graphs.tail_sweep is not None and self._sweeping():
                 self._start_pass_if_due()
-                self._graphs.tail_sweep.replay()
+                graphs.tail_sweep.replay()
                 self.sweeper.slices_run += 1
                 self._swept_this_step = True
             else:
-                (self._graphs.tail if run_checks else self._graphs.stamps).replay()
+                (graphs.tail if run_checks else graphs.stamps).replay()
         else:
             self.launches.tail(run_checks=run_checks)
 

@@ -10,11 +10,16 @@ while capturing, three graphs serve every batch that fits:
 * ``sweep`` — one rotating sweep slice (cursor on the device);
 * ``tail_sweep`` — ``tail`` then ``sweep`` in one graph (one replay fewer per forward; None without a sweep).
 
+HEAD / TAIL / stamps / tail_sweep exist per bucket (`GraphSet`): the full capacity and a decode bucket.
+
 Capturing freezes the static buffers (a batch that no longer fits is an error, not a silent regrowth).
-Warm-up runs each half once on an empty batch (all padding rows: nothing planned, written or verified)
+Warm-up runs each half of each bucket on an empty batch (all padding rows: nothing planned, written or verified)
 so Triton compiles before capture; the launch counters and sweep cursors it moved are restored.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -24,8 +29,28 @@ from kvcanary.runtime.staging import StaticBatch
 from kvcanary.runtime.sweep import Sweeper
 
 
+SMALL_TOKENS = 256  # the decode bucket: a batch of at most this many tokens replays graphs sized to it
+
+
+@dataclass(frozen=True)
+class GraphSet:
+    """The graphs of one bucket: launches sized to ``rows`` x ``tokens`` of the static buffers."""
+
+    rows: int
+    tokens: int
+    head: torch.cuda.CUDAGraph
+    tail: torch.cuda.CUDAGraph
+    stamps: torch.cuda.CUDAGraph
+    tail_sweep: Optional[torch.cuda.CUDAGraph]
+
+
 class CanaryGraphs:
-    """Captured HEAD / TAIL / sweep-slice work (see the module docstring). CUDA only."""
+    """Captured HEAD / TAIL / sweep-slice work (see the module docstring). CUDA only.
+
+    Buckets: the full static capacity, plus — when the token capacity exceeds `SMALL_TOKENS` and the rows fit
+    the write op's single-CTA path — a decode bucket of `SMALL_TOKENS` tokens, whose writes run as one small
+    kernel each instead of two kernels spanning every token of the capacity. `pick` chooses per forward from
+    the staged batch's host-known size; the static buffers stay padded past it (see `StaticBatch`)."""
 
     def __init__(self, *, launches: ForwardLaunches, sweeper: Sweeper, static: StaticBatch, counters) -> None:
         if static.device.type != "cuda":
@@ -33,25 +58,37 @@ class CanaryGraphs:
         self.launches, self.sweeper, self.static = launches, sweeper, static
         static.clear()
         static.frozen = True
+        shapes = [(static.max_rows, static.max_tokens)]
+        if static.max_tokens > SMALL_TOKENS and static.max_rows <= SMALL_TOKENS:
+            shapes.insert(0, (static.max_rows, SMALL_TOKENS))
         saved = [t.clone() for t in [counters.table, *sweeper.cursor_state()]]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._head()
-                self._tail()
+                for shape in shapes:
+                    launches.head(limit=shape)
+                    self._tail()
                 self._sweep()
         torch.cuda.current_stream().wait_stream(side)
         for t, v in zip([counters.table, *sweeper.cursor_state()], saved):
             t.copy_(v)
         pool = torch.cuda.graph_pool_handle()
-        self.head, self.tail, self.stamps, self.sweep = (
-            self._capture(fn, pool) for fn in (self._head, self._tail, self._stamps, self._sweep)
-        )
-        self.tail_sweep = self._capture(self._tail_then_sweep, pool) if sweeper.interval > 0 else None
+        self.sweep = self._capture(self._sweep, pool)
+        self.sets = [self._capture_set(rows, tokens, pool) for rows, tokens in shapes]  # smallest first
 
-    def _head(self) -> None:
-        self.launches.head(full=True)
+    def pick(self, rows: int, tokens: int) -> GraphSet:
+        """The smallest bucket holding a batch of ``rows`` x ``tokens``."""
+        for graph_set in self.sets:
+            if rows <= graph_set.rows and tokens <= graph_set.tokens:
+                return graph_set
+        return self.sets[-1]  # the static capacity (a larger batch raised when it was staged)
+
+    def _capture_set(self, rows: int, tokens: int, pool) -> GraphSet:
+        head = self._capture(lambda: self.launches.head(limit=(rows, tokens)), pool)  # TAIL reads HEAD's shape
+        tail, stamps = (self._capture(fn, pool) for fn in (self._tail, self._stamps))
+        tail_sweep = self._capture(self._tail_then_sweep, pool) if self.sweeper.interval > 0 else None
+        return GraphSet(rows=rows, tokens=tokens, head=head, tail=tail, stamps=stamps, tail_sweep=tail_sweep)
 
     def _tail(self) -> None:
         self.launches.tail(run_checks=True)

@@ -108,14 +108,18 @@ class ForwardLaunches:
         self.row_history = torch.zeros(ROW_HISTORY, self.static.max_rows, dtype=torch.int64, device=dev)
 
     # ---- the two halves ----------------------------------------------------------------------------
-    def head(self, *, full: bool = False) -> None:
-        """Plan, HEAD verify + write, slot records, for every group. ``full``: span the whole static
-        capacity (always while capturing), else the staged batch's size."""
+    def head(self, *, full: bool = False, limit: Optional[tuple[int, int]] = None) -> None:
+        """Plan, HEAD verify + write, slot records, for every group. ``limit``: span ``(rows, tokens)`` of the
+        static buffers (a graph bucket: everything past the staged batch is padding); else ``full`` or while
+        capturing: the whole static capacity; else the staged batch's size. `tail` spans what `head` spanned."""
         s = self.static
-        shape = self._shape = (
-            _Shape(rows=s.max_rows, tokens=s.max_tokens) if full or capturing()
-            else _Shape(rows=s.num_rows, tokens=s.num_tokens)
-        )
+        if limit is not None:
+            shape = _Shape(rows=min(limit[0], s.max_rows), tokens=min(limit[1], s.max_tokens))
+        elif full or capturing():
+            shape = _Shape(rows=s.max_rows, tokens=s.max_tokens)
+        else:
+            shape = _Shape(rows=s.num_rows, tokens=s.num_tokens)
+        self._shape = shape
         self.rings.mark()
         self.row_history.index_copy_(0, self.step.remainder(ROW_HISTORY), s.rows[None])
         bs, n = shape.rows, shape.tokens
