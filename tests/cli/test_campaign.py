@@ -16,15 +16,17 @@ def _report(out):
     return json.loads((out / "report.json").read_text())
 
 
-def test_sim_campaign_report(tmp_path):
+@pytest.mark.parametrize("deep", [True, False])  # deep fingerprints: on by default
+def test_sim_campaign_report(tmp_path, deep):
     rc = main(["campaign", "--engine", "sim", "--faults", "slot_redirect,kv_flip_deep_layer", "--per-class", "1",
-               "--out", str(tmp_path), "--no-progress"])
+               "--out", str(tmp_path), "--no-progress"] + ([] if deep else ["--no-deep-fingerprints"]))
     report = _report(tmp_path)
     assert rc == 0
     assert set(report["classes"]) == {"slot_redirect", "kv_flip_deep_layer"}
     assert all(KEYS <= set(c) for c in report["classes"].values())
     assert report["classes"]["slot_redirect"]["detected"] == 1
-    assert report["classes"]["kv_flip_deep_layer"]["expected_detectable"] == 0
+    deep_layer = report["classes"]["kv_flip_deep_layer"]
+    assert deep_layer["expected_detectable"] == deep_layer["detected"] == int(deep)
     assert report["clean"]["violations"] == 0 and report["clean"]["forwards"] > 0
     assert len(report["ledger"]) == 2
 

@@ -58,6 +58,31 @@ def test_cross_context_hit_is_caught():
     assert all(o.detected for o in run.outcomes)
 
 
+def test_cached_flip_overwritten_by_the_engine_is_not_expected_and_not_undone():
+    """Seed 1: the 7th idle slot picked is evicted and rewritten by the very next forward (LIFO free list), so
+    the flipped bit is gone before anything reads it: the ledger says so, and repair leaves the new KV alone
+    (an explicit sweep at the end finds that slot clean)."""
+    from kvcanary.faults.ledger import FaultLedger
+    from kvcanary.faults.sim import INJECTORS
+    from kvcanary.faults.sim_campaign import SimDriver, _inject_once
+
+    cfg = SimCampaignConfig(seed=1, per_class=8)
+    seed = cfg.seed * 1000 + sorted(INJECTORS).index("kv_flip_cached") * 100  # as run_class seeds it
+    driver, ledger = SimDriver(cfg, seed, swa=False), FaultLedger()
+    injector = INJECTORS["kv_flip_cached"](driver.target(ledger), seed=seed)
+    for _ in range(cfg.warm):
+        driver.step()
+    outcomes = [_inject_once(driver, injector, cfg) for _ in range(cfg.per_class)]
+    gone = [o for o in outcomes if not o.injection.expected_detectable]
+    assert len(gone) == 1 and "wrote new KV over the flip" in gone[0].injection.why_not
+    assert not gone[0].detected
+    assert [e for e in ledger if not e.expected_detectable] == [gone[0].injection]  # the ledger was amended
+    assert all(o.detected for o in outcomes if o.injection.expected_detectable)
+    seen = len(driver.canary.violations())
+    driver.canary.sweep()
+    assert [v.slot for v in driver.canary.violations()[seen:]] == []  # nothing re-flipped, nothing left flipped
+
+
 def test_deep_fingerprints_catch_every_cached_bit_flip():
     """Deep fingerprints (every byte of every layer, swept) with PARTIAL TAIL hashing catch every flip."""
     run = run_class("kv_flip_cached", SimCampaignConfig(seed=5, per_class=6, deep_fingerprints=True), clean_twin=False)

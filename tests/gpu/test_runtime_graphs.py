@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from kvcanary.engines.sim import SimConfig, SimEngine, SimWorkload  # noqa: E402
 from kvcanary.runtime import Canary, CanaryConfig  # noqa: E402
-from kvcanary.faults.sim_hooks import flip_kv_bit, redirect_slot  # noqa: E402
+from tests.runtime.conftest import flip_and_redirect  # noqa: E402
 
 SIM = dict(num_slots=2048, swa_num_slots=512, sliding_window=24, max_requests=24, max_context=256, chunk_size=48,
            max_batch_tokens=192, max_running=12, block_size=4, seed=5, device="cuda")
@@ -46,10 +46,7 @@ def _run(graphs: bool, **overrides):
     if graphs:
         canary.capture_graphs()
     steps(60)
-    victim = next(r for r in engine.running if r.num_computed > 8)
-    flip_kv_bit(engine, "full", victim.full_slots[2], side="v", byte=1, bit=3)
-    other = next(r for r in engine.running if r is not victim and r.num_computed > 8)
-    redirect_slot(engine, other.rid, 4, victim.full_slots[5])
+    flip_and_redirect(engine)
     steps(60)
     found = canary.violations()
     return canary, found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kvcanary.engines.sim import SimConfig, SimEngine, SimWorkload
 from kvcanary.engines.sim.engine import kv_bytes
@@ -75,3 +76,25 @@ def manual(full_spec):
         return ManualEngine(make_canary(full_spec, max_requests=4, max_context=64, **options))
 
     return build
+
+
+def flip_and_redirect(engine: SimEngine) -> None:
+    """Two faults on running requests: a flipped V bit in one's cached KV, a redirected read in another's."""
+    from kvcanary.faults.sim_hooks import flip_kv_bit, redirect_slot
+
+    victim = next(r for r in engine.running if r.num_computed > 8)
+    flip_kv_bit(engine, "full", victim.full_slots[2], side="v", byte=1, bit=3)
+    other = next(r for r in engine.running if r is not victim and r.num_computed > 8)
+    redirect_slot(engine, other.rid, 4, victim.full_slots[5])
+
+
+class CountTorchCalls(TorchFunctionMode):
+    """Counts torch calls made inside it (``n``): a stand-in for per-forward host work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))

@@ -7,9 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary.engines.sim import SimWorkload
-from kvcanary.faults.sim_hooks import flip_kv_bit, redirect_slot
-
-from tests.runtime.conftest import make_sim
+from tests.runtime.conftest import flip_and_redirect, make_sim
 
 SMALL = 16
 
@@ -38,10 +36,7 @@ def _run(bucketed: bool):
             engine.step()
 
     steps(30)
-    victim = next(r for r in engine.running if r.num_computed > 8)
-    flip_kv_bit(engine, "full", victim.full_slots[2], side="v", byte=1, bit=3)
-    other = next(r for r in engine.running if r is not victim and r.num_computed > 8)
-    redirect_slot(engine, other.rid, 4, victim.full_slots[5])
+    flip_and_redirect(engine)
     steps(30)
     return canary, canary.violations()
 

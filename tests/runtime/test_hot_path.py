@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import kvcanary.runtime.launch as launch_mod
 import kvcanary.runtime.sweep as sweep_mod
@@ -21,7 +20,7 @@ from kvcanary.runtime import BatchDescription, Canary, CanaryConfig, GroupBatch,
 from kvcanary.runtime.drain import ViolationDrain
 from kvcanary.faults.sim_hooks import cached_idle_slots, flip_kv_bit, redirect_slot
 
-from tests.runtime.conftest import QUIET, make_sim
+from tests.runtime.conftest import QUIET, CountTorchCalls, make_sim
 
 META = torch.device("meta")
 OPS = ("launch_canary_plan_kernels", "launch_canary_verify_kernel", "launch_canary_write_kernel",
@@ -66,16 +65,6 @@ def _meta_batch(bs: int, tables) -> BatchDescription:
     )
 
 
-class _CountTorchCalls(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _device_halves(c: Canary, batch: BatchDescription) -> None:
     c.begin_step(request_ids=batch.request_ids, forward_kind=batch.forward_kind)
     c.stage(batch)
@@ -91,7 +80,7 @@ def test_device_halves_read_nothing_back_and_cost_the_same_for_any_batch(op_call
     c.sweeper.refresh_live(c._live_slots())
     counts = []
     for bs in (2, 2, 48, 48):  # meta tensors raise on any host read: reaching the end proves there is none
-        mode = _CountTorchCalls()
+        mode = CountTorchCalls()
         calls_before = len(op_calls)
         with mode:
             _device_halves(c, _meta_batch(bs, tables))

@@ -66,7 +66,7 @@ def test_export_import_round_trip_through_bytes_is_clean(manual):
     eng = manual()
     _prefill(eng, [1, 2, 3, 4, 5, 6])
     records = canary_records_from_bytes(canary_records_to_bytes(eng.canary.export_records("full", [1, 2, 3, 4, 5, 6])))
-    assert records.shape == (7, 12)  # header row + 6 slots; HEAD, TAIL k, TAIL v
+    assert records.shape == (7, 20)  # header row + 6 slots; HEAD, TAIL k, TAIL v, deep k, deep v (4 words each)
     dst = [30, 31, 32, 33, 34, 35]
     _copy_kv(eng, [1, 2, 3, 4, 5, 6], dst)
     report = eng.canary.import_records("full", dst, records, positions=range(6), tokens=PROMPT, request_ids=["d"],

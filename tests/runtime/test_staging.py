@@ -7,10 +7,11 @@ import random
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from kvcanary.runtime import BatchDescription, GroupBatch
 from kvcanary.runtime.staging import StaticBatch
+
+from tests.runtime.conftest import CountTorchCalls
 
 GROUPS = ("full", "swa")
 TABLE = torch.zeros(9, 64, dtype=torch.int32)
@@ -66,16 +67,6 @@ def test_host_upload_matches_device_copies_padding_included(seed):
     assert upload.growths == copies.growths >= 1
 
 
-class _Calls(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_host_upload_costs_the_same_torch_calls_for_any_batch_size():
     rng = random.Random(5)
     counts = []
@@ -83,7 +74,7 @@ def test_host_upload_costs_the_same_torch_calls_for_any_batch_size():
         s = StaticBatch(groups=GROUPS, max_rows=64, max_tokens=512, device=torch.device("cpu"), host_upload=True)
         batch = _batch(rng, bs, oracle=True, context=False, short_loc=False)
         s.stage(batch)  # first stage of this shape: builds the mirror plan
-        with _Calls() as calls:
+        with CountTorchCalls() as calls:
             s.stage(batch)
         counts.append(calls.n)
     assert counts[0] == counts[1], counts

@@ -10,6 +10,8 @@ injection the configuration can see was detected, 1 otherwise.
 """
 from __future__ import annotations
 
+import argparse
+
 import json
 import logging
 import os
@@ -33,8 +35,8 @@ def add_parser(sub) -> None:
                    help="real-KV fingerprint mode (sim: also --real-kv-layers)")
     p.add_argument("--real-kv-layers", default="0,-1", help="hashed layers, indices into a group's layers (sim)")
     p.add_argument("--no-oracle", action="store_true", help="sample at random (sim) / greedily (transformers): no write-input oracle")
-    p.add_argument("--deep-fingerprints", action="store_true",
-                   help="sim: also fingerprint every byte of every layer, checked by the sweep")
+    p.add_argument("--deep-fingerprints", action=argparse.BooleanOptionalAction, default=True,
+                   help="sim: also fingerprint every byte of every layer, checked by the sweep (default on)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-progress", action="store_true")
 
@@ -67,7 +69,7 @@ def run(args) -> int:
         clean = {"forwards": sum(r.clean_forwards for r in runs), "violations": sum(r.clean_violations for r in runs)}
         config = {"engine": "sim", "seed": cfg.seed, "per_class": cfg.per_class, "real_kv_hash": cfg.real_kv_hash,
                   "real_kv_layers": list(cfg.real_kv_layers), "sweep_interval": cfg.sweep_interval,
-                  "window_forwards": cfg.window, "token_oracle": cfg.oracle,
+                  "window_forwards": cfg.window, "token_oracle": cfg.oracle, "deep_fingerprints": cfg.deep_fingerprints,
                   "forwards": sum(r.forwards for r in runs)}
     else:
         from kvcanary.faults.tf_campaign import TF_CLASSES, run_tf_campaign

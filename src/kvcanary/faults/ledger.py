@@ -7,7 +7,7 @@ expected to report (any one of them counts) and whether the current configuratio
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterator, Optional
 
 from kvcanary.errors import KvCanaryValueError
@@ -56,6 +56,15 @@ class FaultLedger:
             raise KvCanaryValueError(f"kv-canary: unknown fault class {injection.fault!r}")
         self._entries.append(injection)
         return injection
+
+    def amend(self, injection: Injection, **changes: object) -> Injection:
+        """Replace ``injection`` (an entry of this ledger) by a copy with ``changes`` — for what is only known
+        after the fault was fired (e.g. the engine overwrote the damaged KV before anything read it)."""
+        i = next((k for k, e in enumerate(self._entries) if e is injection), None)
+        if i is None:
+            raise KvCanaryValueError("kv-canary: amend() of an injection that is not in this ledger")
+        self._entries[i] = replace(injection, **changes)
+        return self._entries[i]
 
     def __iter__(self) -> Iterator[Injection]:
         return iter(self._entries)

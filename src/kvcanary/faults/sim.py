@@ -127,6 +127,11 @@ class SimInjector:
         while self._undo:
             self._undo.pop()()
 
+    def settled(self, injection: Injection, *, detected: bool) -> Injection:
+        """``injection`` as it stands once its window is over (after `repair`; ``detected``: whether the canary
+        reported it); by default unchanged."""
+        return injection
+
 
 class KvFlipUsed(SimInjector):
     """A bit flips in the K/V of a slot a running request reads (inside the hashed window: a hashed
@@ -168,13 +173,31 @@ class KvFlipCached(SimInjector):
         layer, side = self.rng.choice(e.config.full_layers), self.rng.choice("kv")
         byte, bit = self.rng.randrange(e.config.kv_bytes), self.rng.randrange(8)
         flip_kv_bit(e, "full", slot, layer=layer, side=side, byte=byte, bit=bit)
-        self._undo.append(lambda: flip_kv_bit(e, "full", slot, layer=layer, side=side, byte=byte, bit=bit))
+        # an idle slot may be evicted and handed to a new request at once (LIFO free list): the engine then
+        # writes fresh KV over the flip — nothing damaged is left to read or sweep, and nothing to undo
+        self._rewritten = False
+
+        def watch(batch):
+            self._rewritten |= bool((batch.groups["full"].out_cache_loc == slot).any())
+            return batch
+
+        self._undo.append(lambda: None if self._rewritten else flip_kv_bit(e, "full", slot, layer=layer, side=side,
+                                                                            byte=byte, bit=bit))
+        e.batch_hooks.append(watch)
+        self._undo.append(lambda: e.batch_hooks.remove(watch))
         ok = byte_hashed(self.t, "full", layer, byte)
         return self.record(group="full", slot=slot, position=int(self.t.canary.groups["full"].records.position[slot]),
                            request_id=slot_writer(self.t.canary, "full", slot), expected=("verify_real_kv_hash",),
                            expected_detectable=ok,
                            why_not="" if ok else f"layer {layer} byte {byte} is outside the fingerprinted bytes",
                            detail=f"idle cached slot, layer {layer} {side.upper()} byte {byte} bit {bit}")
+
+    def settled(self, injection: Injection, *, detected: bool) -> Injection:
+        if detected or not self._rewritten:  # seen before the overwrite, or still there: as fired
+            return injection
+        return self.t.ledger.amend(injection, expected_detectable=False,
+                                   why_not="the engine evicted the idle slot and wrote new KV over the flip "
+                                           "before any forward or sweep read it")
 
 
 class KvFlipDeepLayer(SimInjector):

@@ -34,7 +34,7 @@ class SimCampaignConfig:
     per_class: int = 20
     real_kv_hash: str = "partial"
     real_kv_layers: tuple[int, ...] = (0, -1)
-    deep_fingerprints: bool = False
+    deep_fingerprints: bool = True
     sweep_interval: int = 4
     warm: int = 16
     oracle: bool = True
@@ -101,7 +101,10 @@ def _inject_once(driver: SimDriver, injector, cfg: SimCampaignConfig) -> Optiona
     for _ in range(cfg.window - 1):
         driver.step()
     injector.repair()
-    return account(inj, driver.canary.violations(), until_step=driver.canary.step + 1)
+    found = driver.canary.violations()
+    outcome = account(inj, found, until_step=driver.canary.step + 1)
+    settled = injector.settled(inj, detected=outcome.detected)
+    return outcome if settled is inj else account(settled, found, until_step=driver.canary.step + 1)
 
 
 def run_class(fault: str, cfg: SimCampaignConfig, *, clean_twin: bool = True,

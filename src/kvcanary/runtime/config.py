@@ -48,9 +48,8 @@ class CanaryConfig:
     readable_per_step: violations per step also reported as a multi-line readable block.
     deep_fingerprints: also fingerprint every byte of every layer of each written slot (one 32-byte record
         per 4 layers and side, written at TAIL) and verify them in the rotating sweep, so a flipped bit
-        anywhere in cached KV is caught within one sweep pass (ignored with ``real_kv_hash="none"``). Off by
-        default: tested on the CPU and the Triton interpreter; a GPU run with it on did not finish in time
-        (ALL-mode fingerprints of every layer), so it is opt-in until measured there.
+        anywhere in cached KV is caught within one sweep pass (ignored with ``real_kv_hash="none"``). On by
+        default; cost measured on an H200 in bench/NOTES.md (runs 16 and 18).
     log_lines_per_slot: log lines per (reason, group, slot) before that slot's further rows are only
         counted (and summarised per drain); every row still goes to the counters and the JSON lines.
     """
@@ -68,7 +67,7 @@ class CanaryConfig:
     jsonl_path: Optional[str] = None
     readable_per_step: int = 4
     log_lines_per_slot: int = 3
-    deep_fingerprints: bool = False
+    deep_fingerprints: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
