@@ -5,9 +5,9 @@ One randomly initialised Llama-shaped model (default: the 1B shape — 16 layers
 pages of 32), run back to back in one process under each configuration:
 
     baseline            no canary
-    canary/partial      kvcanary.attach(mode="log", real_kv_hash="partial")   (the default config)
+    canary/default      kvcanary.attach(mode="log")     (PARTIAL fingerprints + deep fingerprints: the default)
+    canary/partial      kvcanary.attach(mode="log", real_kv_hash="partial", deep_fingerprints=False)
     canary/none         kvcanary.attach(mode="log", real_kv_hash="none")      (no real-KV fingerprints)
-    canary/deep         kvcanary.attach(mode="log", real_kv_hash="partial", deep_fingerprints=True)  (--deep only)
 
 each with CUDA graphs off and on (on: ``ContinuousBatchingConfig(use_cuda_graph=True)``; CUDA only).
 Per configuration: the median decode-step time (an engine step whose requests all decode one token:
@@ -20,8 +20,12 @@ includes enqueueing the canary's kernels, with graphs on only the host half — 
 inside the engine's graph). Steps are timed with ``time.perf_counter`` around the engine's own
 ``prepare_next_batch`` .. ``update_batch`` (the engine synchronises its compute stream in between).
 A warm round runs every configuration once first (not reported: Triton compiles, allocator); then
-``--repeats`` measured rounds interleave the configurations (baseline, partial, none, baseline, ...) so
-drift hits them alike; step times are pooled over the rounds and the baselines' spread is printed.
+``--repeats`` measured rounds interleave the configurations (baseline, default, partial, none, baseline, ...)
+so drift hits them alike; step times are pooled over the rounds and the baselines' spread is printed. The
+engine's decode step is bimodal from one ``generate_batch`` to the next (whole runs land ~10-20 % apart, with
+or without the canary: bench/NOTES.md runs 15 and 18), so each row also gives its best round (the lowest
+per-round median) against the baseline's best round; ``decode med`` is the canary's host time on a decode
+step (median), ``graphs`` the engine graphs captured with the canary inside.
 
     python bench/e2e_overhead.py --quick            # H200: ~4 minutes with model init
     python bench/e2e_overhead.py --tiny             # CPU smoke run (2 layers, 4 requests)
@@ -55,8 +59,8 @@ PRESETS = {
     "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
                  requests=4, prompt_min=48, prompt_max=80, new_tokens=4, page_size=16, max_batch_tokens=64),
 }
-CONFIGS = [("baseline", None), ("canary/partial", "partial"), ("canary/none", "none")]
-DEEP = ("canary/deep", "partial+deep")  # PARTIAL plus every layer's bytes fingerprinted at write (--deep)
+CONFIGS = [("baseline", None), ("canary/default", "partial+deep"), ("canary/partial", "partial"),
+           ("canary/none", "none")]
 
 
 @dataclass
@@ -64,12 +68,14 @@ class StepLog:
     """Engine steps of one run: (decode?, query tokens, seconds)."""
 
     steps: list = field(default_factory=list)
+    cpu_s: list = field(default_factory=list)  # CPU seconds of the engine thread within each step (thread_time)
     canary_s: float = 0.0  # host seconds inside the canary's entry points
     by_entry: dict = field(default_factory=dict)  # entry point -> host seconds
     canary_step_s: list = field(default_factory=list)  # canary host seconds within each engine step
     twin_fallbacks: int = 0
     _t0: float = 0.0
     _c0: float = 0.0
+    _p0: float = 0.0
 
 
 @contextlib.contextmanager
@@ -81,13 +87,14 @@ def timed_engine_steps(log: StepLog):
     prepare, update = ContinuousBatchProcessor.prepare_next_batch, ContinuousBatchProcessor.update_batch
 
     def timed_prepare(self):
-        log._t0, log._c0 = time.perf_counter(), log.canary_s
+        log._t0, log._c0, log._p0 = time.perf_counter(), log.canary_s, time.thread_time()
         return prepare(self)
 
     def timed_update(self):
         batch = list(self.inputs_and_outputs.requests_in_batch)
         out = update(self)
         dt = time.perf_counter() - log._t0
+        log.cpu_s.append(time.thread_time() - log._p0)
         tokens = sum(fs.query_length for fs in batch)
         log.steps.append((all(fs.query_length == 1 for fs in batch), tokens, dt))
         log.canary_step_s.append(log.canary_s - log._c0)
@@ -196,7 +203,8 @@ def run_one(model, prompts, args, graphs: bool, hash_mode) -> tuple[dict, StepLo
 
 def pool(logs: list) -> StepLog:
     """One StepLog of several runs (steps concatenated, host time summed)."""
-    out = StepLog(steps=[s for lg in logs for s in lg.steps], canary_s=sum(lg.canary_s for lg in logs))
+    out = StepLog(steps=[s for lg in logs for s in lg.steps], canary_s=sum(lg.canary_s for lg in logs),
+                  cpu_s=[c for lg in logs for c in lg.cpu_s])
     out.canary_step_s = [t for lg in logs for t in lg.canary_step_s]
     for lg in logs:
         for k, v in lg.by_entry.items():
@@ -213,10 +221,14 @@ def summarize(log: StepLog) -> dict:
         "steps": steps,
         "decode_steps": len(decode),
         "decode_ms": statistics.median(decode) * 1e3 if decode else None,
+        "decode_cpu_ms": (statistics.median(c for (d, _, _), c in zip(log.steps, log.cpu_s) if d) * 1e3
+                          if decode and log.cpu_s else None),
         "prefill_us_per_token": sum(dt for _, dt in prefill) / prefill_tokens * 1e6 if prefill_tokens else None,
         "canary_host_ms_per_step": log.canary_s / steps * 1e3 if steps and log.canary_s else None,
         "canary_host_ms_median": statistics.median(log.canary_step_s) * 1e3 if log.canary_step_s else None,
         "canary_host_ms_max": max(log.canary_step_s) * 1e3 if log.canary_step_s else None,
+        "canary_host_ms_decode_median": (statistics.median(c for (d, _, _), c in zip(log.steps, log.canary_step_s) if d)
+                                         * 1e3 if log.canary_step_s and decode else None),
         "canary_host_ms_per_step_by_entry": {k: v / steps * 1e3 for k, v in log.by_entry.items()} if steps else {},
     }
 
@@ -237,8 +249,9 @@ def _pct(x, base):
 
 
 def format_table(rows: list[dict], machine: str) -> str:
-    head = (f"{'graphs':<6} {'config':<15} {'decode ms':>9} {'ovh %':>7} {'prefill us/tok':>14} {'ovh %':>7} "
-            f"{'canary host ms/step':>19} {'median ms':>10} {'same tokens':>11} {'checked/engine':>14} {'twins':>5}")
+    head = (f"{'graphs':<6} {'config':<15} {'decode ms':>9} {'ovh %':>7} {'best rnd':>8} {'ovh %':>7} "
+            f"{'prefill us/tok':>14} {'ovh %':>7} {'canary host ms/step':>19} {'median ms':>10} {'decode med':>10} "
+            f"{'same tokens':>11} {'checked/engine':>14} {'graphs':>6} {'twins':>5}")
     lines = [f"kvcanary end-to-end overhead — {machine}", head, "-" * len(head)]
 
     def f(x, spec):
@@ -254,9 +267,12 @@ def format_table(rows: list[dict], machine: str) -> str:
         note = f"  canary error: {r['canary_errors'][0][:120]}" if r.get("canary_errors") else ""
         lines.append(
             f"{r['graphs']:<6} {r['config']:<15} {f(r['decode_ms'], '9.2f')} {f(r.get('decode_overhead_pct'), '+7.2f')} "
+            f"{f(r.get('decode_ms_best_round'), '8.2f')} {f(r.get('decode_overhead_best_round_pct'), '+7.2f')} "
             f"{f(r['prefill_us_per_token'], '14.3f')} {f(r.get('prefill_overhead_pct'), '+7.2f')} "
             f"{f(r['canary_host_ms_per_step'], '19.3f')} {f(r.get('canary_host_ms_median'), '10.3f')} "
-            f"{str(r['same_tokens']):>11} {ce:>14} {r.get('twin_fallbacks', 0):>5}{note}"
+            f"{f(r.get('canary_host_ms_decode_median'), '10.3f')} "
+            f"{str(r['same_tokens']):>11} {ce:>14} {str(cf.get('graphs_captured', '-')) if cf else '-':>6} "
+            f"{r.get('twin_fallbacks', 0):>5}{note}"
         )
     return "\n".join(lines)
 
@@ -273,9 +289,10 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-interval", type=int, default=64)
     p.add_argument("--capture-canary", default="on", choices=["on", "off"],
                    help="graphs off: capture the canary's own HEAD/TAIL work in CUDA graphs (the adapter's default)")
-    p.add_argument("--repeats", type=int, default=2, help="measured rounds (each runs every configuration once)")
+    p.add_argument("--repeats", type=int, default=3, help="measured rounds (each runs every configuration once)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--deep", action="store_true", help="also run canary/deep (PARTIAL + deep fingerprints)")
+    p.add_argument("--configs", default=",".join(n.split("/")[-1] for n, _ in CONFIGS),
+                   help="comma-separated subset of baseline,default,partial,none")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"]
@@ -286,7 +303,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs or ("both" if cuda else "off")]
-    configs = CONFIGS + ([DEEP] if args.deep else [])
+    wanted = set(args.configs.split(",")) | {"baseline"}
+    configs = [(n, h) for n, h in CONFIGS if n.split("/")[-1] in wanted]
     if not cuda:
         graph_modes = [False]
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
@@ -340,6 +358,7 @@ def main(argv=None) -> int:
         base = {key: statistics.mean(b[key] for b in base_runs if b.get(key) is not None) if base_runs else None
                 for key in ("decode_ms", "prefill_us_per_token")}
         base_tokens = results.get("baseline", {}).get("tokens")
+        base_best = min((b["decode_ms"] for b in base_runs if b.get("decode_ms") is not None), default=None)
         for name, hash_mode in configs:
             row = {"graphs": mode, "config": name}
             if name in errors:
@@ -347,6 +366,10 @@ def main(argv=None) -> int:
             if logs[name]:
                 row.update(summarize(pool(logs[name])))
                 row["per_round_decode_ms"] = [summarize(lg)["decode_ms"] for lg in logs[name]]
+                row["per_round_decode_cpu_ms"] = [summarize(lg)["decode_cpu_ms"] for lg in logs[name]]
+                best = min((x for x in row["per_round_decode_ms"] if x is not None), default=None)
+                row["decode_ms_best_round"] = best
+                row["decode_overhead_best_round_pct"] = _pct(best, base_best)
                 row["twin_fallbacks"] = sum(lg.twin_fallbacks for lg in logs[name])
                 result = results[name]
                 row["counters"] = {k: v for k, v in result["counters"].items() if not isinstance(v, dict)}
@@ -364,7 +387,9 @@ def main(argv=None) -> int:
     for r in rows:
         if r.get("per_round_decode_ms"):
             print(f"  {r['graphs']:<3} {r['config']:<15} decode ms per round: "
-                  + ", ".join(f"{x:.2f}" for x in r["per_round_decode_ms"] if x is not None))
+                  + ", ".join(f"{x:.2f}" for x in r["per_round_decode_ms"] if x is not None)
+                  + "  (engine thread CPU ms: "
+                  + ", ".join(f"{x:.2f}" for x in r.get("per_round_decode_cpu_ms", []) if x is not None) + ")")
     for r in rows:
         entries = r.get("canary_host_ms_per_step_by_entry")
         if entries:

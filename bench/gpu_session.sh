@@ -18,13 +18,14 @@ stage() {  # stage NAME LIMIT_S CMD...
 }
 for s in "$@"; do
   case $s in
-    tests)   stage tests "${TESTS_LIMIT:-230}" python3 -m pytest tests/gpu tests/ops/test_copy.py::test_gpu_triton_matches_twin \
-               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph -q -n ${TESTS_WORKERS:-12} -p no:cacheprovider --durations=10 ;;
+    tests)   stage tests "${TESTS_LIMIT:-230}" python3 -m pytest ${TESTS_SELECT:-tests/gpu tests/ops/test_copy.py::test_gpu_triton_matches_twin \
+               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph} -q -n ${TESTS_WORKERS:-12} -p no:cacheprovider --durations=10 ;;
     runtime) stage runtime "${RUNTIME_LIMIT:-150}" python3 bench/runtime_overhead.py ${RUNTIME_ARGS:---profile 14} --json "$OUT/runtime.json" ;;
     soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-70}" --json "$OUT/soak.json" ;;
     copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
     kernels) stage kernels 110 python3 bench/gpu_kernels.py --quick ;;
-    e2e)     stage e2e "${E2E_LIMIT:-420}" python3 bench/e2e_overhead.py --json "$OUT/e2e.json" ;;
+    e2e)     stage e2e "${E2E_LIMIT:-420}" python3 bench/e2e_overhead.py ${E2E_ARGS:-} --json "$OUT/e2e.json" ;;
+    e2e_off) stage e2e_off "${E2E_OFF_LIMIT:-240}" python3 bench/e2e_overhead.py --graphs off ${E2E_OFF_ARGS:-} --json "$OUT/e2e_off.json" ;;
     e2e_quick) stage e2e_quick "${E2E_LIMIT:-300}" python3 bench/e2e_overhead.py --quick --json "$OUT/e2e.json" ;;
     deep)    stage deep "${DEEP_LIMIT:-90}" python3 bench/runtime_overhead.py --deep-fingerprints --grid 1x256,64x4096 ;;
     *) echo "unknown stage $s" ;;
