@@ -69,6 +69,10 @@ class StepLog:
 
     steps: list = field(default_factory=list)
     cpu_s: list = field(default_factory=list)  # CPU seconds of the engine thread within each step (thread_time)
+    captured: list = field(default_factory=list)  # whether the engine captured a CUDA graph in each step
+    step_entries: list = field(default_factory=list)  # canary host seconds by entry point, per step
+    _entries: dict = field(default_factory=dict)
+    _capturing: bool = False
     canary_s: float = 0.0  # host seconds inside the canary's entry points
     by_entry: dict = field(default_factory=dict)  # entry point -> host seconds
     canary_step_s: list = field(default_factory=list)  # canary host seconds within each engine step
@@ -83,12 +87,19 @@ def timed_engine_steps(log: StepLog):
     """Time each engine step from ``prepare_next_batch`` to the end of ``update_batch`` (bench-only patch of
     the processor class, removed on exit)."""
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
 
     prepare, update = ContinuousBatchProcessor.prepare_next_batch, ContinuousBatchProcessor.update_batch
+    capture = ModelRunner._capture_graph
 
     def timed_prepare(self):
         log._t0, log._c0, log._p0 = time.perf_counter(), log.canary_s, time.thread_time()
+        log._entries, log._capturing = {}, False
         return prepare(self)
+
+    def counted_capture(self, *args, **kwargs):
+        log._capturing = True
+        return capture(self, *args, **kwargs)
 
     def timed_update(self):
         batch = list(self.inputs_and_outputs.requests_in_batch)
@@ -98,13 +109,17 @@ def timed_engine_steps(log: StepLog):
         tokens = sum(fs.query_length for fs in batch)
         log.steps.append((all(fs.query_length == 1 for fs in batch), tokens, dt))
         log.canary_step_s.append(log.canary_s - log._c0)
+        log.captured.append(log._capturing)
+        log.step_entries.append(log._entries)
         return out
 
     ContinuousBatchProcessor.prepare_next_batch, ContinuousBatchProcessor.update_batch = timed_prepare, timed_update
+    ModelRunner._capture_graph = counted_capture
     try:
         yield log
     finally:
         ContinuousBatchProcessor.prepare_next_batch, ContinuousBatchProcessor.update_batch = prepare, update
+        ModelRunner._capture_graph = capture
 
 
 @contextlib.contextmanager
@@ -131,6 +146,7 @@ def timed_canary(log: StepLog):
                 dt = time.perf_counter() - t
                 log.canary_s += dt
                 log.by_entry[label] = log.by_entry.get(label, 0.0) + dt
+                log._entries[label] = log._entries.get(label, 0.0) + dt
                 depth[0] -= 1
         label = fn.__qualname__
         return wrapper
@@ -204,7 +220,8 @@ def run_one(model, prompts, args, graphs: bool, hash_mode) -> tuple[dict, StepLo
 def pool(logs: list) -> StepLog:
     """One StepLog of several runs (steps concatenated, host time summed)."""
     out = StepLog(steps=[s for lg in logs for s in lg.steps], canary_s=sum(lg.canary_s for lg in logs),
-                  cpu_s=[c for lg in logs for c in lg.cpu_s])
+                  cpu_s=[c for lg in logs for c in lg.cpu_s], captured=[c for lg in logs for c in lg.captured],
+                  step_entries=[e for lg in logs for e in lg.step_entries])
     out.canary_step_s = [t for lg in logs for t in lg.canary_step_s]
     for lg in logs:
         for k, v in lg.by_entry.items():
@@ -217,7 +234,16 @@ def summarize(log: StepLog) -> dict:
     prefill = [(tok, dt) for is_decode, tok, dt in log.steps if not is_decode]
     prefill_tokens = sum(t for t, _ in prefill)
     steps = len(log.steps)
+    # decode steps that replayed an engine graph (or ran eagerly): what a long-running server sees per token
+    replays = [i for i, (d, _, _) in enumerate(log.steps) if d and not (log.captured and log.captured[i])]
+    entries = sorted({k for e in log.step_entries for k in e})
     return {
+        "decode_steps_captured": sum(1 for i, (d, _, _) in enumerate(log.steps) if d and log.captured and log.captured[i]),
+        "decode_ms_replayed": statistics.median(log.steps[i][2] for i in replays) * 1e3 if replays else None,
+        "canary_host_ms_replayed_median": (statistics.median(log.canary_step_s[i] for i in replays) * 1e3
+                                           if replays and log.canary_step_s else None),
+        "canary_host_ms_replayed_median_by_entry": ({k: statistics.median(log.step_entries[i].get(k, 0.0) for i in replays)
+                                                     * 1e3 for k in entries} if replays and log.step_entries else {}),
         "steps": steps,
         "decode_steps": len(decode),
         "decode_ms": statistics.median(decode) * 1e3 if decode else None,
@@ -390,6 +416,13 @@ def main(argv=None) -> int:
                   + ", ".join(f"{x:.2f}" for x in r["per_round_decode_ms"] if x is not None)
                   + "  (engine thread CPU ms: "
                   + ", ".join(f"{x:.2f}" for x in r.get("per_round_decode_cpu_ms", []) if x is not None) + ")")
+    for r in rows:
+        if r.get("canary_host_ms_replayed_median") is not None:
+            parts = ", ".join(f"{k.split('.')[-1]} {v:.3f}" for k, v in
+                              sorted(r["canary_host_ms_replayed_median_by_entry"].items(), key=lambda kv: -kv[1]))
+            print(f"  {r['graphs']:<3} {r['config']:<15} decode steps that captured a graph: {r['decode_steps_captured']}"
+                  f"/{r['decode_steps']}; the others: decode {r['decode_ms_replayed']:.2f} ms, canary host median "
+                  f"{r['canary_host_ms_replayed_median']:.3f} ms ({parts})")
     for r in rows:
         entries = r.get("canary_host_ms_per_step_by_entry")
         if entries:
