@@ -20,7 +20,8 @@ CUDA graphs (``use_cuda_graph=True``, or the GPU default with a flash attention 
 the hooks run once and the canary's device work is captured with the forward; a replay runs no Python.
 So the host half must run around the replay, where no documented hook exists: the adapter shadows
 ``processor.model_runner.compute_batch`` with an instance attribute (`compat.install_compute_wrapper`)
-that calls ``host_step`` + ``begin_step`` before the original and ``end_step`` after it, counts
+that calls ``host_step`` + ``begin_step`` before the original and ``end_step`` after it (whose rotating
+sweep slice, not part of the engine's graphs, replays a graph of its own from the second step on), counts
 ``engine_forwards``, and makes the compute stream wait for the host-side copies. `detach` deletes the
 attribute (the class method is visible again) and drops the graphs captured with the canary inside (the
 engine recaptures them on demand); graphs captured before attaching are dropped when the session opens,
@@ -116,6 +117,7 @@ class _Session:
     translator: ForwardTranslator
     graphs: bool  # the processor captures CUDA graphs: the compute_batch wrapper drives the steps
     canary_graphs_due: bool = False  # eager engine on CUDA: capture the canary's own work after one forward
+    sweep_graph_due: bool = False  # graph mode on CUDA: capture the sweep slice alone once a step has swept
     statics: Optional[StaticKwargs] = None  # eager engine: fixed-shape copies of the kwargs (translation graph)
     translation: Optional[object] = None  # CUDA graph of describe + stage over ``statics``
     phase: str = IDLE
@@ -340,6 +342,16 @@ class TransformersCbHandle:
         except Exception as exc:  # noqa: BLE001 — the eager path is always correct
             logger.warning("kv-canary: could not capture the translation graph (%s); translating eagerly", exc)
 
+    def _capture_sweep(self, s: _Session) -> None:
+        """Graph mode: the engine's graphs hold HEAD / TAIL, but the sweep slice runs between forwards; capture it
+        alone so `end_step` replays it instead of launching its kernels from Python each step. On failure the
+        slice keeps launching eagerly (same result, more host time)."""
+        s.sweep_graph_due = False
+        try:
+            s.canary.capture_sweep_graph()
+        except Exception as exc:  # noqa: BLE001 — the eager slice is always correct
+            logger.warning("kv-canary: could not capture the sweep slice (%s); launching it eagerly", exc)
+
     def _end_deferred(self, s: _Session) -> None:
         if s.phase == DEFERRED_END:
             s.phase = IDLE
@@ -374,6 +386,8 @@ class TransformersCbHandle:
                     phase, s.phase = s.phase, IDLE
                     if phase == WRAPPED_STEP:
                         s.canary.end_step()
+                        if s.sweep_graph_due and s.canary.sweeper.slices_run:
+                            self._capture_sweep(s)
             except Exception as exc:
                 self._canary_failed(s, s.cache, exc, forward_counted=True)
             return result
@@ -447,7 +461,7 @@ class TransformersCbHandle:
         cuda = torch.device(device).type == "cuda"
         own_graphs = (self.capture_canary if self.capture_canary is not None else cuda) and cuda and not graphs
         session = _Session(cache=cache, processor=processor, canary=canary, translator=translator, graphs=graphs,
-                           canary_graphs_due=own_graphs)
+                           canary_graphs_due=own_graphs, sweep_graph_due=graphs and cuda and self.capture_canary is not False)
         if not graphs and (self.static_translation if self.static_translation is not None else own_graphs):
             session.statics = StaticKwargs(layouts=layouts, max_rows=max_rows, max_tokens=max_batch_tokens,
                                            max_reads=max_read + max_batch_tokens, device=device)
@@ -714,7 +728,9 @@ def attach(
     from ``KVCANARY_*`` environment variables. ``max_requests``: live requests tracked at once;
     ``max_context``: longest request (default: the cache's capacity, at most 32768).
     ``capture_canary``: when the engine runs eagerly on CUDA, capture the canary's own HEAD / TAIL work in
-    CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward).
+    CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward); when
+    the engine captures its own graphs (HEAD / TAIL inside them), capture the sweep slice that runs between
+    forwards (`Canary.capture_sweep_graph`; off = launch it from Python each step).
     ``static_translation``: translate eager forwards from fixed-shape copies of their kwargs, with the
     translation captured once in a CUDA graph alongside (default: with ``capture_canary``).
     ``token_oracle``: ``(request_id, position) -> token`` the engine's sampler is known to emit past the
