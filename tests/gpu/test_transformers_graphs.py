@@ -136,16 +136,21 @@ def test_graph_mode_replays_the_sweep_slice_from_a_graph_of_its_own(llama, monke
 
     captured, eager = [], []
     capture = Canary.capture_sweep_graph
-    monkeypatch.setattr(Canary, "capture_sweep_graph", lambda self: captured.append(capture(self)) or captured[-1])
+
+    def counted_capture(self):
+        captured.append((capture(self), len(eager)))  # (captured?, eager slices before the capture)
+        return captured[-1][0]
+
+    monkeypatch.setattr(Canary, "capture_sweep_graph", counted_capture)
     slice_ = Sweeper.slice
     monkeypatch.setattr(Sweeper, "slice", lambda self: eager.append(1) or slice_(self))
     prompts = workload(seed=1)
     reference = run(llama, prompts)
-    with attach(llama, mode="raise", sweep_interval=2) as handle:
+    with attach(llama, mode="raise", sweep_interval=2, capture_sweep=True) as handle:
         checked = run(llama, prompts)
     stats = handle.stats()[-1]
     assert checked == reference and handle.violations() == [] and handle.errors == []
-    assert captured == [True], captured
-    # the hook-driven first step and the first wrapped step slice eagerly; every later slice replays the graph
-    assert len(eager) <= 2 < 2 * stats.sweep_passes, (len(eager), stats.sweep_passes)
+    assert [ok for ok, _ in captured] == [True], captured
+    assert len(eager) == captured[0][1], "slices after the capture must replay the graph, not launch eagerly"
+    assert len(eager) < 2 * stats.sweep_passes, (len(eager), stats.sweep_passes)  # so replays ran too
     assert stats.last_sweep_verified == stats.last_sweep_live, stats

@@ -21,7 +21,8 @@ the hooks run once and the canary's device work is captured with the forward; a 
 So the host half must run around the replay, where no documented hook exists: the adapter shadows
 ``processor.model_runner.compute_batch`` with an instance attribute (`compat.install_compute_wrapper`)
 that calls ``host_step`` + ``begin_step`` before the original and ``end_step`` after it (whose rotating
-sweep slice, not part of the engine's graphs, replays a graph of its own from the second step on), counts
+sweep slice is not part of the engine's graphs: launched from Python, or with ``capture_sweep=True`` replayed
+from a graph of its own after the first wrapped step), counts
 ``engine_forwards``, and makes the compute stream wait for the host-side copies. `detach` deletes the
 attribute (the class method is visible again) and drops the graphs captured with the canary inside (the
 engine recaptures them on demand); graphs captured before attaching are dropped when the session opens,
@@ -84,7 +85,7 @@ IDLE, HOOK_STEP, WRAPPED_STEP, DEFERRED_END = "idle", "hook", "wrapped", "deferr
 # why a forward ran unchecked (`TransformersCbHandle.counters()["unchecked_by_cause"]`)
 CAUSE_CAPACITY, CAUSE_INTERNAL, CAUSE_PLAIN = "capacity", "internal", "plain_forward"
 ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation",
-                   "token_oracle")
+                   "token_oracle", "capture_sweep")
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, TransformersCbHandle]" = weakref.WeakKeyDictionary()
 
@@ -166,6 +167,7 @@ class TransformersCbHandle:
     capture_canary: Optional[bool] = None
     static_translation: Optional[bool] = None
     token_oracle: Optional[TokenOracleFn] = None
+    capture_sweep: bool = False
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -461,7 +463,7 @@ class TransformersCbHandle:
         cuda = torch.device(device).type == "cuda"
         own_graphs = (self.capture_canary if self.capture_canary is not None else cuda) and cuda and not graphs
         session = _Session(cache=cache, processor=processor, canary=canary, translator=translator, graphs=graphs,
-                           canary_graphs_due=own_graphs, sweep_graph_due=graphs and cuda and self.capture_canary is not False)
+                           canary_graphs_due=own_graphs, sweep_graph_due=graphs and cuda and self.capture_sweep)
         if not graphs and (self.static_translation if self.static_translation is not None else own_graphs):
             session.statics = StaticKwargs(layouts=layouts, max_rows=max_rows, max_tokens=max_batch_tokens,
                                            max_reads=max_read + max_batch_tokens, device=device)
@@ -719,6 +721,7 @@ def attach(
     capture_canary: Optional[bool] = None,
     static_translation: Optional[bool] = None,
     token_oracle: Optional[TokenOracleFn] = None,
+    capture_sweep: bool = False,
     **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
@@ -728,9 +731,11 @@ def attach(
     from ``KVCANARY_*`` environment variables. ``max_requests``: live requests tracked at once;
     ``max_context``: longest request (default: the cache's capacity, at most 32768).
     ``capture_canary``: when the engine runs eagerly on CUDA, capture the canary's own HEAD / TAIL work in
-    CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward); when
-    the engine captures its own graphs (HEAD / TAIL inside them), capture the sweep slice that runs between
-    forwards (`Canary.capture_sweep_graph`; off = launch it from Python each step).
+    CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward).
+    ``capture_sweep``: when the engine captures its own graphs (HEAD / TAIL inside them), capture the sweep
+    slice that runs between forwards in a graph of its own (`Canary.capture_sweep_graph`), saving its launches
+    from Python each step (1.3 ms of a replayed decode step on an H200, bench/NOTES.md run 21). Off by default
+    until its GPU test has passed on hardware (run 22 could not tell: bench/NOTES.md).
     ``static_translation``: translate eager forwards from fixed-shape copies of their kwargs, with the
     translation captured once in a CUDA graph alongside (default: with ``capture_canary``).
     ``token_oracle``: ``(request_id, position) -> token`` the engine's sampler is known to emit past the
@@ -758,7 +763,7 @@ def attach(
     if not cfg.enabled:  # mode "none": nothing attached, nothing checked
         return TransformersCbHandle(model=model, config=cfg, max_requests=max_requests, max_context=max_context,
                                     device=dev, capture_canary=capture_canary, static_translation=static_translation,
-                                    token_oracle=token_oracle)
+                                    token_oracle=token_oracle, capture_sweep=bool(capture_sweep))
     check_real_kv_layers(model, cfg)
     previous = _ATTACHED.get(model)
     if previous is not None and not previous._detached:
@@ -769,6 +774,7 @@ def attach(
     handle = TransformersCbHandle(
         model=model, config=cfg, max_requests=max_requests, max_context=max_context, device=dev,
         capture_canary=capture_canary, static_translation=static_translation, token_oracle=token_oracle,
+        capture_sweep=bool(capture_sweep),
     )
     handle._install()
     _ATTACHED[model] = handle
