@@ -2,6 +2,8 @@
 # One device call of a session: the stages named as arguments, each under its own time limit, logs in $OUT.
 #   bash bench/gpu_session.sh tests runtime soak copy kernels e2e e2e_quick deep
 # Runs from wherever it is started (a snapshot of a commit: see bench/NOTES.md); prints a short summary last.
+# The tests stage is verbose (-v: under xdist each result is printed with its name as it lands), so a stage cut by
+# its limit still says which tests failed (run 22 printed only `...F.F.`).
 set -o pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -19,9 +21,9 @@ stage() {  # stage NAME LIMIT_S CMD...
 for s in "$@"; do
   case $s in
     tests)   stage tests "${TESTS_LIMIT:-230}" python3 -m pytest ${TESTS_SELECT:-tests/gpu tests/ops/test_copy.py::test_gpu_triton_matches_twin \
-               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph} -q -n ${TESTS_WORKERS:-12} -p no:cacheprovider --durations=10 ;;
+               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph} -v -rf -n ${TESTS_WORKERS:-12} -p no:cacheprovider --durations=10 -p no:benchmark ;;
     runtime) stage runtime "${RUNTIME_LIMIT:-150}" python3 bench/runtime_overhead.py ${RUNTIME_ARGS:---profile 14} --json "$OUT/runtime.json" ;;
-    soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-70}" --json "$OUT/soak.json" ;;
+    soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-90}" --json "$OUT/soak.json" ;;
     copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
     kernels) stage kernels 110 python3 bench/gpu_kernels.py --quick ;;
     e2e)     stage e2e "${E2E_LIMIT:-420}" python3 bench/e2e_overhead.py ${E2E_ARGS:-} --json "$OUT/e2e.json" ;;
