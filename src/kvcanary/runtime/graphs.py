@@ -120,6 +120,8 @@ def capture_sweep_slice(sweeper: Sweeper) -> torch.cuda.CUDAGraph:
     if sweeper.slices_run < 1:
         raise KvCanaryRuntimeError("kv-canary: capture the sweep slice after one eager slice (its kernels compile there)")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread-local: an engine serving from a background thread (transformers' generate_batch) may make CUDA calls
+    # on another thread meanwhile, which a global-mode capture would turn into errors there
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         sweeper.slice_device()
     return graph
