@@ -747,6 +747,8 @@ def attach(
     """
     check_transformers_version()
     check_attach_options(options)
+    if not isinstance(capture_sweep, bool):
+        raise KvCanaryTypeError(f"kv-canary: capture_sweep must be a bool, got {type(capture_sweep).__name__}")
     check_limits(max_requests, max_context)
     if token_oracle is not None and not callable(token_oracle):
         raise KvCanaryTypeError(f"kv-canary: token_oracle must be a callable (request_id, position) -> token, "
@@ -763,7 +765,7 @@ def attach(
     if not cfg.enabled:  # mode "none": nothing attached, nothing checked
         return TransformersCbHandle(model=model, config=cfg, max_requests=max_requests, max_context=max_context,
                                     device=dev, capture_canary=capture_canary, static_translation=static_translation,
-                                    token_oracle=token_oracle, capture_sweep=bool(capture_sweep))
+                                    token_oracle=token_oracle, capture_sweep=capture_sweep)
     check_real_kv_layers(model, cfg)
     previous = _ATTACHED.get(model)
     if previous is not None and not previous._detached:
@@ -774,7 +776,7 @@ def attach(
     handle = TransformersCbHandle(
         model=model, config=cfg, max_requests=max_requests, max_context=max_context, device=dev,
         capture_canary=capture_canary, static_translation=static_translation, token_oracle=token_oracle,
-        capture_sweep=bool(capture_sweep),
+        capture_sweep=capture_sweep,
     )
     handle._install()
     _ATTACHED[model] = handle
