@@ -235,10 +235,11 @@ def summarize(log: StepLog) -> dict:
     prefill_tokens = sum(t for t, _ in prefill)
     steps = len(log.steps)
     # decode steps that replayed an engine graph (or ran eagerly): what a long-running server sees per token
-    replays = [i for i, (d, _, _) in enumerate(log.steps) if d and not (log.captured and log.captured[i])]
+    captured = log.captured or [False] * steps
+    replays = [i for i, (d, _, _) in enumerate(log.steps) if d and not captured[i]]
     entries = sorted({k for e in log.step_entries for k in e})
     return {
-        "decode_steps_captured": sum(1 for i, (d, _, _) in enumerate(log.steps) if d and log.captured and log.captured[i]),
+        "decode_steps_captured": len(decode) - len(replays),
         "decode_ms_replayed": statistics.median(log.steps[i][2] for i in replays) * 1e3 if replays else None,
         "canary_host_ms_replayed_median": (statistics.median(log.canary_step_s[i] for i in replays) * 1e3
                                            if replays and log.canary_step_s else None),

@@ -63,11 +63,10 @@ def test_cached_flip_overwritten_by_the_engine_is_not_expected_and_not_undone():
     the flipped bit is gone before anything reads it: the ledger says so, and repair leaves the new KV alone
     (an explicit sweep at the end finds that slot clean)."""
     from kvcanary.faults.ledger import FaultLedger
-    from kvcanary.faults.sim import INJECTORS
-    from kvcanary.faults.sim_campaign import SimDriver, _inject_once
+    from kvcanary.faults.sim_campaign import SimDriver, _inject_once, class_seed
 
     cfg = SimCampaignConfig(seed=1, per_class=8)
-    seed = cfg.seed * 1000 + sorted(INJECTORS).index("kv_flip_cached") * 100  # as run_class seeds it
+    seed = class_seed("kv_flip_cached", cfg)
     driver, ledger = SimDriver(cfg, seed, swa=False), FaultLedger()
     injector = INJECTORS["kv_flip_cached"](driver.target(ledger), seed=seed)
     for _ in range(cfg.warm):

@@ -11,7 +11,6 @@ injection the configuration can see was detected, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-
 import json
 import logging
 import os

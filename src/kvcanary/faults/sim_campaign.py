@@ -107,6 +107,11 @@ def _inject_once(driver: SimDriver, injector, cfg: SimCampaignConfig) -> Optiona
     return outcome if settled is inj else account(settled, found, until_step=driver.canary.step + 1)
 
 
+def class_seed(fault: str, cfg: SimCampaignConfig) -> int:
+    """The seed of the first engine and injector of class ``fault`` in a campaign of ``cfg``."""
+    return cfg.seed * 1000 + sorted(INJECTORS).index(fault) * 100
+
+
 def run_class(fault: str, cfg: SimCampaignConfig, *, clean_twin: bool = True,
               progress: Optional[Callable[[], None]] = None) -> ClassRun:
     """Run ``cfg.per_class`` injections of ``fault`` (and its clean twin) on the simulated engine."""
@@ -114,7 +119,7 @@ def run_class(fault: str, cfg: SimCampaignConfig, *, clean_twin: bool = True,
         raise KvCanaryValueError(f"kv-canary: unknown fault class {fault!r} (known: {', '.join(INJECTORS)})")
     cls = INJECTORS[fault]
     run = ClassRun(fault=fault)
-    base = cfg.seed * 1000 + sorted(INJECTORS).index(fault) * 100
+    base = class_seed(fault, cfg)
     seeds = [base + k for k in range(cfg.per_class)] if cls.fresh_engine else [base]
     driver: Optional[SimDriver] = None
     engine_forwards: list[tuple[int, int]] = []

@@ -49,7 +49,7 @@ class CanaryConfig:
     deep_fingerprints: also fingerprint every byte of every layer of each written slot (one 32-byte record
         per 4 layers and side, written at TAIL) and verify them in the rotating sweep, so a flipped bit
         anywhere in cached KV is caught within one sweep pass (ignored with ``real_kv_hash="none"``). On by
-        default; cost measured on an H200 in bench/NOTES.md (runs 16 and 18).
+        default; cost measured on an H200 in bench/NOTES.md (runs 16, 18 and 20).
     log_lines_per_slot: log lines per (reason, group, slot) before that slot's further rows are only
         counted (and summarised per drain); every row still goes to the counters and the JSON lines.
     """
