@@ -8,6 +8,13 @@ set -o pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# Triton's compile cache travels between calls of a session (a fresh machine compiles for ~60 s): it goes back in
+# $OUT as xz parts of <= 15 MiB (triton-cache.txz.*); copy them into .triton-cache/ here and carry that folder.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+if ls .triton-cache/triton-cache.txz.* >/dev/null 2>&1; then
+  cat .triton-cache/triton-cache.txz.* | tar -xJ -C "$TRITON_CACHE_DIR" && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
 summary=()
@@ -21,9 +28,9 @@ stage() {  # stage NAME LIMIT_S CMD...
 for s in "$@"; do
   case $s in
     tests)   stage tests "${TESTS_LIMIT:-230}" python3 -m pytest ${TESTS_SELECT:-tests/gpu tests/ops/test_copy.py::test_gpu_triton_matches_twin \
-               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph} -v -rf -n ${TESTS_WORKERS:-12} -p no:cacheprovider --durations=10 -p no:benchmark ;;
+               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph} -v -rf -n ${TESTS_WORKERS:-12} --junitxml "$OUT/tests.xml" -p no:cacheprovider --durations=10 -p no:benchmark ;;
     runtime) stage runtime "${RUNTIME_LIMIT:-150}" python3 bench/runtime_overhead.py ${RUNTIME_ARGS:---profile 14} --json "$OUT/runtime.json" ;;
-    soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-90}" --json "$OUT/soak.json" ;;
+    soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-90}" --workers "${SOAK_WORKERS:-0}" --json "$OUT/soak.json" ;;
     copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
     kernels) stage kernels 110 python3 bench/gpu_kernels.py --quick ;;
     e2e)     stage e2e "${E2E_LIMIT:-420}" python3 bench/e2e_overhead.py ${E2E_ARGS:-} --json "$OUT/e2e.json" ;;
@@ -33,5 +40,6 @@ for s in "$@"; do
     *) echo "unknown stage $s" ;;
   esac
 done
+tar -cJf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.txz." && echo "triton cache back in \$OUT: $(du -ch "$OUT"/triton-cache.txz.* | tail -1 | cut -f1)"
 echo "==== summary ($OUT) ===="
 printf '%s\n' "${summary[@]}"

@@ -39,6 +39,24 @@ def test_limits_are_checked_at_attach(llama, kwargs, message):
     assert _hooks(llama) == before  # nothing attached
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_capture_sweep_must_be_a_bool(llama, value):
+    before = _hooks(llama)
+    with pytest.raises(KvCanaryTypeError, match=r"^kv-canary: capture_sweep must be a bool, got "):
+        attach(llama, capture_sweep=value)
+    assert _hooks(llama) == before
+
+
+def test_capture_sweep_on_an_eager_cpu_engine_changes_nothing(llama):
+    """The option only acts when the engine captures its own CUDA graphs; on the CPU the run is as without it."""
+    prompts = workload(seed=1)
+    reference = generate(llama, prompts)
+    with attach(llama, mode="raise", sweep_interval=2, capture_sweep=True) as handle:
+        checked = generate(llama, prompts)
+    assert checked == reference and handle.violations() == [] and handle.errors == []
+    assert handle.stats()[-1].sweep_passes > 0
+
+
 @pytest.mark.parametrize("layers", [(2,), (0, -3)])
 def test_real_kv_layers_out_of_range_for_the_model_is_refused_at_attach(llama, layers):
     with pytest.raises(KvCanaryValueError, match=r"^kv-canary: real_kv_layers index -?\d is out of range for the "

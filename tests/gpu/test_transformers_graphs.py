@@ -125,3 +125,32 @@ def test_redirected_read_index_is_caught_in_graph_mode_and_charged_to_the_reader
     assert any(v.slot == inj.slot and "verify_position" in v.reason_label for v in at_step)
     counters = handle.counters()
     assert counters["checked_forwards"] == counters["engine_forwards"]
+
+
+def test_graph_mode_replays_the_sweep_slice_from_a_graph_of_its_own(llama, monkeypatch):
+    """Graph mode: HEAD / TAIL live inside the engine's graphs, the rotating sweep slice runs between forwards.
+    After the first swept step the slice is captured alone and replayed (no eager slice launches after that), and
+    the rotating passes still complete and verify every live slot."""
+    from kvcanary.runtime import Canary
+    from kvcanary.runtime.sweep import Sweeper
+
+    captured, eager = [], []
+    capture = Canary.capture_sweep_graph
+
+    def counted_capture(self):
+        captured.append((capture(self), len(eager)))  # (captured?, eager slices before the capture)
+        return captured[-1][0]
+
+    monkeypatch.setattr(Canary, "capture_sweep_graph", counted_capture)
+    slice_ = Sweeper.slice
+    monkeypatch.setattr(Sweeper, "slice", lambda self: eager.append(1) or slice_(self))
+    prompts = workload(seed=1)
+    reference = run(llama, prompts)
+    with attach(llama, mode="raise", sweep_interval=2, capture_sweep=True) as handle:
+        checked = run(llama, prompts)
+    stats = handle.stats()[-1]
+    assert checked == reference and handle.violations() == [] and handle.errors == []
+    assert [ok for ok, _ in captured] == [True], captured
+    assert len(eager) == captured[0][1], "slices after the capture must replay the graph, not launch eagerly"
+    assert len(eager) < 2 * stats.sweep_passes, (len(eager), stats.sweep_passes)  # so replays ran too
+    assert stats.last_sweep_verified == stats.last_sweep_live, stats

@@ -70,7 +70,7 @@ from kvcanary.runtime.batch import BatchDescription, GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
 from kvcanary.runtime.drain import Harvest, ViolationDrain, ViolationRings
-from kvcanary.runtime.graphs import CanaryGraphs, GraphSet
+from kvcanary.runtime.graphs import CanaryGraphs, GraphSet, capture_sweep_slice
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
@@ -164,6 +164,7 @@ class Canary:
         self._graphs: Optional[CanaryGraphs] = None
         self._graph_set: Optional[GraphSet] = None  # the bucket this forward's HEAD replayed
         self._swept_this_step = False  # the sweep slice already replayed with TAIL (own graphs)
+        self._sweep_graph: Optional[torch.cuda.CUDAGraph] = None  # the slice alone (engine graphs hold HEAD / TAIL)
         self.canary_errors = 0  # the canary's own failures contained in log mode
         self.unchecked_forwards = 0
         self._unchecked = False
@@ -325,6 +326,20 @@ class Canary:
             launches=self.launches, sweeper=self.sweeper, static=self.static, counters=self.launch_counters,
         )
 
+    def capture_sweep_graph(self) -> bool:
+        """Capture the rotating sweep slice alone into a CUDA graph that `end_step` replays (CUDA only): for an
+        engine that captures HEAD / TAIL inside its own graphs, where the slice would otherwise be launched from
+        Python every step. Call it between forwards, after one step has swept; False when there is no sweep."""
+        self._check_open()
+        if self._depth:
+            raise KvCanaryRuntimeError("kv-canary: capture_sweep_graph() inside an open forward")
+        if not self._sweeping():
+            return False
+        if self.static.device.type != "cuda":
+            raise KvCanaryValueError(f"kv-canary: CUDA graphs need a CUDA canary, this one is on {self.static.device}")
+        self._sweep_graph = capture_sweep_slice(self.sweeper)
+        return True
+
     def end_step(self) -> None:
         """Sweep slice, non-blocking drain, health, stats (host); raises in ``raise`` mode."""
         try:
@@ -332,8 +347,9 @@ class Canary:
                 self._swept_this_step = False
             elif self._sweeping():
                 self._start_pass_if_due()
-                if self._graphs is not None:
-                    self._graphs.sweep.replay()
+                sweep = self._graphs.sweep if self._graphs is not None else self._sweep_graph
+                if sweep is not None:
+                    sweep.replay()
                     self.sweeper.slices_run += 1
                 else:
                     self.sweeper.slice()

@@ -11,6 +11,8 @@ while capturing, three graphs serve every batch that fits:
 * ``tail_sweep`` — ``tail`` then ``sweep`` in one graph (one replay fewer per forward; None without a sweep).
 
 HEAD / TAIL / stamps / tail_sweep exist per bucket (`GraphSet`): the full capacity and a decode bucket.
+An engine that captures HEAD / TAIL inside its own graphs still runs the sweep slice between forwards:
+`capture_sweep_slice` captures that slice alone (one replay instead of its launches from Python each step).
 
 Capturing freezes the static buffers (a batch that no longer fits is an error, not a silent regrowth).
 Warm-up runs each half of each bucket on an empty batch (all padding rows: nothing planned, written or verified)
@@ -23,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from kvcanary.errors import KvCanaryValueError
+from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
 from kvcanary.runtime.launch import ForwardLaunches
 from kvcanary.runtime.staging import StaticBatch
 from kvcanary.runtime.sweep import Sweeper
@@ -109,3 +111,17 @@ class CanaryGraphs:
         with torch.cuda.graph(graph, pool=pool):
             fn()
         return graph
+
+
+def capture_sweep_slice(sweeper: Sweeper) -> torch.cuda.CUDAGraph:
+    """The rotating sweep slice alone in one CUDA graph (cursor, live set and plans are static device buffers).
+    No warm-up: a warm-up would verify a real slice a second time. So at least one eager slice must have run
+    (the kernels are compiled) — else ``kv-canary:`` RuntimeError."""
+    if sweeper.slices_run < 1:
+        raise KvCanaryRuntimeError("kv-canary: capture the sweep slice after one eager slice (its kernels compile there)")
+    graph = torch.cuda.CUDAGraph()
+    # thread-local: an engine serving from a background thread (transformers' generate_batch) may make CUDA calls
+    # on another thread meanwhile, which a global-mode capture would turn into errors there
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        sweeper.slice_device()
+    return graph

@@ -20,7 +20,9 @@ CUDA graphs (``use_cuda_graph=True``, or the GPU default with a flash attention 
 the hooks run once and the canary's device work is captured with the forward; a replay runs no Python.
 So the host half must run around the replay, where no documented hook exists: the adapter shadows
 ``processor.model_runner.compute_batch`` with an instance attribute (`compat.install_compute_wrapper`)
-that calls ``host_step`` + ``begin_step`` before the original and ``end_step`` after it, counts
+that calls ``host_step`` + ``begin_step`` before the original and ``end_step`` after it (whose rotating
+sweep slice is not part of the engine's graphs: by default (``capture_sweep=True``) replayed from a graph of
+its own after the first wrapped step, else launched from Python), counts
 ``engine_forwards``, and makes the compute stream wait for the host-side copies. `detach` deletes the
 attribute (the class method is visible again) and drops the graphs captured with the canary inside (the
 engine recaptures them on demand); graphs captured before attaching are dropped when the session opens,
@@ -83,7 +85,7 @@ IDLE, HOOK_STEP, WRAPPED_STEP, DEFERRED_END = "idle", "hook", "wrapped", "deferr
 # why a forward ran unchecked (`TransformersCbHandle.counters()["unchecked_by_cause"]`)
 CAUSE_CAPACITY, CAUSE_INTERNAL, CAUSE_PLAIN = "capacity", "internal", "plain_forward"
 ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation",
-                   "token_oracle")
+                   "token_oracle", "capture_sweep")
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, TransformersCbHandle]" = weakref.WeakKeyDictionary()
 
@@ -116,6 +118,7 @@ class _Session:
     translator: ForwardTranslator
     graphs: bool  # the processor captures CUDA graphs: the compute_batch wrapper drives the steps
     canary_graphs_due: bool = False  # eager engine on CUDA: capture the canary's own work after one forward
+    sweep_graph_due: bool = False  # graph mode on CUDA: capture the sweep slice alone once a step has swept
     statics: Optional[StaticKwargs] = None  # eager engine: fixed-shape copies of the kwargs (translation graph)
     translation: Optional[object] = None  # CUDA graph of describe + stage over ``statics``
     phase: str = IDLE
@@ -164,6 +167,7 @@ class TransformersCbHandle:
     capture_canary: Optional[bool] = None
     static_translation: Optional[bool] = None
     token_oracle: Optional[TokenOracleFn] = None
+    capture_sweep: bool = True
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -340,6 +344,16 @@ class TransformersCbHandle:
         except Exception as exc:  # noqa: BLE001 — the eager path is always correct
             logger.warning("kv-canary: could not capture the translation graph (%s); translating eagerly", exc)
 
+    def _capture_sweep(self, s: _Session) -> None:
+        """Graph mode: the engine's graphs hold HEAD / TAIL, but the sweep slice runs between forwards; capture it
+        alone so `end_step` replays it instead of launching its kernels from Python each step. On failure the
+        slice keeps launching eagerly (same result, more host time)."""
+        s.sweep_graph_due = False
+        try:
+            s.canary.capture_sweep_graph()
+        except Exception as exc:  # noqa: BLE001 — the eager slice is always correct
+            logger.warning("kv-canary: could not capture the sweep slice (%s); launching it eagerly", exc)
+
     def _end_deferred(self, s: _Session) -> None:
         if s.phase == DEFERRED_END:
             s.phase = IDLE
@@ -374,6 +388,8 @@ class TransformersCbHandle:
                     phase, s.phase = s.phase, IDLE
                     if phase == WRAPPED_STEP:
                         s.canary.end_step()
+                        if s.sweep_graph_due and s.canary.sweeper.slices_run:
+                            self._capture_sweep(s)
             except Exception as exc:
                 self._canary_failed(s, s.cache, exc, forward_counted=True)
             return result
@@ -447,7 +463,7 @@ class TransformersCbHandle:
         cuda = torch.device(device).type == "cuda"
         own_graphs = (self.capture_canary if self.capture_canary is not None else cuda) and cuda and not graphs
         session = _Session(cache=cache, processor=processor, canary=canary, translator=translator, graphs=graphs,
-                           canary_graphs_due=own_graphs)
+                           canary_graphs_due=own_graphs, sweep_graph_due=graphs and cuda and self.capture_sweep)
         if not graphs and (self.static_translation if self.static_translation is not None else own_graphs):
             session.statics = StaticKwargs(layouts=layouts, max_rows=max_rows, max_tokens=max_batch_tokens,
                                            max_reads=max_read + max_batch_tokens, device=device)
@@ -705,6 +721,7 @@ def attach(
     capture_canary: Optional[bool] = None,
     static_translation: Optional[bool] = None,
     token_oracle: Optional[TokenOracleFn] = None,
+    capture_sweep: bool = True,
     **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
@@ -715,6 +732,10 @@ def attach(
     ``max_context``: longest request (default: the cache's capacity, at most 32768).
     ``capture_canary``: when the engine runs eagerly on CUDA, capture the canary's own HEAD / TAIL work in
     CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward).
+    ``capture_sweep``: when the engine captures its own graphs (HEAD / TAIL inside them), capture the sweep
+    slice that runs between forwards in a graph of its own (`Canary.capture_sweep_graph`), saving its launches
+    from Python each step (1.3 ms of a replayed decode step on an H200, bench/NOTES.md run 21). Default on
+    (its GPU test passed on an H200 in run 23); off = the slice's kernels launched from Python each step.
     ``static_translation``: translate eager forwards from fixed-shape copies of their kwargs, with the
     translation captured once in a CUDA graph alongside (default: with ``capture_canary``).
     ``token_oracle``: ``(request_id, position) -> token`` the engine's sampler is known to emit past the
@@ -726,6 +747,8 @@ def attach(
     """
     check_transformers_version()
     check_attach_options(options)
+    if not isinstance(capture_sweep, bool):
+        raise KvCanaryTypeError(f"kv-canary: capture_sweep must be a bool, got {type(capture_sweep).__name__}")
     check_limits(max_requests, max_context)
     if token_oracle is not None and not callable(token_oracle):
         raise KvCanaryTypeError(f"kv-canary: token_oracle must be a callable (request_id, position) -> token, "
@@ -742,7 +765,7 @@ def attach(
     if not cfg.enabled:  # mode "none": nothing attached, nothing checked
         return TransformersCbHandle(model=model, config=cfg, max_requests=max_requests, max_context=max_context,
                                     device=dev, capture_canary=capture_canary, static_translation=static_translation,
-                                    token_oracle=token_oracle)
+                                    token_oracle=token_oracle, capture_sweep=capture_sweep)
     check_real_kv_layers(model, cfg)
     previous = _ATTACHED.get(model)
     if previous is not None and not previous._detached:
@@ -753,6 +776,7 @@ def attach(
     handle = TransformersCbHandle(
         model=model, config=cfg, max_requests=max_requests, max_context=max_context, device=dev,
         capture_canary=capture_canary, static_translation=static_translation, token_oracle=token_oracle,
+        capture_sweep=capture_sweep,
     )
     handle._install()
     _ATTACHED[model] = handle
