@@ -46,7 +46,8 @@ How an adapter drives it (the whole engine-facing API):
 
    ``before_forward(batch)`` is ``begin_step + stage + launch_head``; ``after_forward()`` is
    ``launch_tail + end_step``. With no engine graph, `capture_graphs` captures the canary's own device
-   work once and replays it per forward.
+   work once and replays it per forward. With the engine's graphs holding HEAD / TAIL, `capture_sweep_graph`
+   captures the rotating sweep slice that `end_step` runs, so a replayed step launches nothing from Python.
 
 5. Optionally call ``note_engine_forward()`` from the engine's own step loop (not from the hook):
    the health watchdog then notices forwards that ran without the canary.
