@@ -142,7 +142,6 @@ def main() -> None:
             _print_row(r)
         for proc in procs:
             proc.join()
-        rows = [r for r in rows if "error" not in r] + [r for r in rows if "error" in r]
     else:
         for i, name in enumerate(names):  # each row printed as soon as it is known (a cut-short run still reports)
             r = soak(name, deadline, 1.0 / (len(names) - i), seed=args.seed, **common)

@@ -26,4 +26,4 @@ def test_the_slice_is_captured_only_after_an_eager_slice_compiled_it():
     engine, canary = make_sim(num_slots=256, max_requests=8, max_context=64, canary_options={"sweep_interval": 4})
     canary.sweeper.slices_run = 0
     with pytest.raises(KvCanaryRuntimeError, match="^kv-canary: capture the sweep slice after one eager slice"):
-        capture_sweep_slice(canary.sweeper)
+        capture_sweep_slice(canary.sweeper, canary.static.device)

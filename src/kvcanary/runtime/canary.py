@@ -336,9 +336,7 @@ class Canary:
             raise KvCanaryRuntimeError("kv-canary: capture_sweep_graph() inside an open forward")
         if not self._sweeping():
             return False
-        if self.static.device.type != "cuda":
-            raise KvCanaryValueError(f"kv-canary: CUDA graphs need a CUDA canary, this one is on {self.static.device}")
-        self._sweep_graph = capture_sweep_slice(self.sweeper)
+        self._sweep_graph = capture_sweep_slice(self.sweeper, self.static.device)
         return True
 
     def end_step(self) -> None:

@@ -55,8 +55,7 @@ class CanaryGraphs:
     the staged batch's host-known size; the static buffers stay padded past it (see `StaticBatch`)."""
 
     def __init__(self, *, launches: ForwardLaunches, sweeper: Sweeper, static: StaticBatch, counters) -> None:
-        if static.device.type != "cuda":
-            raise KvCanaryValueError(f"kv-canary: CUDA graphs need a CUDA canary, this one is on {static.device}")
+        require_cuda(static.device)
         self.launches, self.sweeper, self.static = launches, sweeper, static
         static.clear()
         static.frozen = True
@@ -113,12 +112,19 @@ class CanaryGraphs:
         return graph
 
 
-def capture_sweep_slice(sweeper: Sweeper) -> torch.cuda.CUDAGraph:
+def require_cuda(device: torch.device) -> None:
+    """``kv-canary:`` ValueError unless the canary lives on a CUDA device (graphs are CUDA only)."""
+    if device.type != "cuda":
+        raise KvCanaryValueError(f"kv-canary: CUDA graphs need a CUDA canary, this one is on {device}")
+
+
+def capture_sweep_slice(sweeper: Sweeper, device: torch.device) -> torch.cuda.CUDAGraph:
     """The rotating sweep slice alone in one CUDA graph (cursor, live set and plans are static device buffers).
     No warm-up: a warm-up would verify a real slice a second time. So at least one eager slice must have run
-    (the kernels are compiled) — else ``kv-canary:`` RuntimeError."""
+    (the kernels are compiled) — else ``kv-canary:`` RuntimeError; ``device`` must be CUDA (`require_cuda`)."""
     if sweeper.slices_run < 1:
         raise KvCanaryRuntimeError("kv-canary: capture the sweep slice after one eager slice (its kernels compile there)")
+    require_cuda(device)
     graph = torch.cuda.CUDAGraph()
     # thread-local: an engine serving from a background thread (transformers' generate_batch) may make CUDA calls
     # on another thread meanwhile, which a global-mode capture would turn into errors there
