@@ -1,6 +1,9 @@
 """Verify op (SPEC §3.7): public launcher; checks arguments, then runs Triton or the twin."""
 from __future__ import annotations
 
+from typing import Sequence
+
+from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.checks import check_context, check_verify_plan
 from kvcanary.ops.dispatch import triton_backend
 from kvcanary.ops.records import VerifyOrWriteContext, VerifyPlan
@@ -33,3 +36,32 @@ def launch_canary_verify_kernel(
     backend = triton_backend(dev)
     impl = backend.launch_verify if backend else launch_canary_verify_kernel_torch_reference
     impl(context=context, plan=plan, check_verify_expected_token=bool(check_verify_expected_token))
+
+
+def launch_canary_verify_kernels(
+    *, contexts: Sequence[VerifyOrWriteContext], plan: VerifyPlan, check_verify_expected_token: bool
+) -> None:
+    """`launch_canary_verify_kernel` for each of ``contexts`` in order, on one plan: the same counters, rings
+    and bytes as one call per context (rows of one ring may land in another order, as within one launch).
+    On CUDA the Triton kernel takes two contexts per launch (the plan is read once). Every context and the
+    plan are checked before anything runs; a lazy error stops the sequence at its context, as the loop would."""
+    if isinstance(contexts, (VerifyOrWriteContext, str, bytes)) or not isinstance(contexts, Sequence):
+        raise KvCanaryTypeError(
+            f"kv-canary: launch_canary_verify_kernels contexts must be a sequence of VerifyOrWriteContext, "
+            f"got {type(contexts).__name__}"
+        )
+    if not contexts:
+        raise KvCanaryValueError("kv-canary: launch_canary_verify_kernels needs at least one context")
+    devices = [check_context("launch_canary_verify_kernels", c) for c in contexts]
+    if any(d != devices[0] for d in devices):
+        raise KvCanaryValueError(
+            f"kv-canary: launch_canary_verify_kernels contexts must share one device, got {sorted(set(map(str, devices)))}"
+        )
+    check_verify_plan("launch_canary_verify_kernels", plan, devices[0])
+    check = bool(check_verify_expected_token)
+    backend = triton_backend(devices[0])
+    if backend is not None:
+        backend.launch_verify_many(contexts=tuple(contexts), plan=plan, check_verify_expected_token=check)
+        return
+    for ctx in contexts:
+        launch_canary_verify_kernel_torch_reference(context=ctx, plan=plan, check_verify_expected_token=check)

@@ -268,7 +268,7 @@ if AVAILABLE:
         step = tl.load(step_ptr)
         hrow = ((step % history_rows) + history_rows) % history_rows  # torch.remainder: sign of the divisor
         tl.store(history_ptr + hrow * size + e, tl.load(rec_owner_ptr + slot, mask=m, other=0), mask=m)
-        tl.atomic_add(verified_ptr, tl.sum(live.to(tl.int64), 0))
+        tl.atomic_add(verified_ptr, tl.sum(live.to(tl.int64), 0), sem="relaxed")
 
     @triton.jit
     def _advance_cursor_kernel(cursor_ptr, size, span):

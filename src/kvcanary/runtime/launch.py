@@ -5,8 +5,8 @@
     head()   mark the rings -> per group: plan -> HEAD verify (prefix vs. the table)
              -> HEAD write (new tokens) -> slot records (position, predecessor, step, owner)
     ... engine forward: stores K/V into the staged out_loc slots ...
-    tail()   per group and hashed side: TAIL verify (prefix, real KV re-hashed; a ring window skips the
-             positions the forward's own writes recycled, GroupSpec.ring_window) -> TAIL write (fingerprints of the KV just stored; with deep fingerprints also one ALL-mode
+    tail()   per group: TAIL verify of every hashed side in one launch (prefix, real KV re-hashed; a ring window
+             skips the positions the forward's own writes recycled, GroupSpec.ring_window) -> per side TAIL write (fingerprints of the KV just stored; with deep fingerprints also one ALL-mode
              write per 4 layers, checked later by the sweep); then stamp the step's ring rows
 
 Every launch reads the `StaticBatch` and device tensors only — no host reads — so both halves can be
@@ -26,6 +26,7 @@ from kvcanary.ops import (
     WritePlan,
     launch_canary_plan_kernels,
     launch_canary_verify_kernel,
+    launch_canary_verify_kernels,
     launch_canary_write_kernel,
     launch_stamp_violation_rows,
 )
@@ -167,11 +168,11 @@ class ForwardLaunches:
             if run_checks:
                 self._warn_unhashed(g)
                 tplan = self._ring_tail_plan(name, g, vplan, bs) if g.spec.ring_window and bs else vplan
+                launch_canary_verify_kernels(  # every side in one launch on CUDA (the plan read once)
+                    contexts=[self._context(g, "tail", side, "verify", self.no_chain_assert) for side in g.tail_sides],
+                    plan=tplan, check_verify_expected_token=False,
+                )
                 for side in g.tail_sides:
-                    launch_canary_verify_kernel(
-                        context=self._context(g, "tail", side, "verify", self.no_chain_assert),
-                        plan=tplan, check_verify_expected_token=False,
-                    )
                     for deep in (None, *g.deep_chunks()):  # the TAIL record, then every layer's bytes (sweep-checked)
                         launch_canary_write_kernel(
                             context=self._context(g, "tail", side, "write", self.no_chain_assert, deep=deep),

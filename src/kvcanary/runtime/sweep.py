@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 import torch
 
 from kvcanary.errors import KvCanaryValueError
-from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, VerifyPlan, launch_canary_verify_kernel, launch_stamp_violation_rows
+from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, VerifyPlan, launch_canary_verify_kernels, launch_stamp_violation_rows
 from kvcanary.runtime import kernels
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
@@ -187,11 +187,13 @@ class Sweeper:
         """Verify ``plan`` on every TAIL side and stamp the rows (with ``entry_rows`` — ones — a stamp's batch
         row is the plan entry; without, rows are attributed from the slot records when drained)."""
         stamp_plan = dict(verify_plan=plan, req_pool_indices=entry_rows, prefix_lens=entry_rows) if entry_rows is not None else {}
+        # The TAIL records, then every layer's bytes; sides interleaved so that K and V (other rings) share a
+        # launch on CUDA while each ring still gets its rows in this order.
+        contexts = [g.context("sweep", side, "verify", rings=self.rings, counters=self.counters,
+                              chain_assert=self._no_assert, deep=deep)
+                    for deep in (None, *g.deep_chunks()) for side in g.tail_sides]
+        launch_canary_verify_kernels(contexts=contexts, plan=plan, check_verify_expected_token=False)
         for side in g.tail_sides:
-            for deep in (None, *g.deep_chunks()):  # the TAIL record, then every layer's bytes
-                ctx = g.context("sweep", side, "verify", rings=self.rings, counters=self.counters,
-                                chain_assert=self._no_assert, deep=deep)
-                launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False)
             launch_stamp_violation_rows(**self.rings.stamp_args(g.tag("sweep", side)), step=self.step, **stamp_plan)
 
     def owner_at_sweep(self, group: str, step: int, entry: int, current_step: int) -> Optional[int]:

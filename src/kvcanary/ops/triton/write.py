@@ -26,8 +26,9 @@ The chain recurrence is serial per request; everything else is parallel:
 Small launches (request capacity and entries both <= ``WriteLaunchConfig.small_lanes``, known from
 shapes: decode batches) run ``_write_small_kernel`` instead: one CTA holds every entry and request
 in lanes, so the aliasing check needs no second launch (its table atomics return before the same
-program decides), and a one-entry request is chained in its lane; two dependent memory round trips
-instead of the two kernels' four to six.
+program decides), and a one-entry request is chained in its lane. Its atomics are relaxed (only their
+old values matter; the launch boundary orders them for the next launch), so the seed records, the table
+atomics and the real-KV loads are in flight together: two dependent memory round trips, then the stores.
 
 Scratch words: the epoch (tags the table), the entry count, and two conflict counters used in
 turns (launch e adds to word e % 2 after zeroing word (e + 1) % 2, so the chain kernel reads
@@ -108,7 +109,7 @@ def _write_prepare_kernel(
     nprog = tl.num_programs(0)
     epoch = tl.load(state_ptr + _EPOCH)
     if pid == 0:
-        tl.atomic_add(kernel_counter_ptr, 1)
+        tl.atomic_add(kernel_counter_ptr, 1, sem="relaxed")
         tl.store(state_ptr + _CONFLICTS + (epoch + 1) % 2, 0)
     a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
     end = tl.load(off_ptr + a)
@@ -138,8 +139,8 @@ def _write_prepare_kernel(
         inside = w & (s < num_slots)  # a slot past the buffer: reported by the chain kernel, not stored
         count += tl.sum(inside.to(tl.int64), 0)
         reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
-        old_w = tl.atomic_max(table_ptr + s, tl.zeros([BLOCK], tl.int64) + writer_tag, mask=inside)
-        old_r = tl.atomic_max(table_ptr + sd, tl.zeros([BLOCK], tl.int64) + seed_tag, mask=reads)
+        old_w = tl.atomic_max(table_ptr + s, tl.zeros([BLOCK], tl.int64) + writer_tag, mask=inside, sem="relaxed")
+        old_r = tl.atomic_max(table_ptr + sd, tl.zeros([BLOCK], tl.int64) + seed_tag, mask=reads, sem="relaxed")
         fp = fingerprint(s, inside, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
                          NSRC, W0, W1, W2, W3)
         tl.store(fields_ptr + s * stride_words + F_REAL_KV, as_i64(fp), mask=inside)
@@ -147,9 +148,9 @@ def _write_prepare_kernel(
         conflicts += tl.sum((rm & (o1 < o0)).to(tl.int64), 0)
         conflicts += tl.sum((reads & (old_r == writer_tag)).to(tl.int64), 0)
     if conflicts > 0:
-        tl.atomic_add(state_ptr + _CONFLICTS + epoch % 2, conflicts)
+        tl.atomic_add(state_ptr + _CONFLICTS + epoch % 2, conflicts, sem="relaxed")
     if count > 0:
-        tl.atomic_add(state_ptr + _COUNT, count)
+        tl.atomic_add(state_ptr + _COUNT, count, sem="relaxed")
 
 
 @triton.jit
@@ -341,7 +342,7 @@ def _write_chain_kernel(
         counted = tl.load(state_ptr + _COUNT)
         tl.store(state_ptr + _COUNT, 0)
         if not serial:
-            tl.atomic_add(slot_counter_ptr, counted)
+            tl.atomic_add(slot_counter_ptr, counted, sem="relaxed")
     if serial:
         if pid == 0:
             total = tl.zeros([], tl.int64)
@@ -353,7 +354,7 @@ def _write_chain_kernel(
                     fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
                     o0, o1, end_all, seed, chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
                     INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
-            tl.atomic_add(slot_counter_ptr, total)
+            tl.atomic_add(slot_counter_ptr, total, sem="relaxed")
     else:
         lanes = tl.arange(0, CHUNK)
         owned = tl.maximum(a - pid + nprog - 1, 0) // nprog  # requests pid, pid + nprog, ... < a
@@ -364,9 +365,10 @@ def _write_chain_kernel(
             o1 = tl.load(off_ptr + rr + 1, mask=mr, other=0).to(tl.int64)
             seed = tl.load(seed_ptr + rr, mask=mr, other=-1).to(tl.int64)
             # One-entry requests, one per lane (no aliasing in parallel mode: order is free).
+            running, seed_pos = _one_entry_seed_state(o0, o1, seed, mr, end_all, fields_ptr, stride_words, num_slots, h0)
             todo = _one_entry_lanes(o0, o1, seed, mr, end_all, chain_flag, fields_ptr, stride_words, num_slots, tok_ptr,
                                     pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind,
-                                    h0, INPUT_ASSERT)
+                                    running, seed_pos, INPUT_ASSERT)
             # Longer requests, one at a time on the per-request path.
             for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
                 k = tl.min(tl.where(todo, lanes, CHUNK), 0)
@@ -380,12 +382,21 @@ def _write_chain_kernel(
 
 
 @triton.jit
+def _one_entry_seed_state(o0, o1, seed, mr, end_all, fields_ptr, stride_words, num_slots, h0):
+    """`_seed_state` of the one-entry requests among lanes ``mr`` (others: unused values). Its loads
+    depend only on the plan, so a caller may issue them early, with other loads in flight."""
+    n = tl.maximum(tl.minimum(o1, end_all) - o0, 0)
+    return _seed_state(fields_ptr, stride_words, num_slots, tl.where(mr & (n == 1), seed, -1), h0)
+
+
+@triton.jit
 def _one_entry_lanes(
     o0, o1, seed, mr, end_all, chain_flag, fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr,
-    exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind, h0, INPUT_ASSERT: tl.constexpr,
+    exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind, running, seed_pos, INPUT_ASSERT: tl.constexpr,
 ):
     """Parallel mode: the requests (one per lane, mask ``mr``) that have exactly one entry are
-    chained and stored in their lanes. Returns the mask of the longer requests."""
+    chained from (``running``, ``seed_pos``) = `_one_entry_seed_state` and stored in their lanes.
+    Returns the mask of the longer requests."""
     n = tl.maximum(tl.minimum(o1, end_all) - o0, 0)
     one = mr & (n == 1)
     e = tl.where(one, o0, 0)
@@ -394,7 +405,6 @@ def _one_entry_lanes(
     pos = tl.load(pos_ptr + e, mask=one, other=0).to(tl.int64)
     valid = one & (slot >= 0) & (slot < num_slots)
     oor = one & (slot >= num_slots)
-    running, seed_pos = _seed_state(fields_ptr, stride_words, num_slots, tl.where(valid | oor, seed, -1), h0)
     hs = as_i64(running)
     rec = fields_ptr + tl.where(valid, slot, 0) * stride_words
     tl.store(rec + F_TOKEN, tok, mask=valid)
@@ -429,7 +439,7 @@ def _write_small_kernel(
     pdl_release(PDL)
     lanes = tl.arange(0, LANES)
     epoch = tl.load(state_ptr + _EPOCH)
-    tl.atomic_add(kernel_counter_ptr, 1)
+    tl.atomic_add(kernel_counter_ptr, 1, sem="relaxed")
     rc = lanes < seed_cap
     o0 = tl.load(off_ptr + lanes, mask=rc, other=0).to(tl.int64)
     o1 = tl.load(off_ptr + lanes + 1, mask=rc, other=0).to(tl.int64)
@@ -440,6 +450,9 @@ def _write_small_kernel(
     begin = tl.sum(tl.where(lanes == 0, o0, 0), 0)
     end_all = tl.sum(tl.where(lanes == a - 1, o1, 0), 0)  # offsets[a], 0 when a == 0 (the work gate)
     a = tl.where(end_all > 0, a, 0)
+    # The parallel path's seed records, loaded now (with the atomics and fingerprint loads below in flight):
+    # without aliasing no entry of this launch stores a seed's fields, so they are what that path reads.
+    running, seed_pos = _one_entry_seed_state(o0, o1, sd, lanes < a, end_all, fields_ptr, stride_words, num_slots, h0)
     # Aliasing, as the prepare kernel detects it (same epoch-tagged table).
     writer_tag = epoch * 4 + 2
     seed_tag = epoch * 4 + 1
@@ -447,8 +460,8 @@ def _write_small_kernel(
     inside = w & (s < num_slots)
     rm = lanes < a
     reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
-    old_w = tl.atomic_max(table_ptr + s, tl.zeros([LANES], tl.int64) + writer_tag, mask=inside)
-    old_r = tl.atomic_max(table_ptr + sd, tl.zeros([LANES], tl.int64) + seed_tag, mask=reads)
+    old_w = tl.atomic_max(table_ptr + s, tl.zeros([LANES], tl.int64) + writer_tag, mask=inside, sem="relaxed")
+    old_r = tl.atomic_max(table_ptr + sd, tl.zeros([LANES], tl.int64) + seed_tag, mask=reads, sem="relaxed")
     fp = fingerprint(s, inside, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
                      NSRC, W0, W1, W2, W3)
     tl.store(fields_ptr + s * stride_words + F_REAL_KV, as_i64(fp), mask=inside)
@@ -465,11 +478,11 @@ def _write_small_kernel(
                 tl.load(off_ptr + r).to(tl.int64), tl.load(off_ptr + r + 1).to(tl.int64), end_all,
                 tl.load(seed_ptr + r).to(tl.int64), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
                 INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
-        tl.atomic_add(slot_counter_ptr, total)
+        tl.atomic_add(slot_counter_ptr, total, sem="relaxed")
     else:
-        tl.atomic_add(slot_counter_ptr, tl.sum(inside.to(tl.int64), 0))
+        tl.atomic_add(slot_counter_ptr, tl.sum(inside.to(tl.int64), 0), sem="relaxed")
         todo = _one_entry_lanes(o0, o1, sd, rm, end_all, chain_flag, fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr,
-                                slot_ptr, exp_tok_ptr, exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind, h0,
+                                slot_ptr, exp_tok_ptr, exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind, running, seed_pos,
                                 INPUT_ASSERT)
         for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
             k = tl.min(tl.where(todo, lanes, LANES), 0)
