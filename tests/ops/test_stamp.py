@@ -4,9 +4,12 @@ write twins on real buffers, then corrupted; launcher errors.
 Each scenario prefills a small request table through plan + write, runs one decode step (plan,
 verify with the token check, write with the input assert) under one launch tag, and stamps the
 rows that step appended. ``SCENARIOS`` is reused by the interpreter suite (twin vs Triton).
+Stacked rings ([k, cap, 8], shared plans) are built from the scenarios and checked against one
+single-ring call per ring, on the twin and on the Triton kernel under the interpreter.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -26,6 +29,9 @@ from kvcanary.ops import (
     launch_stamp_violation_rows,
     stamp_violation_rows_torch_reference,
 )
+from kvcanary.ops.constants import VIOLATION_FIELD_FAIL_REASON_BITS, WRITE_FAIL_REASONS
+
+from .triton_cases import clone_context, make_case, run_plan
 
 SENTINEL = -55
 STEP = 41
@@ -350,3 +356,180 @@ def test_twin_is_lenient_without_plans_or_batch_tensors():
     out = stamp(kw)
     lo, hi = int(kw["rows_from"][0]), int(kw["violation_write_index"][0])
     assert out[lo:hi].tolist() == [[STEP, -1, -1]] * (hi - lo)
+
+
+# --------------------------------------------------------------------------- stacked rings
+
+PAD = 1  # the stack is rows [PAD, PAD + k) of larger ring / stamp tensors, the counts slices of larger ones
+
+
+def stacked(kw: dict) -> dict:
+    """Four rings sharing ``kw``'s plans, as ``[4, cap, 8]`` and ``[4]`` slices of larger tensors:
+    ring 0 is ``kw``'s ring; ring 1 has only older rows (index == rows_from == 3); ring 2 has the
+    step's new rows reversed after two older ones (rows_from 2, index maybe past cap); ring 3 only
+    the new write rows (index 0 when there are none)."""
+    ring = kw["violation_ring"]
+    cap = ring.shape[0]
+    lo, index = int(kw["rows_from"][0]), int(kw["violation_write_index"][0])
+    new = ring[lo:min(index, cap)]
+    writes = new[(new[:, VIOLATION_FIELD_FAIL_REASON_BITS] & WRITE_FAIL_REASONS) != 0]
+    big = torch.full((PAD + 5, cap, 8), -77, dtype=torch.int64)
+    rings = big[PAD:PAD + 4]
+    rings[0] = ring
+    rings[1, :3] = ring[:3]
+    rings[2, :2] = ring[:2]
+    rev = new.flip(0)[: max(cap - 2, 0)]
+    rings[2, 2:2 + rev.shape[0]] = rev
+    rings[3, : writes.shape[0]] = writes
+    counts = torch.full((2 * PAD + 9,), 99, dtype=torch.int32)
+    ends, starts = counts[PAD:PAD + 4], counts[PAD + 5:PAD + 9]
+    ends.copy_(torch.tensor([index, 3, 2 + new.shape[0], writes.shape[0]]))
+    starts.copy_(torch.tensor([lo, 3, 2, 0]))
+    return {**kw, "violation_ring": rings, "violation_write_index": ends, "rows_from": starts}
+
+
+def stamp_stacked(kw: dict, impl=stamp_violation_rows_torch_reference) -> torch.Tensor:
+    """Stamps of one stacked call, into a ``[k, cap, 3]`` slice of a larger sentinel tensor
+    (the rows around the slice are checked untouched)."""
+    k, cap = kw["violation_ring"].shape[:2]
+    big = torch.full((PAD + k + 1, cap, 3), SENTINEL, dtype=torch.int64)
+    impl(stamps=big[PAD:PAD + k], **kw)
+    assert (big[:PAD] == SENTINEL).all() and (big[PAD + k:] == SENTINEL).all()
+    return big[PAD:PAD + k]
+
+
+def stamp_per_ring(kw: dict) -> torch.Tensor:
+    """Stamps of one single-ring twin call per ring of a stacked ``kw``."""
+    rings, ends, starts = kw["violation_ring"], kw["violation_write_index"], kw["rows_from"]
+    out = torch.full((rings.shape[0], rings.shape[1], 3), SENTINEL, dtype=torch.int64)
+    for t in range(rings.shape[0]):
+        stamp_violation_rows_torch_reference(**{**kw, "violation_ring": rings[t].clone(), "stamps": out[t],
+                                                "violation_write_index": ends[t:t + 1].clone(),
+                                                "rows_from": starts[t:t + 1].clone()})
+    return out
+
+
+def _tensors(kw: dict) -> dict:
+    return {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+
+
+def _check_stacked_rows(kw: dict, want: torch.Tensor) -> None:
+    """The per-ring reference stamps what the stacked case was built for."""
+    cap = want.shape[1]
+    assert (want[0] != SENTINEL).any() and (want[1] == SENTINEL).all()
+    end2 = min(cap, int(kw["violation_write_index"][2]))
+    assert (want[2, :2] == SENTINEL).all() and (want[2, 2:end2] != SENTINEL).all()
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_stacked_matches_per_ring_calls(name):
+    kw = stacked(SCENARIOS[name]()[0])
+    before = _tensors(kw)
+    want = stamp_per_ring(kw)
+    _check_stacked_rows(kw, want)
+    single, _ = SCENARIOS[name]()
+    assert torch.equal(want[0], stamp(single))
+    for impl in (stamp_violation_rows_torch_reference, launch_stamp_violation_rows):
+        got = stamp_stacked(kw, impl)
+        assert torch.equal(got, want), (impl.__name__, got, want)
+    for k, v in before.items():
+        assert torch.equal(kw[k], v), k
+
+
+def test_stacked_single_ring_equals_plain_form():
+    kw, _ = scenario_mixed_ring()
+    one = {**kw, "violation_ring": kw["violation_ring"][None],
+           "violation_write_index": kw["violation_write_index"].clone(), "rows_from": kw["rows_from"].clone()}
+    assert torch.equal(stamp_stacked(one, launch_stamp_violation_rows)[0], stamp(kw))
+
+
+def _triton_launch_stamp():
+    """``launch_stamp`` run by the Triton interpreter on CPU tensors (skips without it)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 set before Triton is imported")
+    pytest.importorskip("triton")
+    from . import test_triton_interpret  # noqa: F401  (its import patches the interpreter for numpy >= 2.4)
+    from kvcanary.ops.triton import launch_stamp
+
+    return launch_stamp
+
+
+def _fuzz_stacked(seed: int) -> dict:
+    """A stacked case from the interpreter suite's fuzz batches (many rows, ring overflow at times)."""
+    case = make_case(seed, mode=seed % 3, nsrc=seed % 2)
+    _, err, (vp, wp) = run_plan(launch_canary_plan_kernels_torch_reference, case)
+    if err is not None:
+        pytest.skip("plan raised for this case")
+    ctx = clone_context(case.ctx)
+    rows_from = ctx.violation_write_index.clone()
+    launch_canary_verify_kernel_torch_reference(context=ctx, plan=vp, check_verify_expected_token=True)
+    launch_canary_write_kernel_torch_reference(context=ctx, plan=wp, **case.write_kwargs)
+    if int(ctx.violation_write_index[0]) == int(rows_from[0]):
+        pytest.skip("no violation rows for this case")
+    return stacked(dict(
+        violation_ring=ctx.violation_ring, violation_write_index=ctx.violation_write_index, rows_from=rows_from,
+        step=torch.tensor([2000 + seed]), verify_plan=vp, write_plan=wp,
+        out_cache_loc=case.write_kwargs["out_cache_loc"], positions=case.write_kwargs["positions"],
+        req_pool_indices=case.plan_kwargs["req_pool_indices"], prefix_lens=case.plan_kwargs["prefix_lens"],
+        swa_window_size=case.plan_kwargs["swa_window_size"],
+    ))
+
+
+FUZZ_SEEDS = (0, 1, 3, 4, 5, 7, 8, 10)  # make_case seeds whose step appends violation rows
+
+
+@pytest.mark.parametrize("case", [f"scenario:{n}" for n in sorted(SCENARIOS)] + [f"fuzz:{s}" for s in FUZZ_SEEDS])
+def test_triton_stacked_matches_twin(case):
+    launch_stamp = _triton_launch_stamp()
+    kind, arg = case.split(":")
+    kw = stacked(SCENARIOS[arg]()[0]) if kind == "scenario" else _fuzz_stacked(int(arg))
+    before = _tensors(kw)
+    want = stamp_per_ring(kw)
+    got = stamp_stacked(kw, launch_stamp)
+    assert torch.equal(got, want), (got, want)
+    for k, v in before.items():
+        assert torch.equal(kw[k], v), k
+
+
+def _stacked_good_args() -> dict:
+    kw = stacked(scenario_write_rows()[0])
+    kw["stamps"] = torch.full((4, kw["violation_ring"].shape[1], 3), SENTINEL, dtype=torch.int64)
+    return kw
+
+
+@pytest.mark.parametrize("change,exc,msg", [
+    (dict(violation_ring=torch.zeros(2, 4, 32, 8, dtype=torch.int64)), ValueError,
+     "violation_ring must be int64 [cap, 8] or [k, cap, 8]"),
+    (dict(violation_ring=torch.zeros(4, 32, 7, dtype=torch.int64)), ValueError, "got shape (4, 32, 7)"),
+    (dict(violation_ring=torch.zeros(0, 32, 8, dtype=torch.int64)), ValueError, "with k >= 1, got shape (0, 32, 8)"),
+    (dict(violation_ring=torch.zeros(4, 64, 8, dtype=torch.int64)[:, ::2]), ValueError,
+     "violation_ring must be contiguous"),
+    (dict(violation_ring=torch.zeros(4, 32, 8, dtype=torch.int32)), TypeError, "violation_ring must be torch.int64"),
+    (dict(violation_write_index=torch.zeros(1, dtype=torch.int32)), ValueError,
+     "violation_write_index must hold exactly k=4 elements (one per ring of violation_ring (4, 32, 8)), got shape (1,)"),
+    (dict(rows_from=torch.zeros(5, dtype=torch.int32)), ValueError, "rows_from must hold exactly k=4 elements"),
+    (dict(rows_from=torch.zeros(8, dtype=torch.int32)[::2]), ValueError, "rows_from must be contiguous"),
+    (dict(violation_write_index=torch.zeros(4, dtype=torch.int64)), TypeError,
+     "violation_write_index must be torch.int32"),
+    (dict(stamps=torch.zeros(32, 3, dtype=torch.int64)), ValueError,
+     "stamps must be int64 [k, cap, 3] = [4, 32, 3] for violation_ring (4, 32, 8), got shape (32, 3)"),
+    (dict(stamps=torch.zeros(3, 32, 3, dtype=torch.int64)), ValueError, "got shape (3, 32, 3)"),
+    (dict(stamps=torch.zeros(4, 31, 3, dtype=torch.int64)), ValueError, "got shape (4, 31, 3)"),
+    (dict(stamps=torch.zeros(4, 3, 32, dtype=torch.int64).transpose(1, 2)), ValueError, "stamps must be contiguous"),
+    (dict(stamps=torch.zeros(4, 32, 3, dtype=torch.int32)), TypeError, "stamps must be torch.int64"),
+])
+def test_stacked_launcher_errors(change, exc, msg):
+    kw = _stacked_good_args()
+    kw.update(change)
+    stamps_before = kw["stamps"].clone()
+    with pytest.raises(exc, match="^kv-canary: launch_stamp_violation_rows") as info:
+        launch_stamp_violation_rows(**kw)
+    assert msg in str(info.value), str(info.value)
+    assert torch.equal(kw["stamps"], stamps_before)
+
+
+def test_stacked_good_args_stamp():
+    """The base of ``test_stacked_launcher_errors`` is valid: it stamps without error."""
+    kw = _stacked_good_args()
+    launch_stamp_violation_rows(**kw)
+    assert (kw["stamps"] != SENTINEL).any()

@@ -10,6 +10,10 @@ arguments, lenient). Contract:
 * ``violation_ring`` int64 [cap, 8], ``violation_write_index`` int32 [1]: one tag's ring and index
   as the step's launches left them. ``rows_from`` int32 [1]: that index before the step's first
   launch under the tag. ``stamps`` int64 [cap, 3] (output). ``step`` int64 [1].
+* Stacked form: ``violation_ring`` int64 [k, cap, 8] (k >= 1), ``violation_write_index`` and
+  ``rows_from`` int32 with k elements (contiguous), ``stamps`` int64 [k, cap, 3]; the plans and batch
+  tensors are shared. Same as k single-ring calls, ring t with ``violation_ring[t]``,
+  ``violation_write_index[t:t+1]``, ``rows_from[t:t+1]``, ``stamps[t]``.
 * Rows stamped: ``j`` in ``[lo, hi)``, ``lo = clamp(rows_from, 0, cap)``, ``hi = clamp(write_index,
   0, cap)``: ``stamps[j] = (step[0], batch_row, expected_position)``. Every other stamp row and every
   other tensor keeps its bytes; nothing is read past ``hi``.
@@ -40,8 +44,8 @@ arguments, lenient). Contract:
 * Index and position arrays may be int32 or int64 (widened).
 
 The launcher checks dtypes, shapes and devices first (``kv-canary:`` TypeError / ValueError,
-nothing touched), then runs the Triton kernel on CUDA (one program, grid from constants, no
-host reads: capturable) or the twin.
+nothing touched), then runs the Triton kernel on CUDA (one launch, one program per ring, grid from
+shapes, no host reads: capturable) or the twin.
 """
 from __future__ import annotations
 
@@ -63,19 +67,40 @@ def _check_stamp_args(
     *, violation_ring, violation_write_index, rows_from, stamps, step, verify_plan, write_plan, out_cache_loc,
     positions, req_pool_indices, prefix_lens, swa_window_size,
 ) -> None:
-    ring = check_tensor(_OP, "violation_ring", violation_ring, dtypes=(torch.int64,), ndim=2, contiguous=True)
+    ring = check_tensor(_OP, "violation_ring", violation_ring, dtypes=(torch.int64,), contiguous=True)
     dev = ring.device
-    if ring.shape[1] != VIOLATION_FIELDS:
-        raise KvCanaryValueError(f"kv-canary: {_OP} violation_ring must be int64 [cap, 8], got shape {tuple(ring.shape)}")
-    check_tensor(_OP, "violation_write_index", violation_write_index, dtypes=(torch.int32,), numel=1, device=dev)
-    check_tensor(_OP, "rows_from", rows_from, dtypes=(torch.int32,), numel=1, device=dev)
-    check_tensor(_OP, "step", step, dtypes=(torch.int64,), numel=1, device=dev)
-    out = check_tensor(_OP, "stamps", stamps, dtypes=(torch.int64,), ndim=2, device=dev, contiguous=True)
-    if tuple(out.shape) != (ring.shape[0], STAMP_FIELDS):
+    if ring.dim() not in (2, 3) or ring.shape[-1] != VIOLATION_FIELDS or (ring.dim() == 3 and ring.shape[0] < 1):
         raise KvCanaryValueError(
-            f"kv-canary: {_OP} stamps must be int64 [cap, {STAMP_FIELDS}] with the ring's cap={ring.shape[0]}, "
-            f"got shape {tuple(out.shape)}"
+            f"kv-canary: {_OP} violation_ring must be int64 [cap, 8] or [k, cap, 8] with k >= 1, "
+            f"got shape {tuple(ring.shape)}"
         )
+    k = ring.shape[0] if ring.dim() == 3 else None
+    for name, t in (("violation_write_index", violation_write_index), ("rows_from", rows_from)):
+        if k is None:
+            check_tensor(_OP, name, t, dtypes=(torch.int32,), numel=1, device=dev)
+            continue
+        check_tensor(_OP, name, t, dtypes=(torch.int32,), device=dev, contiguous=True)
+        if t.numel() != k:
+            raise KvCanaryValueError(
+                f"kv-canary: {_OP} {name} must hold exactly k={k} elements (one per ring of violation_ring "
+                f"{tuple(ring.shape)}), got shape {tuple(t.shape)}"
+            )
+    check_tensor(_OP, "step", step, dtypes=(torch.int64,), numel=1, device=dev)
+    cap = ring.shape[-2]
+    if k is None:
+        out = check_tensor(_OP, "stamps", stamps, dtypes=(torch.int64,), ndim=2, device=dev, contiguous=True)
+        if tuple(out.shape) != (cap, STAMP_FIELDS):
+            raise KvCanaryValueError(
+                f"kv-canary: {_OP} stamps must be int64 [cap, {STAMP_FIELDS}] with the ring's cap={cap}, "
+                f"got shape {tuple(out.shape)}"
+            )
+    else:
+        out = check_tensor(_OP, "stamps", stamps, dtypes=(torch.int64,), device=dev, contiguous=True)
+        if tuple(out.shape) != (k, cap, STAMP_FIELDS):
+            raise KvCanaryValueError(
+                f"kv-canary: {_OP} stamps must be int64 [k, cap, {STAMP_FIELDS}] = [{k}, {cap}, {STAMP_FIELDS}] "
+                f"for violation_ring {tuple(ring.shape)}, got shape {tuple(out.shape)}"
+            )
     if isinstance(swa_window_size, bool) or not isinstance(swa_window_size, int):
         raise KvCanaryTypeError(f"kv-canary: {_OP} swa_window_size must be an int, got {type(swa_window_size).__name__}")
     if verify_plan is not None:
@@ -111,9 +136,9 @@ def launch_stamp_violation_rows(
     prefix_lens: Optional[torch.Tensor] = None,
     swa_window_size: int = 0,
 ) -> None:
-    """Stamp one tag's new ring rows (contract in the module docstring). Mutates only
-    ``stamps[lo:hi]``. The stamp op has no counters; every error (``kv-canary:`` TypeError /
-    ValueError) is raised before anything changes."""
+    """Stamp one tag's new ring rows, or those of k stacked rings (contract in the module docstring).
+    Mutates only ``stamps[lo:hi]`` of each ring. The stamp op has no counters; every error
+    (``kv-canary:`` TypeError / ValueError) is raised before anything changes."""
     kwargs = dict(
         violation_ring=violation_ring, violation_write_index=violation_write_index, rows_from=rows_from,
         stamps=stamps, step=step, verify_plan=verify_plan, write_plan=write_plan, out_cache_loc=out_cache_loc,

@@ -1,7 +1,8 @@
 """Torch twin of the stamp op: which step, batch row and expected position each new ring row has.
 
 A Python loop over the violation rows the step appended (rare), each vectorised over the plan's
-entries; the twin reads the two ring counts on the host. Contract: ``kvcanary.ops.stamp``.
+entries; the twin reads the two ring counts on the host (stacked rings: one ring after another).
+Contract: ``kvcanary.ops.stamp``.
 """
 from __future__ import annotations
 
@@ -118,7 +119,18 @@ def stamp_violation_rows_torch_reference(
     swa_window_size: int = 0,
 ) -> None:
     """Stamp ring rows ``[clamp(rows_from), clamp(write_index))`` with (step, batch row,
-    expected position). Mutates only those rows of ``stamps``."""
+    expected position). Mutates only those rows of ``stamps``. A [k, cap, 8] ring stamps each
+    ring t in turn with ``violation_write_index[t]``, ``rows_from[t]`` and ``stamps[t]``."""
+    if violation_ring.dim() == 3:
+        ends, starts = violation_write_index.reshape(-1), rows_from.reshape(-1)
+        for t in range(violation_ring.shape[0]):
+            stamp_violation_rows_torch_reference(
+                violation_ring=violation_ring[t], violation_write_index=ends[t : t + 1], rows_from=starts[t : t + 1],
+                stamps=stamps[t], step=step, verify_plan=verify_plan, write_plan=write_plan,
+                out_cache_loc=out_cache_loc, positions=positions, req_pool_indices=req_pool_indices,
+                prefix_lens=prefix_lens, swa_window_size=swa_window_size,
+            )
+        return
     cap = int(violation_ring.shape[0])
     lo = min(max(int(rows_from[0]), 0), cap)
     hi = min(max(int(violation_write_index[0]), 0), cap)

@@ -1,8 +1,9 @@
-"""Triton stamp (contract: ``kvcanary.ops.stamp``): one small program, no host reads.
+"""Triton stamp (contract: ``kvcanary.ops.stamp``): one small program per ring, no host reads.
 
-The program reads the ring counts, and for each new row walks the plan's entries in blocks to
-find the row's entry (four candidate minima in one pass for a verify row, two for a write row)
-and the batch row holding it. With no new rows it does two loads and exits.
+Program t (grid ``(k,)`` for k stacked rings, ``(1,)`` for one) stamps ring t: it reads the ring's
+counts, and for each new row walks the shared plan's entries in blocks to find the row's entry
+(four candidate minima in one pass for a verify row, two for a write row) and the batch row
+holding it. With no new rows it does two loads and exits.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def _write_row_of(e, off_ptr, a, BLOCK: tl.constexpr):
 
 @triton.jit
 def _stamp_kernel(
-    ring_ptr, widx_ptr, from_ptr, stamps_ptr, step_ptr, cap,     # one tag's ring, counts, stamps
+    ring_ptr, widx_ptr, from_ptr, stamps_ptr, step_ptr, cap,     # k rings, counts, stamps
     v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,
     rp_ptr, prefix_ptr, bs, window,                              # batch rows (verify ranges)
     w_off_ptr, w_num_ptr, seed_cap, loc_ptr, wpos_ptr, n_loc,    # write plan + flattened entries
@@ -119,6 +120,11 @@ def _stamp_kernel(
 ):
     pdl_wait(PDL)
     pdl_release(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    ring_ptr += t * cap * RING_FIELDS
+    stamps_ptr += t * cap * STAMP_FIELDS
+    widx_ptr += t
+    from_ptr += t
     lo = tl.minimum(tl.maximum(tl.load(from_ptr).to(tl.int64), 0), cap)
     hi = tl.minimum(tl.maximum(tl.load(widx_ptr).to(tl.int64), 0), cap)
     if hi > lo:
@@ -180,8 +186,10 @@ def launch_stamp(
     swa_window_size: int = 0,
     pdl: bool = True,
 ) -> None:
-    """Triton twin of ``stamp_violation_rows_torch_reference`` (arguments already checked)."""
+    """Triton twin of ``stamp_violation_rows_torch_reference`` (arguments already checked): one
+    launch, one program per ring of a [k, cap, 8] ring (one for [cap, 8])."""
     dev = violation_ring.device
+    k = violation_ring.shape[0] if violation_ring.dim() == 3 else 1
     has_verify = verify_plan is not None and req_pool_indices is not None and prefix_lens is not None
     has_write = write_plan is not None and out_cache_loc is not None and positions is not None
     dummy_i64, dummy_i32 = step, violation_write_index
@@ -198,8 +206,8 @@ def launch_stamp(
     else:
         w = (dummy_i64, dummy_i32, 0, dummy_i64, dummy_i64, 0)
     use_pdl = pdl_enabled(dev, pdl)
-    _stamp_kernel[(1,)](
-        violation_ring, violation_write_index, rows_from, stamps, step, violation_ring.shape[0], *v, *w,
+    _stamp_kernel[(k,)](
+        violation_ring, violation_write_index, rows_from, stamps, step, violation_ring.shape[-2], *v, *w,
         HAS_VERIFY=has_verify, HAS_WRITE=has_write, BLOCK=_BLOCK, PDL=use_pdl, num_warps=_WARPS,
         launch_pdl=use_pdl,
     )
