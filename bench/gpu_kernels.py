@@ -274,9 +274,12 @@ class Ops:
     verify: object
     write: object
     stamp: object  # None: no stamp op in this set
+    verify_many: object = None  # TAIL K + V verified in one launch (None: one launch per buffer)
+    write_many: object = None  # TAIL K + V written in one launch
+    stamp_stacked: bool = False  # the step's three rings stamped by one launch
 
 
-def new_ops(name="default", *, plan_cfg=None, verify_cfg=None, write_cfg=None, pdl=True):
+def new_ops(name="default", *, plan_cfg=None, verify_cfg=None, write_cfg=None, pdl=True, fused=True):
     plan_cfg = plan_cfg or tplan.DEFAULT_PLAN_CONFIG
     verify_cfg = verify_cfg or tverify.DEFAULT_VERIFY_CONFIG
     write_cfg = write_cfg or twrite.DEFAULT_WRITE_CONFIG
@@ -290,6 +293,9 @@ def new_ops(name="default", *, plan_cfg=None, verify_cfg=None, write_cfg=None, p
         verify=lambda **kw: tverify.launch_verify(config=verify_cfg, **kw),
         write=lambda **kw: twrite.launch_write(config=write_cfg, **kw),
         stamp=lambda **kw: tstamp.launch_stamp(pdl=pdl, **kw),
+        verify_many=(lambda **kw: tverify.launch_verify_many(config=verify_cfg, **kw)) if fused else None,
+        write_many=(lambda **kw: twrite.launch_write_many(config=write_cfg, **kw)) if fused else None,
+        stamp_stacked=fused,
     )
 
 
@@ -361,9 +367,17 @@ class DecodeStep:
     def write(self, ops, i):
         ops.write(context=self.ctxs[i], plan=self.wp, **self.winputs)
 
-    def stamp(self, ops, i):
-        ops.stamp(violation_ring=self.rings[i], violation_write_index=self.widx[i:i + 1],
-                  rows_from=self.rows_from[i:i + 1], stamps=self.stamps[i], step=self.step_no,
+    def verify_tail(self, ops):
+        ops.verify_many(contexts=self.ctxs[1:], plan=self.vp, check_verify_expected_token=False)
+
+    def write_tail(self, ops):
+        ops.write_many(contexts=self.ctxs[1:], plan=self.wp, **self.winputs)
+
+    def stamp(self, ops, i, k=1):
+        """Stamp rings i .. i+k-1 (k > 1: one stacked launch)."""
+        sl = slice(i, i + k) if k > 1 else i
+        ops.stamp(violation_ring=self.rings[sl], violation_write_index=self.widx[i:i + k],
+                  rows_from=self.rows_from[i:i + k], stamps=self.stamps[sl], step=self.step_no,
                   verify_plan=self.vp, write_plan=self.wp, out_cache_loc=self.winputs["out_cache_loc"],
                   positions=self.winputs["positions"], req_pool_indices=self.plan_kw["req_pool_indices"],
                   prefix_lens=self.plan_kw["prefix_lens"], swa_window_size=0)
@@ -372,12 +386,21 @@ class DecodeStep:
         if stamps and ops.stamp is not None:
             self.mark()
         self.plan(ops)
-        for i in range(3):
-            self.verify(ops, i)
-            self.write(ops, i)
-        if stamps and ops.stamp is not None:
+        if ops.verify_many is not None:
+            self.verify(ops, 0)
+            self.write(ops, 0)
+            self.verify_tail(ops)
+            self.write_tail(ops)
+        else:
             for i in range(3):
-                self.stamp(ops, i)
+                self.verify(ops, i)
+                self.write(ops, i)
+        if stamps and ops.stamp is not None:
+            if ops.stamp_stacked:
+                self.stamp(ops, 0, k=3)
+            else:
+                for i in range(3):
+                    self.stamp(ops, i)
 
     def per_op(self, ops):
         """us per op, each captured on its own."""
@@ -386,15 +409,24 @@ class DecodeStep:
                "HEAD write": bench_graph(lambda: self.write(ops, 0)) * 1e3,
                "TAIL verify (PARTIAL 2 src)": bench_graph(lambda: self.verify(ops, 1)) * 1e3,
                "TAIL write": bench_graph(lambda: self.write(ops, 1)) * 1e3}
+        if ops.verify_many is not None:
+            out["TAIL verify K+V (one launch)"] = bench_graph(lambda: self.verify_tail(ops)) * 1e3
+            out["TAIL write K+V (one launch)"] = bench_graph(lambda: self.write_tail(ops)) * 1e3
         if ops.stamp is not None:
             out["stamp (no rows)"] = bench_graph(lambda: self.stamp(ops, 1)) * 1e3
+            if ops.stamp_stacked:
+                out["stamp 3 rings (one launch)"] = bench_graph(lambda: self.stamp(ops, 0, k=3)) * 1e3
             out["mark (torch copy)"] = bench_graph(self.mark) * 1e3
         return out
 
     def launches(self, ops):
-        """Default launch shapes: mark, plan (one launch up to 256 rows), 3 x (verify + write:
-        one kernel up to 256 requests), 3 stamps."""
-        return 1 + (1 if self.bs <= 256 else 2) + 3 * (1 + (1 if self.bs <= 256 else 2)) + 3
+        """Default launch shapes: mark, plan (one launch up to 256 rows), 3 writes (one kernel up to 256
+        requests each), verifies (HEAD + one for TAIL K and V, or 3), stamps (one stacked, or 3)."""
+        per = 1 if self.bs <= 256 else 2
+        verifies = 2 if ops.verify_many is not None else 3
+        writes = 2 if ops.write_many is not None and self.bs <= 256 else 3 * per
+        stamps = 1 if ops.stamp_stacked else 3
+        return 1 + per + writes + verifies + stamps
 
 
 # --------------------------------------------------------------------------- prefill (transformers layout)
@@ -490,12 +522,11 @@ def quick(fl, default, no_pdl):
     d = DecodeStep()
     n_launch = d.launches(default)
     print(f"decode step: {d.bs} requests x {d.ctx_len} context, {d.bs * d.ctx_len} verify entries per buffer, "
-          f"{n_launch} launches (mark + plan + 3 x (verify + write) + 3 stamps)")
-    sets = [default, new_ops("plan 2 launches + write 2 kernels", plan_cfg=tplan.PlanLaunchConfig(tile_rows=0),
-                             write_cfg=twrite.WriteLaunchConfig(small_lanes=0))]
+          f"{n_launch} launches (mark + plan + HEAD verify + write + TAIL K+V verify + write + one stamp of 3 rings)")
+    sets = [default, new_ops("one launch per buffer", fused=False)]
     per_op = {o.name: d.per_op(o) for o in sets}
     for name in per_op[default.name]:
-        cells = "  ".join(f"{o.name}: {per_op[o.name][name]:6.1f}" for o in sets)
+        cells = "  ".join(f"{o.name}: {per_op[o.name][name]:6.1f}" for o in sets if name in per_op[o.name])
         print(f"  per op (own graph) {name:28s} {cells} us")
     steps = {}
     for o in sets + [no_pdl]:
@@ -514,7 +545,12 @@ def quick(fl, default, no_pdl):
         ("write 4096 x 1 token", f"{w4096:.1f} us", f"{2 * lf:.1f} us (2 launches)", "", "<= 10 us", w4096 <= 10),
         (f"decode step 64 x 4k ({n_launch} launches)", f"{steps['default']:.1f} us", f"{floor_us + n_launch * lf:.1f} us",
          f"{steps['default'] / (floor_us + n_launch * lf):.2f}x", "<= 50 us", steps["default"] <= 50),
-        ("  of which TAIL verify x 2", f"{2 * per_op['default']['TAIL verify (PARTIAL 2 src)']:.1f} us", "", "", "", ""),
+        ("  of which TAIL verify K+V (one launch)", f"{per_op['default']['TAIL verify K+V (one launch)']:.1f} us", "", "",
+         "", ""),
+        ("  of which TAIL write K+V (one launch)", f"{per_op['default']['TAIL write K+V (one launch)']:.1f} us", "", "",
+         "", ""),
+        ("  (one launch per buffer: TAIL verify x 2)", f"{2 * per_op['default']['TAIL verify (PARTIAL 2 src)']:.1f} us",
+         "", "", "", ""),
     ]
     for row in rows:
         print(f"{row[0]:40s} {row[1]:>14s} {row[2]:>24s} {row[3]:>9s} {row[4]:>14s}  {row[5] if row[5] != '' else ''}")
@@ -619,7 +655,7 @@ def main():
     d = DecodeStep()
     sync()
     print(f"decode step: {d.bs} requests x {d.ctx_len} context, {d.bs * d.ctx_len} verify entries per buffer, "
-          f"{d.launches(default)} launches (mark + plan + 3 x (verify + write) + 3 stamps)")
+          f"{d.launches(default)} launches (mark + plan + HEAD verify + write + TAIL K+V verify + write + one stamp of 3 rings)")
     op_sets = [default, no_pdl] + ([before] if before else [])
     per_op = {o.name: d.per_op(o) for o in op_sets}
     for name in per_op[default.name]:

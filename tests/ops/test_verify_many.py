@@ -19,24 +19,15 @@ from kvcanary.ops import (
     launch_canary_write_kernel_torch_reference,
 )
 
-from .triton_cases import assert_same_state, clone_context, context_state, make_case, make_context, make_source
+from .triton_cases import (
+    assert_same_state, clone_context, context_state, make_case, make_source, sibling_context,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _sibling(ctx, seed: int, *, mode=None, sources=None, kind=3):
-    """A second context on the same slots: its own buffer (the first's bytes, a few fields flipped), ring,
-    counters, and optionally other sources / mode."""
-    g = torch.Generator().manual_seed(1000 + seed)
-    other = make_context(g, "cpu", num_slots=ctx.canary_buf.shape[0], stride_bytes=ctx.canary_buf.shape[1],
-                         ring_cap=[3, 64][seed % 2], sources=ctx.real_kv_sources if sources is None else sources,
-                         mode=ctx.real_kv_hash_mode if mode is None else mode, chain_assert=0, kind=kind,
-                         write_index=seed % 3)
-    other.canary_buf.copy_(ctx.canary_buf)
-    f = other.canary_buf.view(torch.int64)
-    bad = torch.randint(0, f.shape[0], (4,), generator=g)
-    f[bad, torch.randint(0, 4, (4,), generator=g)] ^= 1 << 5
-    return other
+    return sibling_context(ctx, seed, mode=mode, sources=sources, kind=kind)
 
 
 def _run(contexts, plan, check, many):

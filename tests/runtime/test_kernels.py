@@ -46,6 +46,35 @@ def test_token_rows_match_twin(seed: int) -> None:
                 assert g.dtype == w.dtype and torch.equal(g, w), f"{name} bs={bs} n={n}"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_token_rows_with_step_prologue_match_twin(seed: int) -> None:
+    """The prologue folded into the token_rows launch (ring marks, request rows at ``step % H`` — negative
+    steps wrap like torch.remainder —, the disabled-plan count) equals its torch ops; more rows than tokens
+    and more tokens than rows both covered."""
+    gen = torch.Generator().manual_seed(seed)
+    for bs, max_rows, n, rings, step in ((3, 5, 40, 5, 7), (40, 1500, 12, 12, -3), (7, 64, 2000, 3, 1029)):
+        offsets = random_offsets(gen, bs, max_rows)
+        outs = []
+        for fused in (False, True):
+            g2 = torch.Generator().manual_seed(seed * 7 + bs)
+            p = kernels.StepPrologue(
+                rows_from=torch.randint(0, 9, (rings,), generator=g2, dtype=torch.int32),
+                write_index=torch.randint(0, 99, (rings,), generator=g2, dtype=torch.int32),
+                row_history=torch.randint(0, 9, (6, max_rows), generator=g2),
+                step=torch.tensor([step]), rows=torch.randint(0, 50, (max_rows,), generator=g2),
+                disabled=torch.randint(0, 5, (3,), generator=g2)[1:2],
+                enable=torch.randint(0, 2, (1,), generator=g2, dtype=torch.int32))
+            got = (kernels.launch_token_rows(offsets, bs, n, p) if fused
+                   else kernels.token_rows(offsets, bs, n, torch.arange(n), p))
+            outs.append((got, p))
+        (want, pw), (got, pg) = outs
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        for f in ("rows_from", "row_history", "disabled"):
+            assert torch.equal(getattr(pg, f), getattr(pw, f)), (f, bs)
+        assert not torch.equal(pw.row_history, torch.zeros_like(pw.row_history))
+
+
 def test_token_rows_unsorted_offsets_probe_like_searchsorted() -> None:
     """Offsets that are not sorted (never planned, but the kernel must not diverge): same probes, same rows."""
     gen = torch.Generator().manual_seed(11)

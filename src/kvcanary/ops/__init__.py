@@ -49,7 +49,7 @@ from kvcanary.ops.scatter import launch_scatter_req_token_ids_kernel
 from kvcanary.ops.stamp import launch_stamp_violation_rows
 from kvcanary.ops.reference.stamp import stamp_violation_rows_torch_reference
 from kvcanary.ops.verify import launch_canary_verify_kernel, launch_canary_verify_kernels
-from kvcanary.ops.write import launch_canary_write_kernel
+from kvcanary.ops.write import launch_canary_write_kernel, launch_canary_write_kernels
 
 __all__ = [
     "CANARY_CHAIN_ANCHOR", "REQ_POOL_IDX_PADDING", "TOKEN_TO_KV_SLOT_PADDING",
@@ -62,7 +62,7 @@ __all__ = [
     "splitmix64", "splitmix64_mix3",
     "RealKvSource", "VerifyOrWriteContext", "VerifyPlan", "WritePlan",
     "launch_canary_plan_kernels", "launch_canary_write_kernel", "launch_canary_verify_kernel",
-    "launch_canary_verify_kernels",
+    "launch_canary_verify_kernels", "launch_canary_write_kernels",
     "launch_scatter_req_token_ids_kernel", "launch_stamp_violation_rows", "stamp_violation_rows_torch_reference",
     "launch_canary_plan_kernels_torch_reference", "launch_canary_write_kernel_torch_reference",
     "launch_canary_verify_kernel_torch_reference", "scatter_req_token_ids_torch_reference",

@@ -1,11 +1,11 @@
 """Write op (SPEC §3.6): public launcher; checks arguments, then runs Triton or the twin."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from kvcanary.errors import KvCanaryValueError
+from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.checks import INDEX_DTYPES, check_context, check_tensor, check_write_plan
 from kvcanary.ops.dispatch import triton_backend
 from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
@@ -43,6 +43,62 @@ def launch_canary_write_kernel(
     an all-zero record (see ``FailReason``). Negative slots are skipped, as before.
     """
     dev = check_context(_OP, context)
+    _check_write_args(_OP, dev, plan, input_ids, positions, out_cache_loc, expected_input_tokens,
+                      expected_input_positions)
+    backend = triton_backend(dev)
+    impl = backend.launch_write if backend else launch_canary_write_kernel_torch_reference
+    impl(
+        context=context,
+        plan=plan,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        enable_write_input_assert=bool(enable_write_input_assert),
+        expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+    )
+
+
+def launch_canary_write_kernels(
+    *,
+    contexts: Sequence[VerifyOrWriteContext],
+    plan: WritePlan,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    enable_write_input_assert: bool,
+    expected_input_tokens: Optional[torch.Tensor],
+    expected_input_positions: Optional[torch.Tensor],
+) -> None:
+    """`launch_canary_write_kernel` for each of ``contexts`` in order, on the same entries: the same buffers,
+    counters and rings as one call per context. On CUDA a decode-sized write stores two contexts per launch
+    (other buffers of as many rows, other rings). Every context and argument is checked before anything
+    runs; a lazy error stops the sequence at its context, as the loop would."""
+    op = "launch_canary_write_kernels"
+    if isinstance(contexts, (VerifyOrWriteContext, str, bytes)) or not isinstance(contexts, Sequence):
+        raise KvCanaryTypeError(f"kv-canary: {op} contexts must be a sequence of VerifyOrWriteContext, "
+                                f"got {type(contexts).__name__}")
+    if not contexts:
+        raise KvCanaryValueError(f"kv-canary: {op} needs at least one context")
+    devices = [check_context(op, c) for c in contexts]
+    if any(d != devices[0] for d in devices):
+        raise KvCanaryValueError(f"kv-canary: {op} contexts must share one device, got {sorted(set(map(str, devices)))}")
+    _check_write_args(op, devices[0], plan, input_ids, positions, out_cache_loc, expected_input_tokens,
+                      expected_input_positions)
+    kw = dict(plan=plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+              enable_write_input_assert=bool(enable_write_input_assert), expected_input_tokens=expected_input_tokens,
+              expected_input_positions=expected_input_positions)
+    backend = triton_backend(devices[0])
+    if backend is not None:
+        backend.launch_write_many(contexts=tuple(contexts), **kw)
+        return
+    for ctx in contexts:
+        launch_canary_write_kernel_torch_reference(context=ctx, **kw)
+
+
+def _check_write_args(op, dev, plan, input_ids, positions, out_cache_loc, expected_input_tokens,
+                      expected_input_positions) -> None:
+    _OP = op
     check_write_plan(_OP, plan, dev)
     n = None
     for name, t in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
@@ -56,15 +112,3 @@ def launch_canary_write_kernel(
             check_tensor(_OP, name, t, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
             if t.shape[0] < n:
                 raise KvCanaryValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} entries, fewer than input_ids ({n})")
-    backend = triton_backend(dev)
-    impl = backend.launch_write if backend else launch_canary_write_kernel_torch_reference
-    impl(
-        context=context,
-        plan=plan,
-        input_ids=input_ids,
-        positions=positions,
-        out_cache_loc=out_cache_loc,
-        enable_write_input_assert=bool(enable_write_input_assert),
-        expected_input_tokens=expected_input_tokens,
-        expected_input_positions=expected_input_positions,
-    )

@@ -4,7 +4,9 @@ per block instead of a few dozen small torch ops.
 Three blocks, each a torch twin (the reference; what the CPU runs) and a Triton launcher bit-identical to it:
 
 * ``token_rows`` — per staged token: its batch row in the write plan (a search over the plan's offsets),
-  its offset within the row, and whether it lies inside the write range.
+  its offset within the row, and whether it lies inside the write range. With a `StepPrologue` the same
+  launch also opens the step: marks the rings (``rows_from = write_index``), keeps the step's request rows
+  (``row_history[step % rows] = rows``) and counts a disabled first plan (``disabled += 1 - enable``).
 * ``record_write`` — the slot records of one HEAD write (`SlotRecords`): position, predecessor slot (the
   row's seed for a row's first token, else the previous token's slot; a context anchor becomes the trash
   row), owner ``step * owner_span + row`` and step, last write wins when a slot repeats. Triton: kernel 1
@@ -31,6 +33,9 @@ CPU tensors (tests).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, VerifyPlan
@@ -55,7 +60,28 @@ def use_kernels(t: torch.Tensor) -> bool:
     return AVAILABLE and t.is_cuda
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepPrologue:
+    """Per-step bookkeeping folded into the `token_rows` launch: ``rows_from`` / ``write_index`` int32 [T]
+    (the rings' marks and indices), ``row_history`` int64 [H, max_rows], ``step`` int64 [1], ``rows`` int64
+    [max_rows], ``disabled`` int64 [1] (a view) and ``enable`` int32 [1] (the first group's verify plan)."""
+
+    rows_from: torch.Tensor
+    write_index: torch.Tensor
+    row_history: torch.Tensor
+    step: torch.Tensor
+    rows: torch.Tensor
+    disabled: torch.Tensor
+    enable: torch.Tensor
+
+
 # ---- torch twins -------------------------------------------------------------------------------------
+
+def step_prologue_twin(p: StepPrologue) -> None:
+    """The `StepPrologue` bookkeeping as torch ops."""
+    p.rows_from.copy_(p.write_index)
+    p.row_history.index_copy_(0, p.step.remainder(p.row_history.shape[0]), p.rows[None])
+    p.disabled.add_(1 - p.enable)
 
 def token_rows_twin(offsets: torch.Tensor, bs: int, n: int, token_arange: torch.Tensor):
     """(row, local, valid) of tokens ``0..n-1``: int64 [n] batch row (``searchsorted(offsets[1:bs+1], t,
@@ -129,10 +155,13 @@ def sweep_slice_twin(*, records: SlotRecords, plan: VerifyPlan, live_mask: torch
 
 # ---- dispatch -----------------------------------------------------------------------------------------
 
-def token_rows(offsets: torch.Tensor, bs: int, n: int, token_arange: torch.Tensor):
-    """`token_rows_twin`, on the Triton kernel for CUDA tensors."""
+def token_rows(offsets: torch.Tensor, bs: int, n: int, token_arange: torch.Tensor,
+               prologue: Optional[StepPrologue] = None):
+    """`token_rows_twin` (and the ``prologue``'s bookkeeping first), on one Triton kernel for CUDA tensors."""
     if use_kernels(offsets) and n > 0:
-        return launch_token_rows(offsets, bs, n)
+        return launch_token_rows(offsets, bs, n, prologue)
+    if prologue is not None:
+        step_prologue_twin(prologue)
     return token_rows_twin(offsets, bs, n, token_arange)
 
 
@@ -165,11 +194,25 @@ def sweep_slice(**kw) -> None:
 if AVAILABLE:
 
     @triton.jit
-    def _token_rows_kernel(offsets_ptr, row_ptr, local_ptr, valid_ptr, bs, n, SEARCH_STEPS: tl.constexpr,
-                           BLOCK: tl.constexpr):
+    def _token_rows_kernel(offsets_ptr, row_ptr, local_ptr, valid_ptr, bs, n,
+                           from_ptr, widx_ptr, n_rings, history_ptr, history_rows, step_ptr, rows_ptr, max_rows,
+                           disabled_ptr, enable_ptr,
+                           SEARCH_STEPS: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK: tl.constexpr):
         """Per token t < n: the upper-bound search of torch.searchsorted (same probes) over offsets[1 : bs+1];
-        ``SEARCH_STEPS`` >= the search's depth (a constexpr: one compile per power of two of ``bs``)."""
-        t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        ``SEARCH_STEPS`` >= the search's depth (a constexpr: one compile per power of two of ``bs``).
+        ``PROLOGUE``: also the `StepPrologue` (rows by every program, marks and the count by program 0)."""
+        pid = tl.program_id(0)
+        t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        if PROLOGUE:
+            step = tl.load(step_ptr)
+            hrow = ((step % history_rows) + history_rows) % history_rows  # torch.remainder: sign of the divisor
+            rm = t < max_rows
+            tl.store(history_ptr + hrow * max_rows + t, tl.load(rows_ptr + t, mask=rm, other=0), mask=rm)
+            if pid == 0:  # n_rings <= BLOCK (the launcher checks)
+                ri = tl.arange(0, BLOCK)
+                mm = ri < n_rings
+                tl.store(from_ptr + ri, tl.load(widx_ptr + ri, mask=mm, other=0), mask=mm)
+                tl.store(disabled_ptr, tl.load(disabled_ptr) + 1 - tl.load(enable_ptr).to(tl.int64))
         m = t < n
         lo = tl.zeros([BLOCK], tl.int64)
         hi = tl.zeros([BLOCK], tl.int64) + bs
@@ -280,14 +323,27 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, _BLOCK),)
 
 
-def launch_token_rows(offsets: torch.Tensor, bs: int, n: int):
-    """Triton `token_rows_twin` (``n >= 1``): returns new (row, local, valid) tensors of ``n`` tokens."""
+def launch_token_rows(offsets: torch.Tensor, bs: int, n: int, prologue: Optional[StepPrologue] = None):
+    """Triton `token_rows_twin` (``n >= 1``; with ``prologue`` its bookkeeping too, contiguous tensors):
+    returns new (row, local, valid) tensors of ``n`` tokens."""
     dev = offsets.device
     row = torch.empty(n, dtype=torch.int64, device=dev)
     local = torch.empty(n, dtype=torch.int64, device=dev)
     valid = torch.empty(n, dtype=torch.uint8, device=dev)
-    _token_rows_kernel[_grid(n)](offsets, row, local, valid, bs, n, SEARCH_STEPS=max(bs, 0).bit_length() + 1,
-                                 BLOCK=_BLOCK, num_warps=_WARPS)
+    if prologue is not None:
+        p = prologue
+        if p.rows_from.shape[0] > _BLOCK:
+            raise ValueError(f"kv-canary: at most {_BLOCK} rings per step prologue, got {p.rows_from.shape[0]}")
+        if p.row_history.shape[1] != p.rows.shape[0] or not p.row_history.is_contiguous():
+            raise ValueError(f"kv-canary: row_history {tuple(p.row_history.shape)} must be contiguous [H, {p.rows.shape[0]}]")
+        extra = (p.rows_from, p.write_index, p.rows_from.shape[0], p.row_history, p.row_history.shape[0], p.step,
+                 p.rows, p.rows.shape[0], p.disabled, p.enable)
+        grid = _grid(max(n, p.rows.shape[0]))
+    else:
+        extra = (row, row, 0, row, 1, row, row, 0, row, row)
+        grid = _grid(n)
+    _token_rows_kernel[grid](offsets, row, local, valid, bs, n, *extra, SEARCH_STEPS=max(bs, 0).bit_length() + 1,
+                             PROLOGUE=prologue is not None, BLOCK=_BLOCK, num_warps=_WARPS)
     return row, local, valid.view(torch.bool)
 
 

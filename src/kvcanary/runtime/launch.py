@@ -2,11 +2,11 @@
 
 ::
 
-    head()   mark the rings -> per group: plan -> HEAD verify (prefix vs. the table)
+    head()   per group: plan (the first group's token -> row map also marks the rings) -> HEAD verify (prefix vs. the table)
              -> HEAD write (new tokens) -> slot records (position, predecessor, step, owner)
     ... engine forward: stores K/V into the staged out_loc slots ...
     tail()   per group: TAIL verify of every hashed side in one launch (prefix, real KV re-hashed; a ring window
-             skips the positions the forward's own writes recycled, GroupSpec.ring_window) -> per side TAIL write (fingerprints of the KV just stored; with deep fingerprints also one ALL-mode
+             skips the positions the forward's own writes recycled, GroupSpec.ring_window) -> TAIL writes of every side (fingerprints of the KV just stored; with deep fingerprints also one ALL-mode
              write per 4 layers, checked later by the sweep); then stamp the step's ring rows
 
 Every launch reads the `StaticBatch` and device tensors only — no host reads — so both halves can be
@@ -28,6 +28,7 @@ from kvcanary.ops import (
     launch_canary_verify_kernel,
     launch_canary_verify_kernels,
     launch_canary_write_kernel,
+    launch_canary_write_kernels,
     launch_stamp_violation_rows,
 )
 from kvcanary.runtime import kernels
@@ -121,8 +122,6 @@ class ForwardLaunches:
         else:
             shape = _Shape(rows=s.num_rows, tokens=s.num_tokens)
         self._shape = shape
-        self.rings.mark()
-        self.row_history.index_copy_(0, self.step.remainder(ROW_HISTORY), s.rows[None])
         bs, n = shape.rows, shape.tokens
         rows, prefix, extend = s.rows[:bs], s.prefix[:bs], s.extend[:bs]
         token_table = s.token_table if self.config.verify_token else None
@@ -131,20 +130,29 @@ class ForwardLaunches:
             vplan, wplan = self.verify_plans[name], self.write_plans[name]
             inputs = s.inputs[name]
             lut = inputs.lut if inputs.lut is not None else self._identity_luts.get(name)
-            launch_canary_plan_kernels(
-                verify_plan_out=vplan, write_plan_out=wplan,
-                req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend,
-                req_to_token=inputs.req_to_token, swa_window_size=g.window, full_to_swa_index_mapping=lut,
-                verify_capacity=vplan.capacity,
-                req_to_verify_expected_tokens=token_table,
-                req_to_verify_expected_tokens_valid_lens=s.token_lens[:bs] if token_table is not None else None,
-                kv_token_id_vs_position_offset=0, check_request_rows_on_host=False,  # never wait for the stream
-            )
-            self.plans_disabled[gi : gi + 1] += 1 - vplan.enable
+            try:
+                launch_canary_plan_kernels(
+                    verify_plan_out=vplan, write_plan_out=wplan,
+                    req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend,
+                    req_to_token=inputs.req_to_token, swa_window_size=g.window, full_to_swa_index_mapping=lut,
+                    verify_capacity=vplan.capacity,
+                    req_to_verify_expected_tokens=token_table,
+                    req_to_verify_expected_tokens_valid_lens=s.token_lens[:bs] if token_table is not None else None,
+                    kv_token_id_vs_position_offset=0, check_request_rows_on_host=False,  # never wait for the stream
+                )
+            except BaseException:
+                if tokens_row is None:
+                    self.rings.mark()  # not opened yet: the stamps must not re-stamp the step before's rows
+                raise
+            if tokens_row is None:  # rows and extends are shared by the groups: one token -> row map, whose
+                # launch also opens the step (ring marks, request rows, this first plan's disabled count)
+                tokens_row = self._token_rows(wplan, bs, n, kernels.StepPrologue(
+                    rows_from=self.rings.rows_from, write_index=self.rings.write_index, row_history=self.row_history,
+                    step=self.step, rows=s.rows, disabled=self.plans_disabled[gi : gi + 1], enable=vplan.enable))
+            else:
+                self.plans_disabled[gi : gi + 1] += 1 - vplan.enable
             if s.has_context and g.anchor_rows:
                 self._chain_from_context_anchors(g, vplan, wplan, bs)
-            if tokens_row is None:  # rows and extends are shared by the groups: one token -> row map
-                tokens_row = self._token_rows(wplan, bs, n)
             expected_tokens, expected_positions = self._oracle(tokens_row, bs, n)
             out_loc = s.out_loc[name][:n]
             launch_canary_verify_kernel(
@@ -172,17 +180,20 @@ class ForwardLaunches:
                     contexts=[self._context(g, "tail", side, "verify", self.no_chain_assert) for side in g.tail_sides],
                     plan=tplan, check_verify_expected_token=False,
                 )
-                for side in g.tail_sides:
-                    for deep in (None, *g.deep_chunks()):  # the TAIL record, then every layer's bytes (sweep-checked)
-                        launch_canary_write_kernel(
-                            context=self._context(g, "tail", side, "write", self.no_chain_assert, deep=deep),
-                            plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n],
-                            out_cache_loc=s.out_loc[name][:n], enable_write_input_assert=False,
-                            expected_input_tokens=None, expected_input_positions=None,
-                        )
-            for tag in [g.tag("head")] + [g.tag("tail", side) for side in g.tail_sides]:
+                # the TAIL records, then every layer's bytes (sweep-checked); sides interleaved so that K and V share
+                # a launch on CUDA while each ring gets its rows in this order
+                launch_canary_write_kernels(
+                    contexts=[self._context(g, "tail", side, "write", self.no_chain_assert, deep=deep)
+                              for deep in (None, *g.deep_chunks()) for side in g.tail_sides],
+                    plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n],
+                    out_cache_loc=s.out_loc[name][:n], enable_write_input_assert=False,
+                    expected_input_tokens=None, expected_input_positions=None,
+                )
+            tags = [g.tag("head")] + [g.tag("tail", side) for side in g.tail_sides]
+            stacked = self.rings.stamp_args_stacked(tags)  # one launch for the group's rings when they are adjacent
+            for ring_args in [stacked] if stacked is not None else [self.rings.stamp_args(t) for t in tags]:
                 launch_stamp_violation_rows(
-                    **self.rings.stamp_args(tag), step=self.step, verify_plan=vplan, write_plan=wplan,
+                    **ring_args, step=self.step, verify_plan=vplan, write_plan=wplan,
                     out_cache_loc=s.out_loc[name][:n], positions=s.positions[:n],
                     req_pool_indices=s.rows[:bs], prefix_lens=s.prefix[:bs], swa_window_size=g.window,
                 )
@@ -231,10 +242,11 @@ class ForwardLaunches:
         prev = vplan.verify_prev_slot_indices
         prev.copy_(torch.where(first, anchors[row], prev))
 
-    def _token_rows(self, wplan: WritePlan, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(batch row of each staged token, its offset within the row, valid: inside the write range); one
-        kernel on CUDA (`kernels.token_rows`)."""
-        return kernels.token_rows(wplan.write_offsets, bs, n, self.static.token_arange)
+    def _token_rows(self, wplan: WritePlan, bs: int, n: int, prologue: kernels.StepPrologue
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(batch row of each staged token, its offset within the row, valid: inside the write range), after
+        the ``prologue``'s bookkeeping; one kernel on CUDA (`kernels.token_rows`)."""
+        return kernels.token_rows(wplan.write_offsets, bs, n, self.static.token_arange, prologue)
 
     def _oracle(self, tokens_row, bs: int, n: int):
         """Expected tokens / positions of the staged tokens for the write-input assert, or (None, None)."""

@@ -193,8 +193,10 @@ class Sweeper:
                               chain_assert=self._no_assert, deep=deep)
                     for deep in (None, *g.deep_chunks()) for side in g.tail_sides]
         launch_canary_verify_kernels(contexts=contexts, plan=plan, check_verify_expected_token=False)
-        for side in g.tail_sides:
-            launch_stamp_violation_rows(**self.rings.stamp_args(g.tag("sweep", side)), step=self.step, **stamp_plan)
+        tags = [g.tag("sweep", side) for side in g.tail_sides]
+        stacked = self.rings.stamp_args_stacked(tags)  # one launch when the sides' rings are adjacent
+        for ring_args in [stacked] if stacked is not None else [self.rings.stamp_args(t) for t in tags]:
+            launch_stamp_violation_rows(**ring_args, step=self.step, **stamp_plan)
 
     def owner_at_sweep(self, group: str, step: int, entry: int, current_step: int) -> Optional[int]:
         """Owner code of the slot behind ``entry`` of the slice swept at ``step``, if still remembered."""

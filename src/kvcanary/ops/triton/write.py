@@ -39,7 +39,7 @@ raise at once under capture.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -422,37 +422,69 @@ def _one_entry_lanes(
 
 
 @triton.jit
+def _small_serial(
+    fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+    off_ptr, seed_ptr, a, end_all, chain_flag, ring_ptr, widx_ptr, ring_cap, slot_counter_ptr, kind, h0,
+    INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Aliasing seen: every request of one context in batch order on the per-request path."""
+    total = tl.zeros([], tl.int64)
+    for r in range(0, a):
+        total += _chain_request(
+            fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+            tl.load(off_ptr + r).to(tl.int64), tl.load(off_ptr + r + 1).to(tl.int64), end_all,
+            tl.load(seed_ptr + r).to(tl.int64), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
+            INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
+    tl.atomic_add(slot_counter_ptr, total, sem="relaxed")
+
+
+@triton.jit
 def _write_small_kernel(
-    fields_ptr, stride_words, num_slots,
     tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,   # flattened entries (<= LANES)
     off_ptr, seed_ptr, num_reqs_ptr, seed_cap,                          # write plan (seed_cap <= LANES)
-    table_ptr, state_ptr, chain_assert_ptr,
-    ring_ptr, widx_ptr, ring_cap, slot_counter_ptr, kernel_counter_ptr,
-    kind, h0,
-    s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
-    NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-    INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
-    LANES: tl.constexpr, PDL: tl.constexpr,
+    table_ptr, state_ptr, num_slots, h0,                                # scratch; canary rows (both contexts)
+    # context A: int64 view of canary_buf, row words; chain assert int32 [1]; ring, index, ring cap;
+    # counters; launch tag; real-KV sources
+    fa, swa, caa, ringa, widxa, capa, sca, kca, kinda,
+    a_s0, a_p0, a_n0, a_r0, a_s1, a_p1, a_n1, a_r1, a_s2, a_p2, a_n2, a_r2, a_s3, a_p3, a_n3, a_r3,
+    # context B (NCTX == 2; else the same as A and unused)
+    fb, swb, cab, ringb, widxb, capb, scb, kcb, kindb,
+    b_s0, b_p0, b_n0, b_r0, b_s1, b_p1, b_n1, b_r1, b_s2, b_p2, b_n2, b_r2, b_s3, b_p3, b_n3, b_r3,
+    A_NSRC: tl.constexpr, A_W0: tl.constexpr, A_W1: tl.constexpr, A_W2: tl.constexpr, A_W3: tl.constexpr,
+    B_NSRC: tl.constexpr, B_W0: tl.constexpr, B_W1: tl.constexpr, B_W2: tl.constexpr, B_W3: tl.constexpr,
+    NCTX: tl.constexpr, INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
+    PREFETCH: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The whole write in one program: lane i holds entry i and request i."""
+    """The whole write in one program: lane i holds entry i and request i. With NCTX == 2 the same
+    entries are written into a second buffer of as many rows (its own records, sources, counters and
+    ring): the aliasing check is the entries', so it is done once for both."""
     pdl_wait(PDL)
     pdl_release(PDL)
     lanes = tl.arange(0, LANES)
     epoch = tl.load(state_ptr + _EPOCH)
-    tl.atomic_add(kernel_counter_ptr, 1, sem="relaxed")
+    tl.atomic_add(kca, 1, sem="relaxed")
+    if NCTX == 2:
+        tl.atomic_add(kcb, 1, sem="relaxed")
     rc = lanes < seed_cap
     o0 = tl.load(off_ptr + lanes, mask=rc, other=0).to(tl.int64)
     o1 = tl.load(off_ptr + lanes + 1, mask=rc, other=0).to(tl.int64)
     sd = tl.load(seed_ptr + lanes, mask=rc, other=-1).to(tl.int64)
     s = tl.load(slot_ptr + lanes, mask=lanes < n_entries, other=-1).to(tl.int64)
     a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
-    chain_flag = tl.load(chain_assert_ptr) != 0
+    chain_a = tl.load(caa) != 0
+    chain_b = chain_a
+    if NCTX == 2:
+        chain_b = tl.load(cab) != 0
     begin = tl.sum(tl.where(lanes == 0, o0, 0), 0)
     end_all = tl.sum(tl.where(lanes == a - 1, o1, 0), 0)  # offsets[a], 0 when a == 0 (the work gate)
     a = tl.where(end_all > 0, a, 0)
     # The parallel path's seed records, loaded now (with the atomics and fingerprint loads below in flight):
     # without aliasing no entry of this launch stores a seed's fields, so they are what that path reads.
-    running, seed_pos = _one_entry_seed_state(o0, o1, sd, lanes < a, end_all, fields_ptr, stride_words, num_slots, h0)
+    run_a, seed_pos_a = _one_entry_seed_state(o0, o1, sd, lanes < a, end_all, fa, swa, num_slots, h0)
+    run_b = run_a
+    seed_pos_b = seed_pos_a
+    if NCTX == 2:
+        run_b, seed_pos_b = _one_entry_seed_state(o0, o1, sd, lanes < a, end_all, fb, swb, num_slots, h0)
     # Aliasing, as the prepare kernel detects it (same epoch-tagged table).
     writer_tag = epoch * 4 + 2
     seed_tag = epoch * 4 + 1
@@ -462,37 +494,53 @@ def _write_small_kernel(
     reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
     old_w = tl.atomic_max(table_ptr + s, tl.zeros([LANES], tl.int64) + writer_tag, mask=inside, sem="relaxed")
     old_r = tl.atomic_max(table_ptr + sd, tl.zeros([LANES], tl.int64) + seed_tag, mask=reads, sem="relaxed")
-    fp = fingerprint(s, inside, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
-                     NSRC, W0, W1, W2, W3)
-    tl.store(fields_ptr + s * stride_words + F_REAL_KV, as_i64(fp), mask=inside)
+    fp_a = fingerprint(s, inside, a_s0, a_p0, a_n0, a_r0, a_s1, a_p1, a_n1, a_r1, a_s2, a_p2, a_n2, a_r2,
+                       a_s3, a_p3, a_n3, a_r3, A_NSRC, A_W0, A_W1, A_W2, A_W3)
+    if NCTX == 2:
+        fp_b = fingerprint(s, inside, b_s0, b_p0, b_n0, b_r0, b_s1, b_p1, b_n1, b_r1, b_s2, b_p2, b_n2, b_r2,
+                           b_s3, b_p3, b_n3, b_r3, B_NSRC, B_W0, B_W1, B_W2, B_W3)
+        tl.store(fb + s * swb + F_REAL_KV, as_i64(fp_b), mask=inside)
+    tl.store(fa + s * swa + F_REAL_KV, as_i64(fp_a), mask=inside)
     conflicts = tl.sum((inside & (old_w >= seed_tag)).to(tl.int32), 0)
     conflicts += tl.sum((rm & (o1 < o0)).to(tl.int32), 0)
     conflicts += tl.sum((reads & (old_r == writer_tag)).to(tl.int32), 0)
     tl.store(state_ptr + _EPOCH, epoch + 1)
     tl.store(state_ptr + _CONFLICTS + (epoch + 1) % 2, 0)  # the word the next two-kernel launch uses
     if conflicts != 0:
-        total = tl.zeros([], tl.int64)
-        for r in range(0, a):
-            total += _chain_request(
-                fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-                tl.load(off_ptr + r).to(tl.int64), tl.load(off_ptr + r + 1).to(tl.int64), end_all,
-                tl.load(seed_ptr + r).to(tl.int64), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
-                INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
-        tl.atomic_add(slot_counter_ptr, total, sem="relaxed")
+        _small_serial(fa, swa, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                      off_ptr, seed_ptr, a, end_all, chain_a, ringa, widxa, capa, sca, kinda, h0,
+                      INPUT_ASSERT, CHUNK, UNROLL, PREFETCH)
+        if NCTX == 2:
+            _small_serial(fb, swb, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                          off_ptr, seed_ptr, a, end_all, chain_b, ringb, widxb, capb, scb, kindb, h0,
+                          INPUT_ASSERT, CHUNK, UNROLL, PREFETCH)
     else:
-        tl.atomic_add(slot_counter_ptr, tl.sum(inside.to(tl.int64), 0), sem="relaxed")
-        todo = _one_entry_lanes(o0, o1, sd, rm, end_all, chain_flag, fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr,
-                                slot_ptr, exp_tok_ptr, exp_pos_ptr, ring_ptr, widx_ptr, ring_cap, kind, running, seed_pos,
+        count = tl.sum(inside.to(tl.int64), 0)
+        tl.atomic_add(sca, count, sem="relaxed")
+        todo = _one_entry_lanes(o0, o1, sd, rm, end_all, chain_a, fa, swa, num_slots, tok_ptr, pos_ptr,
+                                slot_ptr, exp_tok_ptr, exp_pos_ptr, ringa, widxa, capa, kinda, run_a, seed_pos_a,
                                 INPUT_ASSERT)
+        if NCTX == 2:
+            tl.atomic_add(scb, count, sem="relaxed")
+            _one_entry_lanes(o0, o1, sd, rm, end_all, chain_b, fb, swb, num_slots, tok_ptr, pos_ptr,
+                             slot_ptr, exp_tok_ptr, exp_pos_ptr, ringb, widxb, capb, kindb, run_b, seed_pos_b,
+                             INPUT_ASSERT)
         for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
             k = tl.min(tl.where(todo, lanes, LANES), 0)
             todo = todo & (lanes != k)
             pick = lanes == k
+            o0_k = tl.sum(tl.where(pick, o0, 0), 0)
+            o1_k = tl.sum(tl.where(pick, o1, 0), 0)
+            sd_k = tl.sum(tl.where(pick, sd, 0), 0)
             _chain_request(
-                fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-                tl.sum(tl.where(pick, o0, 0), 0), tl.sum(tl.where(pick, o1, 0), 0), end_all,
-                tl.sum(tl.where(pick, sd, 0), 0), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
+                fa, swa, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                o0_k, o1_k, end_all, sd_k, chain_a, ringa, widxa, capa, kinda, h0,
                 INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
+            if NCTX == 2:
+                _chain_request(
+                    fb, swb, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                    o0_k, o1_k, end_all, sd_k, chain_b, ringb, widxb, capb, kindb, h0,
+                    INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
 
 
 class _Scratch:
@@ -515,6 +563,101 @@ class _Scratch:
         return entry
 
 
+def _kernel_sources(ctx: VerifyOrWriteContext, assert_args: tuple):
+    """SourceArgs for the kernels, or None when the launch needs the torch twin (or must raise)."""
+    if static_error(ctx, check_input_assert=assert_args) is not None:
+        return None
+    return source_args(ctx.real_kv_sources, ctx.real_kv_hash_mode, ctx.canary_buf)
+
+
+def _launch_twin(ctx: VerifyOrWriteContext, assert_args: tuple, plan: WritePlan, inputs: dict) -> None:
+    """The torch twin for a launch the kernels cannot take; under capture the error is raised at once (the
+    twin would read the host)."""
+    if capturing(ctx.canary_buf.device):
+        raise static_error(ctx, check_input_assert=assert_args) or KvCanaryValueError(
+            "kv-canary: real-KV sources with non-contiguous rows cannot be captured in a CUDA graph")
+    launch_canary_write_kernel_torch_reference(context=ctx, plan=plan, **inputs)
+
+
+def _small(plan: WritePlan, out_cache_loc: torch.Tensor, config: WriteLaunchConfig) -> bool:
+    """True when the launch runs as the single-CTA kernel (sizes known from shapes: decode batches)."""
+    return max(plan.write_seed_slot_indices.shape[0], out_cache_loc.shape[0]) <= min(config.small_lanes, _MAX_SMALL_LANES)
+
+
+def _small_context_args(ctx: VerifyOrWriteContext, srcs, prefix: str) -> tuple[tuple, dict]:
+    fields = ctx.canary_buf.view(torch.int64)
+    args = (fields, fields.shape[1], ctx.enable_chain_position_assert, ctx.violation_ring, ctx.violation_write_index,
+            ctx.violation_ring.shape[0], ctx.slot_run_counter, ctx.kernel_run_counter, int(ctx.kernel_kind),
+            *srcs.args)
+    return args, {f"{prefix}_{k}": v for k, v in srcs.consts.items()}
+
+
+def _launch_small(contexts, sources, plan, inputs: dict, config: WriteLaunchConfig) -> None:
+    """One single-CTA launch writing the entries into one or two contexts (same row count)."""
+    buf = contexts[0].canary_buf
+    dev = buf.device
+    num_slots = buf.shape[0]
+    table, state = _Scratch.get(dev, num_slots)
+    seed_cap = plan.write_seed_slot_indices.shape[0]
+    out_cache_loc = inputs["out_cache_loc"]
+    n_entries = out_cache_loc.shape[0]
+    pdl = pdl_enabled(dev, config.pdl)
+    assert_on = bool(inputs["enable_write_input_assert"])
+    exp_tok = inputs["expected_input_tokens"] if assert_on else inputs["input_ids"]
+    exp_pos = inputs["expected_input_positions"] if assert_on else inputs["positions"]
+    a_args, consts = _small_context_args(contexts[0], sources[0], "A")
+    if len(contexts) == 2:
+        b_args, b_consts = _small_context_args(contexts[1], sources[1], "B")
+    else:
+        b_args, b_consts = a_args, {k.replace("A_", "B_", 1): v for k, v in consts.items()}
+    consts.update(b_consts)
+    lanes = max(32, triton.next_power_of_2(max(seed_cap, n_entries)))
+    _write_small_kernel[(1,)](
+        inputs["input_ids"], inputs["positions"], out_cache_loc, exp_tok, exp_pos, n_entries,
+        plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
+        table, state, num_slots, H0_SIGNED, *a_args, *b_args, **consts,
+        NCTX=len(contexts), INPUT_ASSERT=assert_on, CHUNK=config.chunk, UNROLL=config.unroll,
+        PREFETCH=config.prefetch and dev.type == "cuda", LANES=lanes, PDL=pdl, num_warps=lanes // 32, launch_pdl=pdl,
+    )
+
+
+def _launch_two_kernels(ctx: VerifyOrWriteContext, srcs, plan: WritePlan, inputs: dict,
+                        config: WriteLaunchConfig) -> None:
+    """The prepare + chain kernel pair of one context (any size)."""
+    buf = ctx.canary_buf
+    dev = buf.device
+    fields = buf.view(torch.int64)
+    num_slots, stride_words = fields.shape
+    table, state = _Scratch.get(dev, num_slots)
+    seed_cap = plan.write_seed_slot_indices.shape[0]
+    out_cache_loc = inputs["out_cache_loc"]
+    n_entries = out_cache_loc.shape[0]
+    sms = num_sms(dev)
+    pdl = pdl_enabled(dev, config.pdl)
+    assert_on = bool(inputs["enable_write_input_assert"])
+    exp_tok = inputs["expected_input_tokens"] if assert_on else inputs["input_ids"]
+    exp_pos = inputs["expected_input_positions"] if assert_on else inputs["positions"]
+    prefetch = config.prefetch and dev.type == "cuda"
+    pb = config.prep_block
+    grid = (max(1, min(triton.cdiv(max(n_entries, seed_cap), pb), sms * config.prep_programs_per_sm)),)
+    _write_prepare_kernel[grid](
+        fields, stride_words, num_slots, out_cache_loc, n_entries,
+        plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
+        table, state, ctx.kernel_run_counter,
+        *srcs.args, **srcs.consts, BLOCK=pb, PDL=pdl, num_warps=config.prep_warps, launch_pdl=pdl,
+    )
+    grid = (max(1, min(seed_cap, sms * config.chain_programs_per_sm)),)
+    _write_chain_kernel[grid](
+        fields, stride_words, num_slots, inputs["input_ids"], inputs["positions"], out_cache_loc, exp_tok, exp_pos,
+        n_entries, plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
+        state, ctx.enable_chain_position_assert,
+        ctx.violation_ring, ctx.violation_write_index, ctx.violation_ring.shape[0], ctx.slot_run_counter,
+        int(ctx.kernel_kind), H0_SIGNED,
+        INPUT_ASSERT=assert_on, CHUNK=config.chunk, UNROLL=config.unroll,
+        PREFETCH=prefetch, PDL=pdl, num_warps=1, launch_pdl=pdl,
+    )
+
+
 def launch_write(
     *,
     context: VerifyOrWriteContext,
@@ -534,60 +677,59 @@ def launch_write(
     known from shapes) runs the torch twin, which bumps the kernel counter and raises only when
     there is work; under CUDA-graph capture that needs a host read, so the error is raised at once.
     """
-    ctx = context
-    buf = ctx.canary_buf
-    err = static_error(
-        ctx, check_input_assert=(bool(enable_write_input_assert), expected_input_tokens, expected_input_positions)
+    launch_write_many(
+        contexts=(context,), plan=plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+        enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions, config=config,
     )
-    srcs = None if err else source_args(ctx.real_kv_sources, ctx.real_kv_hash_mode, buf)
-    if err is not None or srcs is None:
-        if capturing(buf.device):
-            raise err or KvCanaryValueError("kv-canary: real-KV sources with non-contiguous rows cannot be captured in a CUDA graph")
-        launch_canary_write_kernel_torch_reference(
-            context=ctx, plan=plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-            enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
-            expected_input_positions=expected_input_positions,
-        )
-        return
-    dev = buf.device
-    fields = buf.view(torch.int64)
-    num_slots, stride_words = fields.shape
-    table, state = _Scratch.get(dev, num_slots)
-    seed_cap = plan.write_seed_slot_indices.shape[0]
-    n_entries = out_cache_loc.shape[0]
-    sms = num_sms(dev)
-    pdl = pdl_enabled(dev, config.pdl)
-    assert_on = bool(enable_write_input_assert)
-    exp_tok = expected_input_tokens if assert_on else input_ids
-    exp_pos = expected_input_positions if assert_on else positions
-    prefetch = config.prefetch and dev.type == "cuda"
-    if max(seed_cap, n_entries) <= min(config.small_lanes, _MAX_SMALL_LANES):
-        lanes = max(32, triton.next_power_of_2(max(seed_cap, n_entries)))
-        _write_small_kernel[(1,)](
-            fields, stride_words, num_slots, input_ids, positions, out_cache_loc, exp_tok, exp_pos, n_entries,
-            plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
-            table, state, ctx.enable_chain_position_assert,
-            ctx.violation_ring, ctx.violation_write_index, ctx.violation_ring.shape[0], ctx.slot_run_counter,
-            ctx.kernel_run_counter, int(ctx.kernel_kind), H0_SIGNED,
-            *srcs.args, **srcs.consts,
-            INPUT_ASSERT=assert_on, CHUNK=config.chunk, UNROLL=config.unroll, PREFETCH=prefetch, LANES=lanes,
-            PDL=pdl, num_warps=lanes // 32, launch_pdl=pdl,
-        )
-        return
-    pb = config.prep_block
-    grid = (max(1, min(triton.cdiv(max(n_entries, seed_cap), pb), sms * config.prep_programs_per_sm)),)
-    _write_prepare_kernel[grid](
-        fields, stride_words, num_slots, out_cache_loc, n_entries,
-        plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
-        table, state, ctx.kernel_run_counter,
-        *srcs.args, **srcs.consts, BLOCK=pb, PDL=pdl, num_warps=config.prep_warps, launch_pdl=pdl,
-    )
-    grid = (max(1, min(seed_cap, sms * config.chain_programs_per_sm)),)
-    _write_chain_kernel[grid](
-        fields, stride_words, num_slots, input_ids, positions, out_cache_loc, exp_tok, exp_pos, n_entries, plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
-        state, ctx.enable_chain_position_assert,
-        ctx.violation_ring, ctx.violation_write_index, ctx.violation_ring.shape[0], ctx.slot_run_counter,
-        int(ctx.kernel_kind), H0_SIGNED,
-        INPUT_ASSERT=assert_on, CHUNK=config.chunk, UNROLL=config.unroll,
-        PREFETCH=prefetch, PDL=pdl, num_warps=1, launch_pdl=pdl,
-    )
+
+
+def launch_write_many(
+    *,
+    contexts: Sequence[VerifyOrWriteContext],
+    plan: WritePlan,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    enable_write_input_assert: bool,
+    expected_input_tokens: Optional[torch.Tensor],
+    expected_input_positions: Optional[torch.Tensor],
+    config: WriteLaunchConfig = DEFAULT_WRITE_CONFIG,
+) -> None:
+    """``launch_write`` for each context in order, on the same entries. Small launches (decode batches) write
+    two contexts per single-CTA launch where both can take the kernel, their buffers have as many rows and
+    differ, and their rings differ (the same bytes, counters and rings as one launch per context)."""
+    inputs = dict(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+                  enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
+                  expected_input_positions=expected_input_positions)
+    assert_args = (bool(enable_write_input_assert), expected_input_tokens, expected_input_positions)
+    small = _small(plan, out_cache_loc, config)
+    pending: list[tuple[VerifyOrWriteContext, object]] = []
+
+    def flush() -> None:
+        if pending:
+            _launch_small(tuple(c for c, _ in pending), tuple(x for _, x in pending), plan, inputs, config)
+            pending.clear()
+
+    for ctx in contexts:
+        srcs = _kernel_sources(ctx, assert_args)
+        if srcs is None:
+            flush()
+            _launch_twin(ctx, assert_args, plan, inputs)
+        elif not small:
+            _launch_two_kernels(ctx, srcs, plan, inputs, config)
+        else:
+            if pending and not _pairable(pending[0][0], ctx):
+                flush()
+            pending.append((ctx, srcs))
+            if len(pending) == 2:
+                flush()
+    flush()
+
+
+def _pairable(a: VerifyOrWriteContext, b: VerifyOrWriteContext) -> bool:
+    """Two contexts one small launch may write: other buffers of as many rows, other rings."""
+    return (a.canary_buf.shape[0] == b.canary_buf.shape[0]
+            and a.canary_buf.data_ptr() != b.canary_buf.data_ptr()
+            and a.violation_ring.data_ptr() != b.violation_ring.data_ptr()
+            and a.violation_write_index.data_ptr() != b.violation_write_index.data_ptr())
