@@ -231,13 +231,13 @@ def sibling_context(ctx: VerifyOrWriteContext, seed: int, *, mode=None, sources=
     flipped), ring, counters, chain-assert flag, and optionally other sources / mode / row width."""
     g = torch.Generator().manual_seed(1000 + seed)
     width = ctx.canary_buf.shape[1] if stride_bytes is None else stride_bytes
-    other = make_context(g, "cpu", num_slots=ctx.canary_buf.shape[0], stride_bytes=width,
+    other = make_context(g, ctx.canary_buf.device, num_slots=ctx.canary_buf.shape[0], stride_bytes=width,
                          ring_cap=[3, 64][seed % 2], sources=ctx.real_kv_sources if sources is None else sources,
                          mode=ctx.real_kv_hash_mode if mode is None else mode, chain_assert=1 - seed % 2, kind=kind,
                          write_index=seed % 3)
     common = min(width, ctx.canary_buf.shape[1])
     other.canary_buf[:, :common].copy_(ctx.canary_buf[:, :common])
     f = other.canary_buf.view(torch.int64)
-    bad = torch.randint(0, f.shape[0], (4,), generator=g)
-    f[bad, torch.randint(0, 4, (4,), generator=g)] ^= 1 << 5
+    bad = torch.randint(0, f.shape[0], (4,), generator=g).to(f.device)
+    f[bad, torch.randint(0, 4, (4,), generator=g).to(f.device)] ^= 1 << 5
     return other

@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, VerifyPlan
 from kvcanary.runtime.groups import NEVER_WRITTEN, SlotRecords
 
@@ -333,9 +334,9 @@ def launch_token_rows(offsets: torch.Tensor, bs: int, n: int, prologue: Optional
     if prologue is not None:
         p = prologue
         if p.rows_from.shape[0] > _BLOCK:
-            raise ValueError(f"kv-canary: at most {_BLOCK} rings per step prologue, got {p.rows_from.shape[0]}")
+            raise KvCanaryValueError(f"kv-canary: at most {_BLOCK} rings per step prologue, got {p.rows_from.shape[0]}")
         if p.row_history.shape[1] != p.rows.shape[0] or not p.row_history.is_contiguous():
-            raise ValueError(f"kv-canary: row_history {tuple(p.row_history.shape)} must be contiguous [H, {p.rows.shape[0]}]")
+            raise KvCanaryValueError(f"kv-canary: row_history {tuple(p.row_history.shape)} must be contiguous [H, {p.rows.shape[0]}]")
         extra = (p.rows_from, p.write_index, p.rows_from.shape[0], p.row_history, p.row_history.shape[0], p.step,
                  p.rows, p.rows.shape[0], p.disabled, p.enable)
         grid = _grid(max(n, p.rows.shape[0]))
