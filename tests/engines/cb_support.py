@@ -80,12 +80,13 @@ class BetweenSteps:
 
 
 def count_replays(monkeypatch) -> list:
-    """Count ``torch.cuda.CUDAGraph.replay`` calls (one list element per replay)."""
+    """Count ``torch.cuda.CUDAGraph.replay`` calls: one list element per replay, the ``id`` of the graph
+    replayed (so a test can leave out graphs of its own, e.g. the canary's sweep-slice graph)."""
     calls: list = []
     replay = torch.cuda.CUDAGraph.replay
 
     def counted(self, *args, **kwargs):
-        calls.append(1)
+        calls.append(id(self))
         return replay(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)

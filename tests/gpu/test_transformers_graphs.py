@@ -60,9 +60,17 @@ def test_every_graphed_forward_is_checked_and_tokens_are_unchanged(kind, llama, 
     model = llama if kind == "llama" else qwen3
     prompts = workload(seed=1)
     reference = run(model, prompts)
+    import kvcanary.runtime.canary as canary_mod
+
+    sweep_graphs: set[int] = set()  # the canary's own sweep-slice graph (capture_sweep): not an engine forward
+    capture = canary_mod.capture_sweep_slice
+    monkeypatch.setattr(canary_mod, "capture_sweep_slice",
+                        lambda *a, **k: (g := capture(*a, **k), sweep_graphs.add(id(g)))[0])
     replays = count_replays(monkeypatch)
     with attach(model, mode="raise", sweep_interval=4) as handle:
         checked = run(model, prompts)
+    sweep_replays = sum(1 for r in replays if r in sweep_graphs)
+    replays = [r for r in replays if r not in sweep_graphs]
     assert checked == reference, "the canary changed the generated tokens"
     assert handle.violations() == [] and handle.errors == []
     counters = handle.counters()
@@ -70,6 +78,7 @@ def test_every_graphed_forward_is_checked_and_tokens_are_unchanged(kind, llama, 
     assert counters["graphs_captured"] > 0 and counters["warmup_forwards"] > 0
     assert counters["checked_forwards"] == counters["engine_forwards"] == handle.forwards
     assert counters["engine_forwards"] >= len(replays)  # every replay was an engine forward, and checked
+    assert sweep_graphs and sweep_replays > 0  # the sweep slice replayed from its own graph (capture_sweep default)
 
 
 def test_gpu_default_config_is_checked(llama):
