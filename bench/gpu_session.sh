@@ -2,7 +2,7 @@
 # One device call of a session: the stages named as arguments, each under its own time limit, logs in $OUT.
 #   bash bench/gpu_session.sh tests runtime soak copy kernels e2e e2e_quick deep
 # Runs from wherever it is started (a snapshot of a commit: see bench/NOTES.md); prints a short summary last.
-# The tests stage is verbose (-v: under xdist each result is printed with its name as it lands), so a stage cut by
+# The tests stage is verbose (-vv: pyproject's addopts has -q, so -v alone prints dots; under xdist each result is printed with its name as it lands), so a stage cut by
 # its limit still says which tests failed (run 22 printed only `...F.F.`).
 set -o pipefail
 OUT=${OUT:-gpu_out}
@@ -13,7 +13,13 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
 if ls .triton-cache/triton-cache.txz.* >/dev/null 2>&1; then
-  cat .triton-cache/triton-cache.txz.* | tar -xJ -C "$TRITON_CACHE_DIR" && echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried"
+  # A cache cut short (a call that ran out of time while packing it) still gives every entry before the cut; an
+  # entry left without its cubin would make Triton fail ("Unknown key: 'cubin'", run 29), so such entries go.
+  cat .triton-cache/triton-cache.txz.* | tar -xJ -C "$TRITON_CACHE_DIR" 2>/dev/null || echo "triton cache: archive cut short"
+  for d in "$TRITON_CACHE_DIR"/*/; do
+    if ls "$d"*.source >/dev/null 2>&1 && ! ls "$d"*.cubin >/dev/null 2>&1; then rm -rf "$d"; fi
+  done
+  echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries carried"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
@@ -23,12 +29,15 @@ stage() {  # stage NAME LIMIT_S CMD...
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
+  # a stage cut by its limit may leave pytest-xdist workers running on the GPU: they would slow every later stage
+  # (processes on one GPU time-slice it: runs 25-26, 29)
+  pkill -f 'python3 -m pytest' 2>/dev/null && sleep 2
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -E 'passed|failed|met|total|forwards in|error' "$OUT/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-150)")")
 }
 for s in "$@"; do
   case $s in
     tests)   stage tests "${TESTS_LIMIT:-230}" python3 -m pytest ${TESTS_SELECT:-tests/gpu tests/ops/test_copy.py::test_gpu_triton_matches_twin \
-               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph} -v -rf -n ${TESTS_WORKERS:-12} --junitxml "$OUT/tests.xml" -p no:cacheprovider --durations=10 -p no:benchmark ;;
+               tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph} -vv -rf -n ${TESTS_WORKERS:-12} --junitxml "$OUT/tests.xml" -p no:cacheprovider --durations=10 -p no:benchmark ;;
     runtime) stage runtime "${RUNTIME_LIMIT:-150}" python3 bench/runtime_overhead.py ${RUNTIME_ARGS:---profile 14} --json "$OUT/runtime.json" ;;
     soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-90}" --workers "${SOAK_WORKERS:-0}" --json "$OUT/soak.json" ;;
     copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
