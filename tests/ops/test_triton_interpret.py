@@ -61,6 +61,7 @@ from .triton_cases import (  # noqa: E402
     make_case,
     make_context,
     make_source,
+    many_requests_write,
     run_plan,
     write_inputs,
     write_plan,
@@ -160,19 +161,9 @@ def test_write_many_requests_per_program(config):
     """Over 32 one-token requests per chain program (the lane loop runs twice) mixed with long
     requests and chain-position rows; then the same with an aliasing seed (serial mode)."""
     ctx = _ctx(num_slots=512, ring_cap=1024)
-    lengths = [1] * 150
-    lengths[7], lengths[90] = 40, 3
-    lengths[33] = 0
-    seeds = [(-1 if r % 5 == 0 else 300 + r) for r in range(150)]
-    n = sum(lengths)
-    loc = list(range(1, n + 1))
-    pos = [(r * 3 + k) for r, ln in enumerate(lengths) for k in range(ln)]
-    pos[12] += 1  # a chain-position row
-    kw = write_inputs(list(range(5000, 5000 + n)), pos, loc)
-    _compare_write(ctx, write_plan(lengths, seeds), config=config, **kw)
-    aliased = list(seeds)
-    aliased[120] = loc[3]  # request 120 seeds from a slot request 3 stores: serial mode
-    _compare_write(ctx, write_plan(lengths, aliased), config=config, **kw)
+    for aliased in (False, True):  # then request 120 seeds from a slot request 3 stores: serial mode
+        wp, kw = many_requests_write(aliased)
+        _compare_write(ctx, wp, config=config, **kw)
 
 
 def test_write_input_assert_and_ring_overflow():

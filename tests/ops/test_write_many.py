@@ -19,8 +19,8 @@ from kvcanary.ops import (
 )
 
 from .triton_cases import (
-    assert_same_state, clone_context, context_state, make_case, make_context, make_source, run_plan, sibling_context,
-    write_inputs, write_plan,
+    assert_same_state, clone_context, context_state, make_case, make_context, make_source, many_requests_write, run_plan,
+    sibling_context, write_inputs, write_plan,
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -125,19 +125,10 @@ def test_pairs_on_hand_cases_serial_long_and_three_contexts(monkeypatch):
     a = make_context(g, "cpu", num_slots=512, stride_bytes=32, ring_cap=1024, sources=(), mode=RealKvHashMode.NONE,
                      chain_assert=1, kind=2)
     b, c = sibling_context(a, 2, kind=3), sibling_context(a, 4, kind=5)
-    lengths = [1] * 150
-    lengths[7], lengths[90] = 40, 3
-    lengths[33] = 0
-    seeds = [(-1 if r % 5 == 0 else 300 + r) for r in range(150)]
-    n = sum(lengths)
-    loc = list(range(1, n + 1))
-    pos = [(r * 3 + k) for r, ln in enumerate(lengths) for k in range(ln)]
-    pos[12] += 1  # a chain-position row
-    kw = write_inputs(list(range(5000, 5000 + n)), pos, loc)
-    _compare([a, b, c], write_plan(lengths, seeds), kw, launch_write_many)
-    aliased = list(seeds)
-    aliased[120] = loc[3]  # request 120 seeds from a slot request 3 stores: serial mode
-    _compare([a, b], write_plan(lengths, aliased), kw, launch_write_many)
+    wp, kw = many_requests_write()
+    _compare([a, b, c], wp, kw, launch_write_many)
+    wp, kw = many_requests_write(aliased=True)  # request 120 seeds from a slot request 3 stores: serial mode
+    _compare([a, b], wp, kw, launch_write_many)
     assert launched.count(2) == 2 and launched.count(1) == 1, launched
     launched.clear()
     same_ring = type(b)(**{**b.__dict__, "violation_ring": a.violation_ring, "violation_write_index": a.violation_write_index})

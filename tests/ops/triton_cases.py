@@ -241,3 +241,20 @@ def sibling_context(ctx: VerifyOrWriteContext, seed: int, *, mode=None, sources=
     bad = torch.randint(0, f.shape[0], (4,), generator=g).to(f.device)
     f[bad, torch.randint(0, 4, (4,), generator=g).to(f.device)] ^= 1 << 5
     return other
+
+
+def many_requests_write(aliased: bool = False) -> tuple[WritePlan, dict]:
+    """150 requests, mostly one token (over 32 per chain program: the lane loop runs twice) with a 40- and a
+    3-token request, an empty one, seeds from earlier slots and one chain-position row; ``aliased``: request 120
+    seeds from a slot request 3 stores (serial mode). Slots 1..n of a 512-slot buffer."""
+    lengths = [1] * 150
+    lengths[7], lengths[90] = 40, 3
+    lengths[33] = 0
+    seeds = [(-1 if r % 5 == 0 else 300 + r) for r in range(150)]
+    n = sum(lengths)
+    loc = list(range(1, n + 1))
+    pos = [(r * 3 + k) for r, ln in enumerate(lengths) for k in range(ln)]
+    pos[12] += 1  # a chain-position row
+    if aliased:
+        seeds[120] = loc[3]
+    return write_plan(lengths, seeds), write_inputs(list(range(5000, 5000 + n)), pos, loc)
