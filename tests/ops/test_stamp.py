@@ -454,9 +454,11 @@ def _triton_launch_stamp():
     return launch_stamp
 
 
-def _fuzz_stacked(seed: int) -> dict:
-    """A stacked case from the interpreter suite's fuzz batches (many rows, ring overflow at times)."""
-    case = make_case(seed, mode=seed % 3, nsrc=seed % 2)
+def fuzz_stamp_args(seed: int, nsrc: int, step: int, *, rows_from_shift: int = 0) -> dict:
+    """Stamp arguments of a fuzz case (random buffer: many rows, ring overflow at times) after its plan, twin
+    verify and twin write; ``rows_from`` is the index before them (plus ``rows_from_shift``). Skips the test
+    when the case's plan raises."""
+    case = make_case(seed, mode=seed % 3, nsrc=nsrc)
     _, err, (vp, wp) = run_plan(launch_canary_plan_kernels_torch_reference, case)
     if err is not None:
         pytest.skip("plan raised for this case")
@@ -464,15 +466,21 @@ def _fuzz_stacked(seed: int) -> dict:
     rows_from = ctx.violation_write_index.clone()
     launch_canary_verify_kernel_torch_reference(context=ctx, plan=vp, check_verify_expected_token=True)
     launch_canary_write_kernel_torch_reference(context=ctx, plan=wp, **case.write_kwargs)
-    if int(ctx.violation_write_index[0]) == int(rows_from[0]):
-        pytest.skip("no violation rows for this case")
-    return stacked(dict(
-        violation_ring=ctx.violation_ring, violation_write_index=ctx.violation_write_index, rows_from=rows_from,
-        step=torch.tensor([2000 + seed]), verify_plan=vp, write_plan=wp,
+    return dict(
+        violation_ring=ctx.violation_ring, violation_write_index=ctx.violation_write_index,
+        rows_from=rows_from + rows_from_shift, step=torch.tensor([step]), verify_plan=vp, write_plan=wp,
         out_cache_loc=case.write_kwargs["out_cache_loc"], positions=case.write_kwargs["positions"],
         req_pool_indices=case.plan_kwargs["req_pool_indices"], prefix_lens=case.plan_kwargs["prefix_lens"],
         swa_window_size=case.plan_kwargs["swa_window_size"],
-    ))
+    )
+
+
+def _fuzz_stacked(seed: int) -> dict:
+    """A stacked case from the interpreter suite's fuzz batches (many rows, ring overflow at times)."""
+    kw = fuzz_stamp_args(seed, seed % 2, 2000 + seed)
+    if int(kw["violation_write_index"][0]) == int(kw["rows_from"][0]):
+        pytest.skip("no violation rows for this case")
+    return stacked(kw)
 
 
 FUZZ_SEEDS = (0, 1, 3, 4, 5, 7, 8, 10)  # make_case seeds whose step appends violation rows

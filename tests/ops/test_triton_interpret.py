@@ -53,7 +53,7 @@ from kvcanary.ops.triton import launch_plan, launch_scatter, launch_stamp, launc
 from kvcanary.ops.triton.plan import PlanLaunchConfig  # noqa: E402
 from kvcanary.ops.triton.write import WriteLaunchConfig  # noqa: E402
 
-from .test_stamp import SCENARIOS as STAMP_SCENARIOS  # noqa: E402
+from .test_stamp import SCENARIOS as STAMP_SCENARIOS, fuzz_stamp_args  # noqa: E402
 from .triton_cases import (  # noqa: E402
     assert_same_state,
     clone_context,
@@ -297,21 +297,7 @@ def test_stamp_scenarios(name):
 def test_fuzz_stamp(seed):
     """Plan -> verify -> write on a fuzz case (random buffer: many rows, ring overflow at times),
     then stamps; rows_from sometimes past the start; plans sometimes missing."""
-    case = make_case(seed, mode=seed % 3, nsrc=(seed // 3) % 3)
-    _, err, (vp, wp) = run_plan(launch_canary_plan_kernels_torch_reference, case)
-    if err is not None:
-        pytest.skip("plan raised for this case")
-    ctx = clone_context(case.ctx)
-    rows_from = ctx.violation_write_index.clone()
-    launch_canary_verify_kernel_torch_reference(context=ctx, plan=vp, check_verify_expected_token=True)
-    launch_canary_write_kernel_torch_reference(context=ctx, plan=wp, **case.write_kwargs)
-    if seed % 4 == 1:
-        rows_from += 2
-    kw = dict(violation_ring=ctx.violation_ring, violation_write_index=ctx.violation_write_index, rows_from=rows_from,
-              step=torch.tensor([1000 + seed]), verify_plan=vp, write_plan=wp,
-              out_cache_loc=case.write_kwargs["out_cache_loc"], positions=case.write_kwargs["positions"],
-              req_pool_indices=case.plan_kwargs["req_pool_indices"], prefix_lens=case.plan_kwargs["prefix_lens"],
-              swa_window_size=case.plan_kwargs["swa_window_size"])
+    kw = fuzz_stamp_args(seed, (seed // 3) % 3, 1000 + seed, rows_from_shift=2 if seed % 4 == 1 else 0)
     if seed % 5 == 2:
         kw.update(write_plan=None, out_cache_loc=None, positions=None)
     if seed % 5 == 3:

@@ -19,9 +19,7 @@ from kvcanary.ops import (
     launch_canary_write_kernel_torch_reference,
 )
 
-from .triton_cases import (
-    assert_same_state, clone_context, context_state, make_case, make_source, sibling_context,
-)
+from .triton_cases import clone_context, compare_context_runs, context_state, make_case, make_source, sibling_context
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -30,29 +28,13 @@ def _sibling(ctx, seed: int, *, mode=None, sources=None, kind=3):
     return sibling_context(ctx, seed, mode=mode, sources=sources, kind=kind)
 
 
-def _run(contexts, plan, check, many):
-    """(states, error) after verifying ``contexts`` (clones) one by one on the twin or with ``many``."""
-    clones = [clone_context(c) for c in contexts]
-    try:
-        if many is None:
-            for c in clones:
-                launch_canary_verify_kernel_torch_reference(context=c, plan=plan, check_verify_expected_token=check)
-        else:
-            many(contexts=clones, plan=plan, check_verify_expected_token=check)
-        err = None
-    except ValueError as e:
-        err = str(e)
-    return [context_state(c) for c in clones], err
-
-
 def _compare(contexts, plan, check, many):
-    before = [context_state(c) for c in contexts]
-    twin, err_t = _run(contexts, plan, check, None)
-    fast, err_f = _run(contexts, plan, check, many)
-    assert err_t == err_f
-    for b, t, f in zip(before, twin, fast):
-        assert_same_state(b, t, f)
-    return twin
+    """One twin verify per context, in order, against ``many`` on all of them."""
+    def twin(cs):
+        for c in cs:
+            launch_canary_verify_kernel_torch_reference(context=c, plan=plan, check_verify_expected_token=check)
+
+    return compare_context_runs(contexts, twin, lambda cs: many(contexts=cs, plan=plan, check_verify_expected_token=check))
 
 
 def _written_case(seed: int):
@@ -80,8 +62,7 @@ def test_cpu_loop_equals_one_call_per_context():
         ctx, vp = _written_case(seed)
         if ctx is None:
             continue
-        twin = _compare([ctx, _sibling(ctx, seed)], vp, bool(seed % 2), launch_canary_verify_kernels)
-        assert twin[0]["counters"] is not None
+        _compare([ctx, _sibling(ctx, seed)], vp, bool(seed % 2), launch_canary_verify_kernels)
 
 
 def test_argument_errors_touch_nothing():
@@ -137,9 +118,8 @@ def test_three_contexts_a_shared_ring_and_a_lazy_error_in_order():
     a, b, c = ctx, _sibling(ctx, 1), _sibling(ctx, 2, kind=5)
     _compare([a, b, c], vp, False, launch_verify_many)
     shared = type(b)(**{**b.__dict__, "violation_ring": a.violation_ring, "violation_write_index": a.violation_write_index})
-    before = context_state(a)
     # shared ring: compare the ring's final state after (a, shared) against the twin
-    ca, cs = clone_context(a), None
+    ca = clone_context(a)
     cs = type(shared)(**{**clone_context(shared).__dict__, "violation_ring": ca.violation_ring,
                          "violation_write_index": ca.violation_write_index})
     launch_verify_many(contexts=[ca, cs], plan=vp, check_verify_expected_token=False)
@@ -150,7 +130,6 @@ def test_three_contexts_a_shared_ring_and_a_lazy_error_in_order():
         launch_canary_verify_kernel_torch_reference(context=x, plan=vp, check_verify_expected_token=False)
     assert int(ca.violation_write_index[0]) == int(ta.violation_write_index[0])
     assert torch.equal(ca.violation_ring, ta.violation_ring)  # ordered: each context a launch of its own
-    del before
     g = torch.Generator().manual_seed(9)
     wide = make_source(g, "cpu", num_slots=a.canary_buf.shape[0], page_size=4, nbpt=32, read_bytes=32,
                        dtype=torch.uint8)

@@ -258,3 +258,34 @@ def many_requests_write(aliased: bool = False) -> tuple[WritePlan, dict]:
     if aliased:
         seeds[120] = loc[3]
     return write_plan(lengths, seeds), write_inputs(list(range(5000, 5000 + n)), pos, loc)
+
+
+def assert_same_states(before: list, twin: list, fast: list, *, kept_rows_may_differ: bool = False) -> None:
+    """`assert_same_state` per context. ``kept_rows_may_differ``: a ring that filled within the launch is compared
+    only below where it stood before (which rows are kept may then differ, SPEC 3.9)."""
+    for b, t, f in zip(before, twin, fast):
+        cap = t["ring"].shape[0]
+        if kept_rows_may_differ and t["index"] > cap:
+            lo = min(max(b["index"], 0), cap)
+            t, f = dict(t, ring=t["ring"][:lo]), dict(f, ring=f["ring"][:lo])
+        assert_same_state(b, t, f)
+
+
+def compare_context_runs(contexts, run_twin, run_fast, *, kept_rows_may_differ: bool = False) -> list:
+    """Run ``run_twin`` and ``run_fast`` (each takes a list of contexts) on clones of ``contexts``: the same error
+    (message or none) and the same states; returns the twin's clones."""
+    before = [context_state(c) for c in contexts]
+    runs = []
+    for run in (run_twin, run_fast):
+        clones = [clone_context(c) for c in contexts]
+        try:
+            run(clones)
+            err = None
+        except ValueError as e:
+            err = str(e)
+        runs.append((clones, err))
+    (twin, err_t), (fast, err_f) = runs
+    assert err_t == err_f
+    assert_same_states(before, [context_state(c) for c in twin], [context_state(c) for c in fast],
+                       kept_rows_may_differ=kept_rows_may_differ)
+    return twin
