@@ -42,13 +42,16 @@ for s in "$@"; do
     soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-90}" --workers "${SOAK_WORKERS:-0}" --json "$OUT/soak.json" ;;
     copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
     kernels) stage kernels 110 python3 bench/gpu_kernels.py --quick ;;
-    e2e)     stage e2e "${E2E_LIMIT:-420}" python3 bench/e2e_overhead.py ${E2E_ARGS:-} --json "$OUT/e2e.json" ;;
+    e2e)     stage e2e "${E2E_LIMIT:-420}" python3 bench/e2e_overhead.py --graphs on ${E2E_ARGS:-} --json "$OUT/e2e.json" ;;
     e2e_off) stage e2e_off "${E2E_OFF_LIMIT:-240}" python3 bench/e2e_overhead.py --graphs off ${E2E_OFF_ARGS:-} --json "$OUT/e2e_off.json" ;;
     e2e_quick) stage e2e_quick "${E2E_LIMIT:-300}" python3 bench/e2e_overhead.py --quick --json "$OUT/e2e.json" ;;
     deep)    stage deep "${DEEP_LIMIT:-90}" python3 bench/runtime_overhead.py --deep-fingerprints --grid 1x256,64x4096 ;;
     *) echo "unknown stage $s" ;;
   esac
 done
-tar -cJf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.txz." && echo "triton cache back in \$OUT: $(du -ch "$OUT"/triton-cache.txz.* | tail -1 | cut -f1)"
+# xz on all cores (one thread took ~150 s over ~650 entries, run 31); PACK_CACHE=0 skips it (a session's last call)
+if [ "${PACK_CACHE:-1}" != 0 ]; then
+  tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15M - "$OUT/triton-cache.txz." && echo "triton cache back in \$OUT: $(du -ch "$OUT"/triton-cache.txz.* | tail -1 | cut -f1)"
+fi
 echo "==== summary ($OUT) ===="
 printf '%s\n' "${summary[@]}"
