@@ -27,7 +27,7 @@ from kvcanary.ops.triton.constants import (
     VERIFY_SLOT_OOR, VERIFY_TOKEN,
 )
 from kvcanary.ops.triton.hashing import H0_SIGNED, as_i64, fingerprint, slot_hash_of_fields, source_args, static_error
-from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
+from kvcanary.ops.triton.launch import capturing, jit_batch_sized, num_sms, pdl_enabled, pdl_release, pdl_wait
 from kvcanary.ops.triton.ring import reserve_rows, store_rows
 
 
@@ -113,7 +113,8 @@ def _report(ring_ptr, widx_ptr, ring_cap, kind, slot, exp_tok, bits, position, t
                    exp_tok, chain, expected_chain, bits.to(tl.int64))
 
 
-@triton.jit
+@jit_batch_sized('capacity', 'kinda', 'kindb', scalar_ptrs=(
+    'num_valid_ptr', 'enable_ptr', 'widxa', 'sca', 'kca', 'widxb', 'scb', 'kcb'))
 def _verify_kernel(
     slot_ptr, tok_ptr, pos_ptr, prev_ptr,   # plan arrays, int64 [capacity]
     num_valid_ptr, enable_ptr,              # int32 [1] each

@@ -54,7 +54,7 @@ from kvcanary.ops.triton.constants import (
 from kvcanary.ops.triton.hashing import (
     H0_SIGNED, as_i64, as_u64, fingerprint, mix3, slot_hash_of_fields, source_args, static_error,
 )
-from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
+from kvcanary.ops.triton.launch import capturing, jit_batch_sized, num_sms, pdl_enabled, pdl_release, pdl_wait
 from kvcanary.ops.triton.ring import reserve_rows, store_rows
 
 
@@ -92,7 +92,7 @@ _STATE_WORDS = 8
 _MAX_SMALL_LANES = 256
 
 
-@triton.jit
+@jit_batch_sized('n_entries', 'seed_cap', scalar_ptrs=('num_reqs_ptr', 'kernel_counter_ptr'))
 def _write_prepare_kernel(
     fields_ptr, stride_words, num_slots,       # canary buffer as int64 [num_slots, stride_words]
     slot_ptr, n_entries,                       # out_cache_loc, int32/int64 [n_entries]
@@ -317,7 +317,8 @@ def _chain_request(
     return tl.sum(count_v.to(tl.int64), 0)
 
 
-@triton.jit
+@jit_batch_sized('n_entries', 'seed_cap', 'kind', scalar_ptrs=(
+    'num_reqs_ptr', 'chain_assert_ptr', 'widx_ptr', 'slot_counter_ptr'))
 def _write_chain_kernel(
     fields_ptr, stride_words, num_slots,
     tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,  # flattened entries
@@ -438,7 +439,8 @@ def _small_serial(
     tl.atomic_add(slot_counter_ptr, total, sem="relaxed")
 
 
-@triton.jit
+@jit_batch_sized('n_entries', 'seed_cap', 'kinda', 'kindb', scalar_ptrs=(
+    'num_reqs_ptr', 'caa', 'widxa', 'sca', 'kca', 'cab', 'widxb', 'scb', 'kcb'))
 def _write_small_kernel(
     tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,   # flattened entries (<= LANES)
     off_ptr, seed_ptr, num_reqs_ptr, seed_cap,                          # write plan (seed_cap <= LANES)
