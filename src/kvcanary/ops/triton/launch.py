@@ -1,5 +1,6 @@
-"""Launch helpers shared by the Triton launchers: device facts, graph capture, and programmatic
-dependent launch (PDL).
+"""Launch helpers shared by the Triton launchers: device facts, graph capture, programmatic dependent
+launch (PDL), one compiled variant per context geometry (`jit_batch_sized`), and two contexts per launch
+(`launch_in_pairs`, `two_context_args`).
 
 PDL (Hopper and later): a kernel launched with ``launch_pdl=True`` may be scheduled while the
 kernel before it in the stream is still running; it must not touch memory before
@@ -12,6 +13,7 @@ interpreter (and before Hopper) both helpers compile to nothing.
 from __future__ import annotations
 
 import functools
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 import triton
@@ -76,3 +78,49 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(_index(device))
+
+
+Context = TypeVar("Context")
+
+
+def launch_in_pairs(
+    contexts: Sequence[Context],
+    *,
+    sources: Callable[[Context], Optional[object]],
+    pairable: Callable[[Context, Context], bool],
+    launch: Callable[[tuple, tuple], None],
+    alone: Callable[[Context], None],
+) -> None:
+    """Launch ``contexts`` in order: ``launch(contexts, their sources)`` for one or two at a time, two where
+    ``pairable(first, second)``; a context whose ``sources(ctx)`` is None (the kernel cannot take it) runs
+    ``alone(ctx)`` in its turn, after whatever was pending."""
+    pending: list = []
+
+    def flush() -> None:
+        if pending:
+            launch(tuple(c for c, _ in pending), tuple(s for _, s in pending))
+            pending.clear()
+
+    for ctx in contexts:
+        srcs = sources(ctx)
+        if srcs is None:
+            flush()
+            alone(ctx)
+            continue
+        if pending and not pairable(pending[0][0], ctx):
+            flush()
+        pending.append((ctx, srcs))
+        if len(pending) == 2:
+            flush()
+    flush()
+
+
+def two_context_args(contexts: Sequence, sources: Sequence, context_args: Callable) -> tuple[tuple, dict]:
+    """Runtime arguments and constexprs of a kernel's A and B context slots, ``context_args(ctx, srcs, prefix)``
+    for each; with one context, B repeats A (the kernel leaves it unused when ``NCTX == 1``)."""
+    a_args, consts = context_args(contexts[0], sources[0], "A")
+    if len(contexts) == 2:
+        b_args, b_consts = context_args(contexts[1], sources[1], "B")
+    else:
+        b_args, b_consts = a_args, {k.replace("A_", "B_", 1): v for k, v in consts.items()}
+    return (*a_args, *b_args), {**consts, **b_consts}
