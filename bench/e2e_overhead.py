@@ -30,6 +30,13 @@ step (median), ``graphs`` the engine graphs captured with the canary inside.
     python bench/e2e_overhead.py --quick            # H200: ~4 minutes with model init
     python bench/e2e_overhead.py --tiny             # CPU smoke run (2 layers, 4 requests)
     python bench/e2e_overhead.py --json out.json    # also write the rows as JSON
+    python bench/e2e_overhead.py --device-profile   # CUDA: + one profiled run per configuration
+
+``--device-profile`` (CUDA) adds, after the measured rounds, one more run of every configuration under
+torch.profiler: the device time of all kernels and copies, and of the canary's Triton kernels (by name), per
+engine step. Wall-clock overheads of ~1 % sit inside the engine's own spread between runs; the canary
+kernels' share of the device time does not depend on that spread (the canary's torch copies, a few per
+step, are not in it: they carry aten names).
 
 Assert-free: a configuration that fails prints its error in the table and the run goes on.
 """
@@ -217,6 +224,41 @@ def run_one(model, prompts, args, graphs: bool, hash_mode) -> tuple[dict, StepLo
     return {"tokens": tokens, "counters": counters, "errors": [repr(e) for e in (handle.errors if handle else [])]}, log
 
 
+def canary_kernel_names() -> set[str]:
+    """Names of the Triton kernels defined in the kvcanary modules loaded now (as the profiler shows them)."""
+    names = set()
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith("kvcanary."):
+            continue
+        for attr, obj in vars(mod).items():
+            fn = getattr(obj, "fn", None)
+            if attr.endswith("_kernel") and callable(fn):
+                names.add(fn.__name__)
+    return names
+
+
+def device_profile(model, prompts, args, graphs: bool, hash_mode) -> dict:
+    """One more run under torch.profiler (CUDA activity): device ms of every kernel and copy, and of the
+    canary's Triton kernels, with the engine steps the run took."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, log = run_one(model, prompts, args, graphs, hash_mode)
+    canary = canary_kernel_names()
+    total = ours = 0.0
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:  # older torch
+            t = ev.self_cuda_time_total
+        total += t
+        if ev.key in canary:
+            ours += t
+    steps = len(log.steps)
+    return {"device_ms": total / 1e3, "canary_kernels_ms": ours / 1e3, "steps": steps,
+            "canary_pct": ours / total * 100 if total else None,
+            "canary_us_per_step": ours / steps if steps else None}
+
+
 def pool(logs: list) -> StepLog:
     """One StepLog of several runs (steps concatenated, host time summed)."""
     out = StepLog(steps=[s for lg in logs for s in lg.steps], canary_s=sum(lg.canary_s for lg in logs),
@@ -321,6 +363,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(n.split("/")[-1] for n, _ in CONFIGS),
                    help="comma-separated subset of baseline,default,partial,none")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--device-profile", action="store_true",
+                   help="CUDA: one more run per configuration under torch.profiler (device time, canary kernels' share)")
     args = p.parse_args(argv)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"]
     for key, value in preset.items():
@@ -405,6 +449,15 @@ def main(argv=None) -> int:
                 row["decode_overhead_pct"] = _pct(row.get("decode_ms"), base["decode_ms"])
                 row["prefill_overhead_pct"] = _pct(row.get("prefill_us_per_token"), base["prefill_us_per_token"])
             rows.append(row)
+        if args.device_profile and cuda:
+            for row, (name, hash_mode) in zip(rows[-len(configs):], configs):
+                try:
+                    row["device_profile"] = device_profile(model, prompts, args, graphs, hash_mode)
+                except Exception as exc:  # assert-free
+                    traceback.print_exc()
+                    row["device_profile"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                _release()
+                print(f"# {mode:>3} profiled {name}", flush=True)
         if len(base_runs) > 1:
             d = [b["decode_ms"] for b in base_runs if b.get("decode_ms") is not None]
             print(f"# {mode:>3} baseline drift between rounds: decode {min(d):.2f}-{max(d):.2f} ms "
@@ -429,6 +482,21 @@ def main(argv=None) -> int:
         if entries:
             parts = ", ".join(f"{k.split('.')[-1]} {v:.3f}" for k, v in sorted(entries.items(), key=lambda kv: -kv[1]))
             print(f"  {r['graphs']:<3} {r['config']:<15} host ms/step by entry: {parts}")
+    if args.device_profile and not cuda:
+        print("# --device-profile: CUDA only, skipped")
+    base_device = {r["graphs"]: r["device_profile"].get("device_ms") for r in rows
+                   if r["config"] == "baseline" and r.get("device_profile")}
+    for r in rows:
+        dp = r.get("device_profile")
+        if dp and "error" not in dp:
+            extra = _pct(dp["device_ms"], base_device.get(r["graphs"]))
+            print(f"  {r['graphs']:<3} {r['config']:<15} device profile, one run of {dp['steps']} steps: all kernels and "
+                  f"copies {dp['device_ms']:.1f} ms" + (f" ({extra:+.2f} % against the baseline's)" if extra is not None
+                                                         and r["config"] != "baseline" else "")
+                  + (f"; canary Triton kernels {dp['canary_kernels_ms']:.1f} ms = {dp['canary_pct']:.2f} % of it, "
+                     f"{dp['canary_us_per_step']:.0f} us per step" if r["config"] != "baseline" else ""))
+        elif dp:
+            print(f"  {r['graphs']:<3} {r['config']:<15} device profile: {dp['error']}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine, "args": vars(args), "rows": rows}, fh, indent=1)
