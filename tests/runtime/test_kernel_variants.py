@@ -1,7 +1,7 @@
 """How many Triton variants the per-forward path would compile on a GPU (`tests/triton_variants.py`):
 the simulated engine with every op and glue kernel on Triton (interpreted), batches of changing sizes.
-A new batch size must not bring a new variant (`kvcanary.ops.triton.launch.jit_batch_sized`): on a card
-each is seconds of compiling, mid-serving."""
+No two variants may differ only in a runtime value or an alignment (`kvcanary.ops.triton.launch.jit_batch_sized`):
+on a card each variant is seconds of compiling, mid-serving, the first time a batch brings it."""
 from __future__ import annotations
 
 import os
@@ -32,7 +32,7 @@ def all_triton(monkeypatch):
     monkeypatch.setattr(kernels, "use_kernels", lambda t: True)
 
 
-def test_batches_of_new_sizes_compile_no_new_variant(all_triton):
+def test_batch_sizes_and_tags_split_no_variant_by_a_runtime_value(all_triton):
     engine, canary = make_sim(canary_options=dict(sweep_interval=4, mode="raise"), num_slots=384, swa_num_slots=192,
                               max_requests=10, max_context=96, sliding_window=16)
     with record_variants() as variants:
