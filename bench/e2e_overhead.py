@@ -247,12 +247,9 @@ def device_profile(model, prompts, args, graphs: bool, hash_mode) -> dict:
     canary = canary_kernel_names()
     total = ours = 0.0
     for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", None)
-        if t is None:  # older torch
-            t = ev.self_cuda_time_total
-        total += t
+        total += ev.self_device_time_total
         if ev.key in canary:
-            ours += t
+            ours += ev.self_device_time_total
     steps = len(log.steps)
     return {"device_ms": total / 1e3, "canary_kernels_ms": ours / 1e3, "steps": steps,
             "canary_pct": ours / total * 100 if total else None,
@@ -315,6 +312,19 @@ def _release() -> None:
 
 def _pct(x, base):
     return None if x is None or base is None or base == 0 else (x / base - 1) * 100
+
+
+def _profile_line(dp: dict, baseline: bool, base_ms) -> str:
+    if "error" in dp:
+        return f"device profile: {dp['error']}"
+    line = f"device profile, one run of {dp['steps']} steps: all kernels and copies {dp['device_ms']:.1f} ms"
+    if baseline:
+        return line
+    extra = _pct(dp["device_ms"], base_ms)
+    if extra is not None:
+        line += f" ({extra:+.2f} % against the baseline's)"
+    return line + (f"; canary Triton kernels {dp['canary_kernels_ms']:.1f} ms = {dp['canary_pct']:.2f} % of it, "
+                   f"{dp['canary_us_per_step']:.0f} us per step")
 
 
 def format_table(rows: list[dict], machine: str) -> str:
@@ -487,16 +497,9 @@ def main(argv=None) -> int:
     base_device = {r["graphs"]: r["device_profile"].get("device_ms") for r in rows
                    if r["config"] == "baseline" and r.get("device_profile")}
     for r in rows:
-        dp = r.get("device_profile")
-        if dp and "error" not in dp:
-            extra = _pct(dp["device_ms"], base_device.get(r["graphs"]))
-            print(f"  {r['graphs']:<3} {r['config']:<15} device profile, one run of {dp['steps']} steps: all kernels and "
-                  f"copies {dp['device_ms']:.1f} ms" + (f" ({extra:+.2f} % against the baseline's)" if extra is not None
-                                                         and r["config"] != "baseline" else "")
-                  + (f"; canary Triton kernels {dp['canary_kernels_ms']:.1f} ms = {dp['canary_pct']:.2f} % of it, "
-                     f"{dp['canary_us_per_step']:.0f} us per step" if r["config"] != "baseline" else ""))
-        elif dp:
-            print(f"  {r['graphs']:<3} {r['config']:<15} device profile: {dp['error']}")
+        if r.get("device_profile"):
+            print(f"  {r['graphs']:<3} {r['config']:<15} " + _profile_line(r["device_profile"], r["config"] == "baseline",
+                                                                         base_device.get(r["graphs"])))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine, "args": vars(args), "rows": rows}, fh, indent=1)
