@@ -98,17 +98,16 @@ def launch_canary_write_kernels(
 
 def _check_write_args(op, dev, plan, input_ids, positions, out_cache_loc, expected_input_tokens,
                       expected_input_positions) -> None:
-    _OP = op
-    check_write_plan(_OP, plan, dev)
+    check_write_plan(op, plan, dev)
     n = None
     for name, t in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
-        check_tensor(_OP, name, t, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
+        check_tensor(op, name, t, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
         if n is None:
             n = t.shape[0]
         elif t.shape[0] != n:
-            raise KvCanaryValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} entries, input_ids has {n}")
+            raise KvCanaryValueError(f"kv-canary: {op} {name} has {t.shape[0]} entries, input_ids has {n}")
     for name, t in (("expected_input_tokens", expected_input_tokens), ("expected_input_positions", expected_input_positions)):
         if t is not None:
-            check_tensor(_OP, name, t, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
+            check_tensor(op, name, t, dtypes=INDEX_DTYPES, ndim=1, device=dev, contiguous=True)
             if t.shape[0] < n:
-                raise KvCanaryValueError(f"kv-canary: {_OP} {name} has {t.shape[0]} entries, fewer than input_ids ({n})")
+                raise KvCanaryValueError(f"kv-canary: {op} {name} has {t.shape[0]} entries, fewer than input_ids ({n})")

@@ -104,19 +104,17 @@ class ViolationRings:
             rows_from=self.rows_from[i : i + 1], stamps=self.stamps[i],
         )
 
-    def stamp_args_stacked(self, tags: Sequence[CanaryLaunchTag]) -> Optional[dict]:
-        """The ring-side arguments of one stamp launch over ``tags`` (stacked rings), or None when their rings
-        are not consecutive in the stack (then stamp each with `stamp_args`)."""
+    def stamp_launches(self, tags: Sequence[CanaryLaunchTag]) -> list[dict]:
+        """The ring-side arguments of the stamp launches covering ``tags``: one over the stacked rings when
+        they are consecutive in the stack, else one per tag (`stamp_args`)."""
         idx = [self.index[t] for t in tags]
         lo, k = idx[0], len(idx)
-        if idx != list(range(lo, lo + k)):
-            return None
-        if k == 1:
-            return self.stamp_args(tags[0])
-        return dict(
+        if k == 1 or idx != list(range(lo, lo + k)):
+            return [self.stamp_args(t) for t in tags]
+        return [dict(
             violation_ring=self.rings[lo : lo + k], violation_write_index=self.write_index[lo : lo + k],
             rows_from=self.rows_from[lo : lo + k], stamps=self.stamps[lo : lo + k],
-        )
+        )]
 
     def mark(self) -> None:
         """Remember where every ring stands before a step's launches (device copy, capturable)."""

@@ -45,6 +45,8 @@ from kvcanary.runtime.groups import NEVER_WRITTEN, SlotRecords
 try:  # Triton is optional: CPU-only installs use the twins.
     import triton
     import triton.language as tl
+
+    from kvcanary.ops.triton.launch import jit_batch_sized
 except Exception:  # pragma: no cover - depends on the environment
     AVAILABLE = False
 else:
@@ -194,13 +196,13 @@ def sweep_slice(**kw) -> None:
 
 if AVAILABLE:
 
-    @triton.jit
+    @jit_batch_sized('bs', 'n')
     def _token_rows_kernel(offsets_ptr, row_ptr, local_ptr, valid_ptr, bs, n,
                            from_ptr, widx_ptr, n_rings, history_ptr, history_rows, step_ptr, rows_ptr, max_rows,
                            disabled_ptr, enable_ptr,
                            SEARCH_STEPS: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK: tl.constexpr):
         """Per token t < n: the upper-bound search of torch.searchsorted (same probes) over offsets[1 : bs+1];
-        ``SEARCH_STEPS`` >= the search's depth (a constexpr: one compile per power of two of ``bs``).
+        ``SEARCH_STEPS`` >= the search's depth, from the offsets' capacity (a constexpr: fixed per plan, not per batch).
         ``PROLOGUE``: also the `StepPrologue` (rows by every program, marks and the count by program 0)."""
         pid = tl.program_id(0)
         t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -231,7 +233,7 @@ if AVAILABLE:
         tl.store(local_ptr + t, local, mask=m)
         tl.store(valid_ptr + t, (t < end).to(tl.uint8), mask=m)
 
-    @triton.jit
+    @jit_batch_sized('n')
     def _expected_tokens_kernel(row_ptr, local_ptr, prefix_ptr, rows_ptr, lens_ptr, table_ptr, table_stride,
                                 width, n_table_rows, ids_ptr, expected_ptr, positions_ptr, n, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -247,7 +249,7 @@ if AVAILABLE:
         tl.store(expected_ptr + t, tl.where(readable, tok, ids), mask=m)
         tl.store(positions_ptr + t, pos, mask=m)
 
-    @triton.jit
+    @jit_batch_sized('n')
     def _record_claim_kernel(out_loc_ptr, valid_ptr, scratch_ptr, epoch_ptr, n, num_slots,
                              TOKEN_BITS: tl.constexpr, BLOCK: tl.constexpr):
         """scratch[slot] = max(scratch[slot], key) per token; program 0 publishes the epoch in epoch[1]."""
@@ -261,7 +263,7 @@ if AVAILABLE:
         if pid == 0:
             tl.store(epoch_ptr + 1, epoch)  # epoch[1]: read only by the store kernel
 
-    @triton.jit
+    @jit_batch_sized('n')
     def _record_store_kernel(out_loc_ptr, valid_ptr, row_ptr, local_ptr, seed_ptr, positions_ptr, step_ptr,
                              scratch_ptr, epoch_ptr, rec_position_ptr, rec_prev_ptr, rec_owner_ptr, rec_step_ptr,
                              n, num_slots, owner_span, TOKEN_BITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -343,7 +345,7 @@ def launch_token_rows(offsets: torch.Tensor, bs: int, n: int, prologue: Optional
     else:
         extra = (row, row, 0, row, 1, row, row, 0, row, row)
         grid = _grid(n)
-    _token_rows_kernel[grid](offsets, row, local, valid, bs, n, *extra, SEARCH_STEPS=max(bs, 0).bit_length() + 1,
+    _token_rows_kernel[grid](offsets, row, local, valid, bs, n, *extra, SEARCH_STEPS=max(bs, offsets.shape[0] - 1, 0).bit_length() + 1,
                              PROLOGUE=prologue is not None, BLOCK=_BLOCK, num_warps=_WARPS)
     return row, local, valid.view(torch.bool)
 

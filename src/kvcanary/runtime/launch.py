@@ -190,8 +190,7 @@ class ForwardLaunches:
                     expected_input_tokens=None, expected_input_positions=None,
                 )
             tags = [g.tag("head")] + [g.tag("tail", side) for side in g.tail_sides]
-            stacked = self.rings.stamp_args_stacked(tags)  # one launch for the group's rings when they are adjacent
-            for ring_args in [stacked] if stacked is not None else [self.rings.stamp_args(t) for t in tags]:
+            for ring_args in self.rings.stamp_launches(tags):  # one launch when the group's rings are adjacent
                 launch_stamp_violation_rows(
                     **ring_args, step=self.step, verify_plan=vplan, write_plan=wplan,
                     out_cache_loc=s.out_loc[name][:n], positions=s.positions[:n],

@@ -31,6 +31,7 @@ import triton.language as tl
 from kvcanary.ops.constants import CANARY_FIELDS_PER_SLOT, TOKEN_TO_KV_SLOT_PADDING
 from kvcanary.ops.copy_format import CANARY_RECORDS_HEADER_ROWS, canary_records_shape, write_canary_records_header
 from kvcanary.ops.reference.copy import record_fields
+from kvcanary.ops.triton.launch import jit_batch_sized
 
 BLOCK = 512
 """Entries per program (large blocks keep the CPU interpreter quick; 32-byte rows per entry)."""
@@ -64,7 +65,7 @@ def _live_entries(src_ptr, dst_ptr, num_valid_ptr, idx, capacity, num_slots,
     return live, dst
 
 
-@triton.jit
+@jit_batch_sized('capacity')
 def _claim_kernel(
     src_ptr, dst_ptr,          # int32/int64 [capacity] slot lists (src unused without HAS_SRC)
     num_valid_ptr,             # int32 [1] (unused without HAS_NUM_VALID)
@@ -87,7 +88,7 @@ def _claim_kernel(
             tl.atomic_add(slot_counter_ptr, k)
 
 
-@triton.jit
+@jit_batch_sized('capacity')
 def _elect_kernel(src_ptr, dst_ptr, num_valid_ptr, winner_ptr, capacity, num_slots,
                   HAS_SRC: tl.constexpr, HAS_NUM_VALID: tl.constexpr, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -103,7 +104,7 @@ def _gather_one(fields_ptr, words, slot, live, out_rows, out_mask):
     tl.store(out_rows + cols[None, :], rec, mask=out_mask[:, None])
 
 
-@triton.jit
+@jit_batch_sized('capacity')
 def _gather_kernel(
     slot_ptr,                  # int32/int64 [capacity]: the rows to read
     num_valid_ptr, capacity, num_slots,
@@ -134,7 +135,7 @@ def _scatter_one(fields_ptr, words, dst, win, in_rows):
     tl.store(fields_ptr + dst[:, None] * words + cols[None, :], rec, mask=win[:, None])
 
 
-@triton.jit
+@jit_batch_sized('capacity')
 def _scatter_kernel(
     src_ptr, dst_ptr, num_valid_ptr, winner_ptr, capacity, num_slots,
     in_ptr, in_words,          # int64 [capacity, in_words]: entry i's rows, table t at columns 4t..4t+3

@@ -35,7 +35,7 @@ import triton.language as tl
 from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.records import VerifyPlan, WritePlan
 from kvcanary.ops.triton.constants import REQ_PADDING
-from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
+from kvcanary.ops.triton.launch import capturing, jit_batch_sized, num_sms, pdl_enabled, pdl_release, pdl_wait
 
 _ROW_BLOCK = 4096
 _MAX_TILE_ROWS = 256
@@ -81,7 +81,7 @@ def _row_counts(rp_ptr, prefix_ptr, extend_ptr, rows, bs, window, n_rows, width)
     return n_verify, n_write, lo
 
 
-@triton.jit
+@jit_batch_sized('bs', 'nblocks')
 def _row_block_sums_kernel(
     rp_ptr, prefix_ptr, extend_ptr, sums_ptr, bs, window, nblocks, n_rows, width,
     BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -95,7 +95,7 @@ def _row_block_sums_kernel(
     tl.store(sums_ptr + nblocks + pid, tl.sum(nw, 0))
 
 
-@triton.jit
+@jit_batch_sized('bs', 'nblocks')
 def _row_scan_kernel(
     rp_ptr, prefix_ptr, extend_ptr, sums_ptr, starts_ptr, bs, window, nblocks, n_rows, width,
     MULTI: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -170,7 +170,7 @@ def _entry_fields(
     return row, rp, pos, slot_raw, prev_raw, has_prev
 
 
-@triton.jit
+@jit_batch_sized('bs')
 def _lut_check_kernel(
     starts_ptr, rp_ptr, prefix_ptr, rtt_ptr, rtt_stride, width, lut_len, first_bad_ptr, bs, window,
     NSTEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -237,7 +237,7 @@ def _store_seeds(i, sm, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, wid
     tl.store(w_seed_ptr + i, _translate(raw, lut_ptr, lut_len, HAS_LUT), mask=sm)
 
 
-@triton.jit
+@jit_batch_sized('bs', 'v_cap', 'w_cap')
 def _gather_kernel(
     starts_ptr, rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, width, bs, window,
     lut_ptr, lut_len,
@@ -275,7 +275,7 @@ def _gather_kernel(
                        valid_ptr, token_offset, v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, HAS_LUT, HAS_TABLE)
 
 
-@triton.jit
+@jit_batch_sized('bs', 'v_cap', 'w_cap', 'tiles_per_row')
 def _tile_plan_kernel(
     rp_ptr, prefix_ptr, extend_ptr, rtt_ptr, rtt_stride, width, bs, window,
     lut_ptr, lut_len,

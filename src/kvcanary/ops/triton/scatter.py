@@ -12,10 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcanary.ops.triton.launch import jit_batch_sized
+
 _BLOCK = 1024
 
 
-@triton.jit
+@jit_batch_sized('bs')
 def _scatter_kernel(flat_ptr, off_ptr, rp_ptr, out_ptr, out_stride, out_cstride, width, bs, n_rows,
                     BLOCK: tl.constexpr):
     r = tl.program_id(0)

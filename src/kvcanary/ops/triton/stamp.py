@@ -19,7 +19,7 @@ from kvcanary.ops.triton.constants import (
     S_STEP, STAMP_FIELDS, UNKNOWN, VERIFY_POSITION, WRITE_REASONS,
 )
 from kvcanary.ops.triton.hashing import H0_SIGNED
-from kvcanary.ops.triton.launch import pdl_enabled, pdl_release, pdl_wait
+from kvcanary.ops.triton.launch import jit_batch_sized, pdl_enabled, pdl_release, pdl_wait
 
 _NONE = tl.constexpr(2**62)
 H0 = tl.constexpr(H0_SIGNED)
@@ -110,7 +110,8 @@ def _write_row_of(e, off_ptr, a, BLOCK: tl.constexpr):
     return best
 
 
-@triton.jit
+@jit_batch_sized('v_cap', 'bs', 'seed_cap', 'n_loc', scalar_ptrs=(
+    'widx_ptr', 'from_ptr', 'step_ptr', 'v_num_ptr', 'v_enable_ptr', 'w_num_ptr'))
 def _stamp_kernel(
     ring_ptr, widx_ptr, from_ptr, stamps_ptr, step_ptr, cap,     # k rings, counts, stamps
     v_slot_ptr, v_tok_ptr, v_pos_ptr, v_prev_ptr, v_num_ptr, v_enable_ptr, v_cap,

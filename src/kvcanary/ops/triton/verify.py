@@ -27,7 +27,9 @@ from kvcanary.ops.triton.constants import (
     VERIFY_SLOT_OOR, VERIFY_TOKEN,
 )
 from kvcanary.ops.triton.hashing import H0_SIGNED, as_i64, fingerprint, slot_hash_of_fields, source_args, static_error
-from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
+from kvcanary.ops.triton.launch import (
+    capturing, jit_batch_sized, launch_in_pairs, num_sms, pdl_enabled, pdl_release, pdl_wait, two_context_args,
+)
 from kvcanary.ops.triton.ring import reserve_rows, store_rows
 
 
@@ -113,7 +115,8 @@ def _report(ring_ptr, widx_ptr, ring_cap, kind, slot, exp_tok, bits, position, t
                    exp_tok, chain, expected_chain, bits.to(tl.int64))
 
 
-@triton.jit
+@jit_batch_sized('capacity', 'kinda', 'kindb', scalar_ptrs=(
+    'num_valid_ptr', 'enable_ptr', 'widxa', 'sca', 'kca', 'widxb', 'scb', 'kcb'))
 def _verify_kernel(
     slot_ptr, tok_ptr, pos_ptr, prev_ptr,   # plan arrays, int64 [capacity]
     num_valid_ptr, enable_ptr,              # int32 [1] each
@@ -206,12 +209,7 @@ def _launch_twin(ctx: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expec
 
 def _launch(contexts: Sequence[VerifyOrWriteContext], sources: Sequence, plan: VerifyPlan,
             check_verify_expected_token: bool, config: VerifyLaunchConfig) -> None:
-    a_args, consts = _context_args(contexts[0], sources[0], "A")
-    if len(contexts) == 2:
-        b_args, b_consts = _context_args(contexts[1], sources[1], "B")
-    else:
-        b_args, b_consts = a_args, {k.replace("A_", "B_", 1): v for k, v in consts.items()}
-    consts.update(b_consts)
+    ctx_args, consts = two_context_args(contexts, sources, _context_args)
     buf = contexts[0].canary_buf
     capacity = plan.verify_slot_indices.shape[0]
     block = config.block
@@ -220,7 +218,7 @@ def _launch(contexts: Sequence[VerifyOrWriteContext], sources: Sequence, plan: V
     _verify_kernel[grid](
         plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
         plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable, capacity, H0_SIGNED,
-        *a_args, *b_args, **consts,
+        *ctx_args, **consts,
         NCTX=len(contexts), CHECK_TOKEN=bool(check_verify_expected_token), BLOCK=block, PDL=pdl,
         num_warps=config.num_warps, launch_pdl=pdl,
     )
@@ -258,23 +256,8 @@ def launch_verify_many(
     and their rings differ (the same counters, rings and bytes as one launch per context; rows of one ring
     may land in another order, as within one launch). A context the kernel cannot take runs alone, in
     its turn."""
-    pending: list[tuple[VerifyOrWriteContext, object]] = []
-
-    def flush() -> None:
-        if pending:
-            _launch(tuple(c for c, _ in pending), tuple(s for _, s in pending), plan, check_verify_expected_token,
-                    config)
-            pending.clear()
-
-    for ctx in contexts:
-        srcs = _kernel_sources(ctx)
-        if srcs is None:
-            flush()
-            _launch_twin(ctx, plan, check_verify_expected_token)
-            continue
-        if pending and _shares_ring(pending[0][0], ctx):
-            flush()
-        pending.append((ctx, srcs))
-        if len(pending) == 2:
-            flush()
-    flush()
+    launch_in_pairs(
+        contexts, sources=_kernel_sources, pairable=lambda a, b: not _shares_ring(a, b),
+        launch=lambda ctxs, srcs: _launch(ctxs, srcs, plan, check_verify_expected_token, config),
+        alone=lambda ctx: _launch_twin(ctx, plan, check_verify_expected_token),
+    )

@@ -54,7 +54,9 @@ from kvcanary.ops.triton.constants import (
 from kvcanary.ops.triton.hashing import (
     H0_SIGNED, as_i64, as_u64, fingerprint, mix3, slot_hash_of_fields, source_args, static_error,
 )
-from kvcanary.ops.triton.launch import capturing, num_sms, pdl_enabled, pdl_release, pdl_wait
+from kvcanary.ops.triton.launch import (
+    capturing, jit_batch_sized, launch_in_pairs, num_sms, pdl_enabled, pdl_release, pdl_wait, two_context_args,
+)
 from kvcanary.ops.triton.ring import reserve_rows, store_rows
 
 
@@ -92,7 +94,7 @@ _STATE_WORDS = 8
 _MAX_SMALL_LANES = 256
 
 
-@triton.jit
+@jit_batch_sized('n_entries', 'seed_cap', scalar_ptrs=('num_reqs_ptr', 'kernel_counter_ptr'))
 def _write_prepare_kernel(
     fields_ptr, stride_words, num_slots,       # canary buffer as int64 [num_slots, stride_words]
     slot_ptr, n_entries,                       # out_cache_loc, int32/int64 [n_entries]
@@ -317,7 +319,8 @@ def _chain_request(
     return tl.sum(count_v.to(tl.int64), 0)
 
 
-@triton.jit
+@jit_batch_sized('n_entries', 'seed_cap', 'kind', scalar_ptrs=(
+    'num_reqs_ptr', 'chain_assert_ptr', 'widx_ptr', 'slot_counter_ptr'))
 def _write_chain_kernel(
     fields_ptr, stride_words, num_slots,
     tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,  # flattened entries
@@ -438,7 +441,8 @@ def _small_serial(
     tl.atomic_add(slot_counter_ptr, total, sem="relaxed")
 
 
-@triton.jit
+@jit_batch_sized('n_entries', 'seed_cap', 'kinda', 'kindb', scalar_ptrs=(
+    'num_reqs_ptr', 'caa', 'widxa', 'sca', 'kca', 'cab', 'widxb', 'scb', 'kcb'))
 def _write_small_kernel(
     tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,   # flattened entries (<= LANES)
     off_ptr, seed_ptr, num_reqs_ptr, seed_cap,                          # write plan (seed_cap <= LANES)
@@ -605,17 +609,12 @@ def _launch_small(contexts, sources, plan, inputs: dict, config: WriteLaunchConf
     assert_on = bool(inputs["enable_write_input_assert"])
     exp_tok = inputs["expected_input_tokens"] if assert_on else inputs["input_ids"]
     exp_pos = inputs["expected_input_positions"] if assert_on else inputs["positions"]
-    a_args, consts = _small_context_args(contexts[0], sources[0], "A")
-    if len(contexts) == 2:
-        b_args, b_consts = _small_context_args(contexts[1], sources[1], "B")
-    else:
-        b_args, b_consts = a_args, {k.replace("A_", "B_", 1): v for k, v in consts.items()}
-    consts.update(b_consts)
+    ctx_args, consts = two_context_args(contexts, sources, _small_context_args)
     lanes = max(32, triton.next_power_of_2(max(seed_cap, n_entries)))
     _write_small_kernel[(1,)](
         inputs["input_ids"], inputs["positions"], out_cache_loc, exp_tok, exp_pos, n_entries,
         plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
-        table, state, num_slots, H0_SIGNED, *a_args, *b_args, **consts,
+        table, state, num_slots, H0_SIGNED, *ctx_args, **consts,
         NCTX=len(contexts), INPUT_ASSERT=assert_on, CHUNK=config.chunk, UNROLL=config.unroll,
         PREFETCH=config.prefetch and dev.type == "cuda", LANES=lanes, PDL=pdl, num_warps=lanes // 32, launch_pdl=pdl,
     )
@@ -703,28 +702,12 @@ def launch_write_many(
                   enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
                   expected_input_positions=expected_input_positions)
     assert_args = (bool(enable_write_input_assert), expected_input_tokens, expected_input_positions)
-    small = _small(plan, out_cache_loc, config)
-    pending: list[tuple[VerifyOrWriteContext, object]] = []
-
-    def flush() -> None:
-        if pending:
-            _launch_small(tuple(c for c, _ in pending), tuple(x for _, x in pending), plan, inputs, config)
-            pending.clear()
-
-    for ctx in contexts:
-        srcs = _kernel_sources(ctx, assert_args)
-        if srcs is None:
-            flush()
-            _launch_twin(ctx, assert_args, plan, inputs)
-        elif not small:
-            _launch_two_kernels(ctx, srcs, plan, inputs, config)
-        else:
-            if pending and not _pairable(pending[0][0], ctx):
-                flush()
-            pending.append((ctx, srcs))
-            if len(pending) == 2:
-                flush()
-    flush()
+    if _small(plan, out_cache_loc, config):
+        pairable, launch = _pairable, lambda ctxs, srcs: _launch_small(ctxs, srcs, plan, inputs, config)
+    else:  # the two-kernel path takes one context per launch pair
+        pairable, launch = (lambda a, b: False), lambda ctxs, srcs: _launch_two_kernels(ctxs[0], srcs[0], plan, inputs, config)
+    launch_in_pairs(contexts, sources=lambda ctx: _kernel_sources(ctx, assert_args), pairable=pairable, launch=launch,
+                    alone=lambda ctx: _launch_twin(ctx, assert_args, plan, inputs))
 
 
 def _pairable(a: VerifyOrWriteContext, b: VerifyOrWriteContext) -> bool:
