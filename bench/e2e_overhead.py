@@ -246,14 +246,29 @@ def device_profile(model, prompts, args, graphs: bool, hash_mode) -> dict:
         _, log = run_one(model, prompts, args, graphs, hash_mode)
     canary = canary_kernel_names()
     total = ours = 0.0
+    by_name: dict = {}
     for ev in prof.key_averages():
-        total += ev.self_device_time_total
+        t = ev.self_device_time_total
+        if t <= 0:
+            continue
+        total += t
+        by_name[ev.key] = (by_name.get(ev.key, (0.0, 0))[0] + t / 1e3, by_name.get(ev.key, (0.0, 0))[1] + ev.count)
         if ev.key in canary:
-            ours += ev.self_device_time_total
+            ours += t
     steps = len(log.steps)
     return {"device_ms": total / 1e3, "canary_kernels_ms": ours / 1e3, "steps": steps,
             "canary_pct": ours / total * 100 if total else None,
-            "canary_us_per_step": ours / steps if steps else None}
+            "canary_us_per_step": ours / steps if steps else None,
+            "by_name_ms": by_name}
+
+
+def grown_kernels(dp: dict, base: dict, top: int = 8) -> str:
+    """The device ops whose total time grew most against the baseline's profiled run: ``name +ms (calls)``. Names
+    the canary's own kernels and any engine / torch op whose device time the canary changed."""
+    mine, theirs = dp.get("by_name_ms", {}), base.get("by_name_ms", {})
+    diff = sorted(((ms - theirs.get(k, (0.0, 0))[0], k, n - theirs.get(k, (0.0, 0))[1])
+                   for k, (ms, n) in mine.items()), reverse=True)[:top]
+    return "; ".join(f"{k[:48]} {d:+.1f} ms ({c:+d} calls)" for d, k, c in diff if d > 0)
 
 
 def pool(logs: list) -> StepLog:
@@ -494,12 +509,16 @@ def main(argv=None) -> int:
             print(f"  {r['graphs']:<3} {r['config']:<15} host ms/step by entry: {parts}")
     if args.device_profile and not cuda:
         print("# --device-profile: CUDA only, skipped")
-    base_device = {r["graphs"]: r["device_profile"].get("device_ms") for r in rows
-                   if r["config"] == "baseline" and r.get("device_profile")}
+    base_profile = {r["graphs"]: r["device_profile"] for r in rows
+                    if r["config"] == "baseline" and r.get("device_profile") and "error" not in r["device_profile"]}
     for r in rows:
-        if r.get("device_profile"):
-            print(f"  {r['graphs']:<3} {r['config']:<15} " + _profile_line(r["device_profile"], r["config"] == "baseline",
-                                                                         base_device.get(r["graphs"])))
+        dp = r.get("device_profile")
+        if dp:
+            base = base_profile.get(r["graphs"])
+            print(f"  {r['graphs']:<3} {r['config']:<15} " + _profile_line(dp, r["config"] == "baseline",
+                                                                         base["device_ms"] if base else None))
+            if base is not None and r["config"] != "baseline" and "error" not in dp:
+                print(f"  {r['graphs']:<3} {r['config']:<15} grown most against the baseline: {grown_kernels(dp, base)}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine, "args": vars(args), "rows": rows}, fh, indent=1)
