@@ -356,6 +356,9 @@ def format_table(rows: list[dict], machine: str) -> str:
         if "error" in r:
             lines.append(f"{r['graphs']:<6} {r['config']:<15} ERROR {r['error']}")
             continue
+        if "decode_ms" not in r:  # --repeats 0: only the warm round (and the device profile) ran
+            lines.append(f"{r['graphs']:<6} {r['config']:<15} no measured rounds")
+            continue
         cf = r["counters"]
         ce = f"{cf.get('checked_forwards', '-')}/{cf.get('engine_forwards', '-')}" if cf else "-"
         note = f"  canary error: {r['canary_errors'][0][:120]}" if r.get("canary_errors") else ""
@@ -383,7 +386,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-interval", type=int, default=64)
     p.add_argument("--capture-canary", default="on", choices=["on", "off"],
                    help="graphs off: capture the canary's own HEAD/TAIL work in CUDA graphs (the adapter's default)")
-    p.add_argument("--repeats", type=int, default=3, help="measured rounds (each runs every configuration once)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measured rounds (each runs every configuration once); 0 with --device-profile: the profile alone")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=",".join(n.split("/")[-1] for n, _ in CONFIGS),
                    help="comma-separated subset of baseline,default,partial,none")
