@@ -12,24 +12,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it on ma
     pytest.skip("needs TRITON_INTERPRET=1 set before Triton is imported", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kvcanary.ops import copy as copy_op, plan as plan_op, scatter as scatter_op  # noqa: E402
-from kvcanary.ops import stamp as stamp_op, verify as verify_op, write as write_op  # noqa: E402
-from kvcanary.ops.dispatch import _triton_ops  # noqa: E402
-from kvcanary.runtime import kernels  # noqa: E402
-from tests.ops.test_triton_interpret import _numpy_scalar_index_fix  # noqa: E402
 from tests.runtime.conftest import make_sim, warm_sim  # noqa: E402
 from tests.triton_variants import record_variants, runtime_only_differences  # noqa: E402
-
-_OP_MODULES = (copy_op, plan_op, scatter_op, stamp_op, verify_op, write_op)
-
-
-@pytest.fixture
-def all_triton(monkeypatch):
-    """Ops and runtime glue on the Triton launchers for CPU tensors (the interpreter runs them)."""
-    _numpy_scalar_index_fix()
-    for module in _OP_MODULES:
-        monkeypatch.setattr(module, "triton_backend", lambda device: _triton_ops())
-    monkeypatch.setattr(kernels, "use_kernels", lambda t: True)
 
 
 def test_batch_sizes_and_tags_split_no_variant_by_a_runtime_value(all_triton):

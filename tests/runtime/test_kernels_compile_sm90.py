@@ -23,11 +23,10 @@ from kvcanary.ops import RealKvHashMode, VerifyPlan  # noqa: E402
 from kvcanary.ops.triton import launch_verify, launch_write  # noqa: E402
 from tests.ops.triton_cases import make_context, make_source, write_inputs, write_plan  # noqa: E402
 from tests.runtime.conftest import make_sim, warm_sim  # noqa: E402
-from tests.runtime.test_kernel_variants import all_triton  # noqa: E402,F401  (fixture)
 from tests.triton_variants import COMPILE_SM90, record_variants  # noqa: E402
 
 
-def test_per_forward_kernels_compile_for_sm90(all_triton, tmp_path):  # noqa: F811
+def test_per_forward_kernels_compile_for_sm90(all_triton, tmp_path):
     engine, canary = make_sim(canary_options=dict(sweep_interval=4, mode="raise"), num_slots=384, swa_num_slots=192,
                               max_requests=10, max_context=96, sliding_window=16)
     specs: dict = {}
