@@ -252,7 +252,8 @@ def device_profile(model, prompts, args, graphs: bool, hash_mode) -> dict:
         if t <= 0:
             continue
         total += t
-        by_name[ev.key] = (by_name.get(ev.key, (0.0, 0))[0] + t / 1e3, by_name.get(ev.key, (0.0, 0))[1] + ev.count)
+        ms, calls = by_name.get(ev.key, (0.0, 0))
+        by_name[ev.key] = (ms + t / 1e3, calls + ev.count)
         if ev.key in canary:
             ours += t
     steps = len(log.steps)
