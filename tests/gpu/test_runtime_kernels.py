@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("triton")
 
 from kvcanary.engines.sim import SimConfig, SimEngine, SimWorkload  # noqa: E402
-from kvcanary.runtime import Canary, CanaryConfig, kernels  # noqa: E402
+from kvcanary.runtime import Canary, CanaryConfig, deep_store, kernels  # noqa: E402
 from tests.runtime.kernel_cases import (  # noqa: E402
     SweepState,
     assert_same,
@@ -122,6 +122,7 @@ def _sim_state():
     for name, g in canary.groups.items():
         out.update({f"{name}.{k}": v for k, v in records_state(g.records).items()})
         out.update({f"{name}.{b}": t.cpu() for b, t in zip(("head", *g.tail_bufs), (g.head_buf, *g.tail_bufs.values()))})
+        out.update({f"{name}.deep{c}{side}": t.cpu() for (c, side), t in g.deep_bufs.items()})
     for name, sl in canary.sweeper._slices.items():
         out.update({f"{name}.history": sl.owner_history.cpu(), f"{name}.cursor": sl.cursor.cpu(),
                     f"{name}.verified": sl.verified.cpu(), f"{name}.last_pass": sl.last_pass.cpu()})
@@ -131,7 +132,9 @@ def _sim_state():
 def test_runtime_on_kernels_matches_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernels.use_kernels(torch.zeros(1, device=DEV))
     fused_state, fused_violations = _sim_state()
+    assert any(k.startswith("full.deep") for k in fused_state)  # deep fingerprints on (the default)
     monkeypatch.setattr(kernels, "use_kernels", lambda t: False)
+    monkeypatch.setattr(deep_store, "AVAILABLE", False)
     twin_state, twin_violations = _sim_state()
     assert_same(fused_state, twin_state)
     assert fused_violations == twin_violations == 0

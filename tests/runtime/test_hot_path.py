@@ -24,7 +24,8 @@ from tests.runtime.conftest import QUIET, CountTorchCalls, make_sim
 
 META = torch.device("meta")
 OPS = ("launch_canary_plan_kernels", "launch_canary_verify_kernel", "launch_canary_verify_kernels",
-       "launch_canary_write_kernel", "launch_canary_write_kernels", "launch_stamp_violation_rows")
+       "launch_canary_write_kernel", "launch_canary_write_kernels", "launch_stamp_violation_rows",
+       "store_deep_fingerprints")
 
 
 @pytest.fixture
@@ -85,9 +86,9 @@ def test_device_halves_read_nothing_back_and_cost_the_same_for_any_batch(op_call
         with mode:
             _device_halves(c, _meta_batch(bs, tables))
         counts.append((mode.n, len(op_calls) - calls_before))
-    # per group: plan, HEAD verify + write, TAIL verify and TAIL writes (both sides, records and deep buffers:
-    # one call each), one stamp call for the HEAD / TAIL rings; sweep: one verify call, one stamp call
-    assert counts[1][1] == 2 * (3 + 1 + 1 + 1 + 1 + 1)
+    # per group: plan, HEAD verify + write, TAIL verify and TAIL writes (both sides: one call), the deep buffers'
+    # fingerprints (one call), one stamp call for the HEAD / TAIL rings; sweep: one verify call, one stamp call
+    assert counts[1][1] == 2 * (3 + 1 + 1 + 1 + 1 + 1 + 1)
     # steady state (same batch size as the step before: no stale padding to clear) costs the same torch calls
     # whatever the batch size: O(1) Python per forward
     assert counts[1] == counts[3], counts

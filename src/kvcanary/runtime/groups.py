@@ -196,6 +196,11 @@ class CanaryGroup:
                     self.deep_bufs[(chunk, side)] = self._new_buffer()
         self.deep_sources = deep_sources
 
+    def deep_targets(self) -> list[tuple[torch.Tensor, torch.Tensor, tuple[RealKvSource, ...]]]:
+        """(TAIL buffer, deep buffer, its ALL-mode sources) per chunk and side, chunks in order, K before V
+        (`store_deep_fingerprints`)."""
+        return [(self.tail_bufs[key[1]], self.deep_bufs[key], self.deep_sources[key]) for key in sorted(self.deep_sources)]
+
     def deep_chunks(self) -> list[int]:
         """Chunk indices of the deep buffers that have sources (empty when deep fingerprints are off)."""
         return sorted({c for c, _ in self.deep_sources})

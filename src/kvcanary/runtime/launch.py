@@ -6,8 +6,8 @@
              -> HEAD write (new tokens) -> slot records (position, predecessor, step, owner)
     ... engine forward: stores K/V into the staged out_loc slots ...
     tail()   per group: TAIL verify of every hashed side in one launch (prefix, real KV re-hashed; a ring window
-             skips the positions the forward's own writes recycled, GroupSpec.ring_window) -> TAIL writes of every side (fingerprints of the KV just stored; with deep fingerprints also one ALL-mode
-             write per 4 layers, checked later by the sweep); then stamp the step's ring rows
+             skips the positions the forward's own writes recycled, GroupSpec.ring_window) -> TAIL writes of every side (fingerprints of the KV just stored; with deep fingerprints also the ALL-mode
+             fingerprints of every 4 layers, `store_deep_fingerprints`, checked later by the sweep); then stamp the step's ring rows
 
 Every launch reads the `StaticBatch` and device tensors only — no host reads — so both halves can be
 captured in a CUDA graph. Outside capture, the launches are sliced to the staged batch's size (host-known
@@ -34,6 +34,7 @@ from kvcanary.ops import (
 from kvcanary.runtime import kernels
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
+from kvcanary.runtime.deep_store import store_deep_fingerprints
 from kvcanary.runtime.drain import ViolationRings
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.staging import StaticBatch, capturing
@@ -180,15 +181,15 @@ class ForwardLaunches:
                     contexts=[self._context(g, "tail", side, "verify", self.no_chain_assert) for side in g.tail_sides],
                     plan=tplan, check_verify_expected_token=False,
                 )
-                # the TAIL records, then every layer's bytes (sweep-checked); sides interleaved so that K and V share
-                # a launch on CUDA while each ring gets its rows in this order
-                launch_canary_write_kernels(
-                    contexts=[self._context(g, "tail", side, "write", self.no_chain_assert, deep=deep)
-                              for deep in (None, *g.deep_chunks()) for side in g.tail_sides],
+                out_loc = s.out_loc[name][:n]
+                launch_canary_write_kernels(  # K and V share a launch on CUDA
+                    contexts=[self._context(g, "tail", side, "write", self.no_chain_assert) for side in g.tail_sides],
                     plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n],
-                    out_cache_loc=s.out_loc[name][:n], enable_write_input_assert=False,
+                    out_cache_loc=out_loc, enable_write_input_assert=False,
                     expected_input_tokens=None, expected_input_positions=None,
                 )
+                if g.deep:  # every layer's bytes (sweep-checked), without a chain walk of their own
+                    store_deep_fingerprints(targets=g.deep_targets(), out_loc=out_loc, plan=wplan)
             tags = [g.tag("head")] + [g.tag("tail", side) for side in g.tail_sides]
             for ring_args in self.rings.stamp_launches(tags):  # one launch when the group's rings are adjacent
                 launch_stamp_violation_rows(
@@ -217,8 +218,8 @@ class ForwardLaunches:
                           verify_prev_slot_indices=vplan.verify_prev_slot_indices,
                           verify_num_valid=vplan.verify_num_valid, enable=vplan.enable)
 
-    def _context(self, g: CanaryGroup, phase: str, side: str, op: str, chain_assert: torch.Tensor, deep=None):
-        return g.context(phase, side, op, rings=self.rings, counters=self.counters, chain_assert=chain_assert, deep=deep)
+    def _context(self, g: CanaryGroup, phase: str, side: str, op: str, chain_assert: torch.Tensor):
+        return g.context(phase, side, op, rings=self.rings, counters=self.counters, chain_assert=chain_assert)
 
     def _chain_from_context_anchors(self, g: CanaryGroup, vplan: VerifyPlan, wplan: WritePlan, bs: int) -> None:
         """Rows with a context key chain their first token from their anchor row (``num_slots + row``, holding

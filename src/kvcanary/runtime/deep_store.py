@@ -1,0 +1,121 @@
+"""`store_deep_fingerprints`: the deep buffers' records of one TAIL write, without a chain walk of their own.
+
+A deep buffer (`CanaryGroup.deep_bufs`: ALL-mode fingerprints of up to four layers of one side) holds the same
+token, position and prev_hash as its side's TAIL buffer — every write gives both the same plan, inputs and
+(in lockstep) seed records, and the chain hash does not read the REAL_KV field. So after the TAIL write, each
+written slot's deep record is the TAIL record's first three fields plus the deep sources' fingerprint: the
+bytes a full write into the deep buffer stores, without its per-request serial walk (which dominated the
+deep writes of long prefills: bench/NOTES.md run 37). Out-of-range slots are reported by the TAIL write.
+
+Entries stored: ``i`` in the write plan's range ``[offsets[0], offsets[a])`` (``a`` = its valid requests,
+clamped to its capacity; none when ``a == 0`` or ``offsets[a] <= 0``) whose slot ``out_loc[i]`` lies in
+``[0, rows of the buffer)`` — the entries the write op stores. A slot written twice stores the same bytes.
+
+`store_deep_fingerprints` runs one Triton launch per deep buffer on CUDA (device reads only: capturable),
+else the torch twin `store_deep_fingerprints_twin`, bit-identical.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvcanary.ops import WritePlan
+from kvcanary.ops.constants import (
+    CANARY_FIELD_POSITION, CANARY_FIELD_PREV_HASH, CANARY_FIELD_REAL_KV_HASH, CANARY_FIELD_TOKEN, RealKvHashMode,
+)
+from kvcanary.ops.records import RealKvSource
+from kvcanary.ops.reference.real_kv import fingerprint_slots
+
+try:  # Triton is optional: CPU-only installs use the twin.
+    import triton
+    import triton.language as tl
+
+    from kvcanary.ops.triton.constants import F_POSITION, F_PREV_HASH, F_REAL_KV, F_TOKEN
+    from kvcanary.ops.triton.hashing import as_i64, fingerprint, source_args
+    from kvcanary.ops.triton.launch import jit_batch_sized
+except Exception:  # pragma: no cover - depends on the environment
+    AVAILABLE = False
+else:
+    AVAILABLE = True
+
+DeepTarget = tuple[torch.Tensor, torch.Tensor, tuple[RealKvSource, ...]]  # (TAIL buffer, deep buffer, its ALL-mode sources)
+_CHAIN_FIELDS = (CANARY_FIELD_TOKEN, CANARY_FIELD_POSITION, CANARY_FIELD_PREV_HASH)
+_BLOCK = 64
+_WARPS = 2
+
+
+def stored_entries(plan: WritePlan, out_loc: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """bool [n]: the entries of ``out_loc`` (int [n]) that the write op stores (see the module docstring)."""
+    cap = plan.write_seed_slot_indices.shape[0]
+    a = plan.write_num_valid_reqs.to(torch.int64).clamp(0, cap)
+    offsets = plan.write_offsets
+    end = torch.where(a > 0, offsets[a], 0)
+    i = torch.arange(out_loc.shape[0], device=out_loc.device)
+    slot = out_loc.to(torch.int64)
+    return (i >= offsets[0]) & (i < end) & (slot >= 0) & (slot < num_slots)
+
+
+def store_deep_fingerprints_twin(*, targets: Sequence[DeepTarget], out_loc: torch.Tensor, plan: WritePlan) -> None:
+    """Torch twin: every buffer uint8 [rows, stride_bytes] (a deep buffer as many rows as its TAIL buffer);
+    ``out_loc`` int [n]."""
+    fields = list(_CHAIN_FIELDS)
+    for tail_buf, buf, sources in targets:
+        tail, words = tail_buf.view(torch.int64), buf.view(torch.int64)
+        slots = out_loc.to(torch.int64)[stored_entries(plan, out_loc, tail.shape[0])]
+        words[slots[:, None], torch.tensor(fields, device=words.device)[None, :]] = tail[slots][:, fields]
+        words[slots, CANARY_FIELD_REAL_KV_HASH] = fingerprint_slots(sources, RealKvHashMode.ALL, slots, words.device)
+
+
+def store_deep_fingerprints(*, targets: Sequence[DeepTarget], out_loc: torch.Tensor, plan: WritePlan) -> None:
+    """For each ``(tail_buf, deep_buf, sources)`` of ``targets``, the deep records of the entries just written
+    into ``tail_buf`` (module docstring): one Triton launch per target on CUDA when the kernel can address every
+    source, else the twin."""
+    if not targets or out_loc.shape[0] == 0:
+        return
+    if AVAILABLE and out_loc.is_cuda:
+        launches = [(tail, buf, source_args(sources, RealKvHashMode.ALL, tail)) for tail, buf, sources in targets]
+        if all(srcs is not None for *_, srcs in launches):
+            for tail, buf, srcs in launches:
+                _launch(tail, buf, srcs, out_loc, plan)
+            return
+    store_deep_fingerprints_twin(targets=targets, out_loc=out_loc, plan=plan)
+
+
+def _launch(tail_buf: torch.Tensor, buf: torch.Tensor, srcs, out_loc: torch.Tensor, plan: WritePlan) -> None:
+    tail, words = tail_buf.view(torch.int64), buf.view(torch.int64)
+    n = out_loc.shape[0]
+    _deep_store_kernel[(triton.cdiv(n, _BLOCK),)](
+        tail, tail.shape[1], words, words.shape[1], words.shape[0], out_loc, n,
+        plan.write_offsets, plan.write_num_valid_reqs, plan.write_seed_slot_indices.shape[0],
+        *srcs.args, **srcs.consts, BLOCK=_BLOCK, num_warps=_WARPS,
+    )
+
+
+if AVAILABLE:
+
+    @jit_batch_sized('n', 'seed_cap', scalar_ptrs=('num_reqs_ptr',))
+    def _deep_store_kernel(
+        tail_ptr, tail_stride, deep_ptr, deep_stride, num_slots, slot_ptr, n, off_ptr, num_reqs_ptr, seed_cap,
+        s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
+        NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
+        end = tl.where(a > 0, tl.load(off_ptr + a), 0)
+        begin = tl.load(off_ptr)
+        s = tl.load(slot_ptr + i, mask=i < n, other=-1).to(tl.int64)
+        inside = (i < n) & (i >= begin) & (i < end) & (s >= 0) & (s < num_slots)
+        row = tl.where(inside, s, 0)
+        src = tail_ptr + row * tail_stride
+        tok = tl.load(src + F_TOKEN, mask=inside, other=0)
+        pos = tl.load(src + F_POSITION, mask=inside, other=0)
+        prev = tl.load(src + F_PREV_HASH, mask=inside, other=0)
+        fp = fingerprint(s, inside, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
+                         NSRC, W0, W1, W2, W3)
+        dst = deep_ptr + row * deep_stride
+        tl.store(dst + F_TOKEN, tok, mask=inside)
+        tl.store(dst + F_POSITION, pos, mask=inside)
+        tl.store(dst + F_PREV_HASH, prev, mask=inside)
+        tl.store(dst + F_REAL_KV, as_i64(fp), mask=inside)

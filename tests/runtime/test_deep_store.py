@@ -1,0 +1,140 @@
+"""`store_deep_fingerprints`: the deep buffers' records without a chain walk of their own.
+
+* Twin against the op it replaces: after a TAIL write, the stored deep records are the bytes a full write op
+  (the torch reference) into the deep buffer stores, when both buffers start in lockstep — on plans as the plan
+  op makes them (offsets non-decreasing from 0), with padding, repeated and out-of-range slots, seeds the same
+  launch stores (the write op's serial mode) and tokens past the plan's range.
+* Triton (interpreter) against the twin: identical bytes, for 1-4 sources of one row shape (the fused fold) and
+  of mixed shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvcanary.ops.constants import CanaryLaunchTag, RealKvHashMode
+from kvcanary.ops.reference.write import launch_canary_write_kernel_torch_reference
+from kvcanary.runtime import deep_store
+from kvcanary.runtime.deep_store import store_deep_fingerprints, store_deep_fingerprints_twin
+
+from tests.ops.triton_cases import make_context, make_source, write_inputs, write_plan
+
+FIELDS = 3  # token, position, prev_hash: the chain fields a deep record shares with its TAIL record
+
+
+def _case(seed: int, *, nsrc: int, same_shape: bool):
+    g = torch.Generator().manual_seed(seed)
+
+    def rint(lo, hi):  # inclusive
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    num_slots = rint(24, 96)
+    lengths = [rint(0, 7) for _ in range(rint(1, 6))]
+    n_plan = sum(lengths)
+    n = n_plan + rint(0, 3)  # tokens past the plan's range are not stored
+    loc = torch.randint(1, num_slots, (n,), generator=g)
+    loc[torch.rand(n, generator=g) < 0.15] = -1
+    if n > 1 and rint(0, 1):
+        loc[rint(0, n - 1)] = loc[rint(0, n - 1)]  # a slot written twice
+    if n and rint(0, 2) == 0:
+        loc[rint(0, n - 1)] = num_slots + rint(0, 3)  # past the buffer
+    seeds = [rint(-1, num_slots - 1) for _ in lengths]
+    if n and rint(0, 1):
+        seeds[rint(0, len(seeds) - 1)] = int(loc[rint(0, n - 1)].clamp(min=1))  # a seed this launch stores
+    plan = write_plan(lengths, seeds)
+    if rint(0, 3) == 0:
+        plan.write_num_valid_reqs[0] = rint(0, len(lengths))  # fewer valid requests than planned rows
+    kw = write_inputs(torch.randint(0, 50000, (n,), generator=g).tolist(),
+                      torch.randint(0, 64, (n,), generator=g).tolist(), loc.tolist())
+    tail_sources = [make_source(g, "cpu", num_slots=num_slots, page_size=4, nbpt=32, read_bytes=32, dtype=torch.bfloat16)]
+    tail = make_context(g, "cpu", num_slots=num_slots, stride_bytes=32, ring_cap=64, sources=tail_sources,
+                        mode=RealKvHashMode.PARTIAL, chain_assert=0, kind=CanaryLaunchTag.TAIL_K_FULL)
+    widths = [128] * nsrc if same_shape else [[16, 32, 128][rint(0, 2)] for _ in range(nsrc)]
+    deep_sources = [make_source(g, "cpu", num_slots=num_slots, page_size=[1, 4][rint(0, 1)], nbpt=w, read_bytes=w,
+                                dtype=torch.bfloat16) for w in widths]
+    deep = make_context(g, "cpu", num_slots=num_slots, stride_bytes=32, ring_cap=64, sources=deep_sources,
+                        mode=RealKvHashMode.ALL, chain_assert=0, kind=CanaryLaunchTag.TAIL_K_FULL)
+    # lockstep: the deep buffer holds the TAIL buffer's chain fields (its own REAL_KV words)
+    deep.canary_buf.view(torch.int64)[:, :FIELDS] = tail.canary_buf.view(torch.int64)[:, :FIELDS]
+    return tail, deep, plan, kw
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_twin_stores_what_a_full_write_into_the_deep_buffer_stores(seed):
+    tail, deep, plan, kw = _case(seed, nsrc=1 + seed % 4, same_shape=seed % 2 == 0)
+    launch_canary_write_kernel_torch_reference(context=tail, plan=plan, **kw)
+    expected = deep.canary_buf.clone()
+    launch_canary_write_kernel_torch_reference(context=dataclasses.replace(deep, canary_buf=expected), plan=plan, **kw)
+    store_deep_fingerprints_twin(targets=[(tail.canary_buf, deep.canary_buf, deep.real_kv_sources)],
+                                 out_loc=kw["out_cache_loc"], plan=plan)
+    assert torch.equal(deep.canary_buf, expected)
+
+
+def test_twin_touches_only_the_stored_slots():
+    tail, deep, plan, kw = _case(3, nsrc=2, same_shape=True)
+    launch_canary_write_kernel_torch_reference(context=tail, plan=plan, **kw)
+    before = deep.canary_buf.clone()
+    stored = deep_store.stored_entries(plan, kw["out_cache_loc"], tail.canary_buf.shape[0])
+    store_deep_fingerprints_twin(targets=[(tail.canary_buf, deep.canary_buf, deep.real_kv_sources)],
+                                 out_loc=kw["out_cache_loc"], plan=plan)
+    changed = (deep.canary_buf != before).any(dim=1).nonzero().flatten().tolist()
+    assert set(changed) <= set(kw["out_cache_loc"][stored].tolist())
+    assert changed  # the case stores something
+
+
+@pytest.mark.parametrize("seed,nsrc,same_shape", [(s, 1 + s % 4, s % 3 != 0) for s in range(12)])
+def test_triton_matches_the_twin(seed, nsrc, same_shape, monkeypatch):
+    tail, deep, plan, kw = _case(100 + seed, nsrc=nsrc, same_shape=same_shape)
+    launch_canary_write_kernel_torch_reference(context=tail, plan=plan, **kw)
+    expected = deep.canary_buf.clone()
+    targets = [(tail.canary_buf, expected, deep.real_kv_sources)]
+    store_deep_fingerprints_twin(targets=targets, out_loc=kw["out_cache_loc"], plan=plan)
+    srcs = deep_store.source_args(deep.real_kv_sources, RealKvHashMode.ALL, tail.canary_buf)
+    assert srcs is not None
+    deep_store._launch(tail.canary_buf, deep.canary_buf, srcs, kw["out_cache_loc"], plan)  # interpreted on the CPU
+    assert torch.equal(deep.canary_buf, expected)
+
+
+def test_nothing_to_store_launches_nothing():
+    tail, deep, plan, kw = _case(7, nsrc=1, same_shape=True)
+    before = deep.canary_buf.clone()
+    store_deep_fingerprints(targets=[], out_loc=kw["out_cache_loc"], plan=plan)
+    store_deep_fingerprints(targets=[(tail.canary_buf, deep.canary_buf, deep.real_kv_sources)],
+                            out_loc=kw["out_cache_loc"][:0], plan=plan)
+    assert torch.equal(deep.canary_buf, before)
+
+
+_COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvcanary.runtime import deep_store
+k = deep_store._deep_store_kernel
+assert not deep_store.AVAILABLE or isinstance(k, triton.runtime.jit.JITFunction), type(k)
+pointers = {"tail_ptr", "deep_ptr", "slot_ptr", "off_ptr", "s0", "s1", "s2", "s3"}
+for widths in ((128, 128, 128, 128), (128, 16, 64, 2)):  # one row shape (the fused fold), mixed shapes
+    consts = dict(NSRC=4, BLOCK=64, **{f"W{i}": w for i, w in enumerate(widths)})
+    sig = {a: "constexpr" if a in consts else "*i64" if a in pointers else "*i32" if a == "num_reqs_ptr" else "i64"
+           for a in k.arg_names}
+    compiled = triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 2})
+    assert compiled.asm["cubin"], widths
+print("ok")
+"""
+
+
+def test_kernel_compiles_for_hopper():
+    """The deep-store kernel builds for sm_90 (PTX and cubin, with the ptxas Triton ships) — CI has no GPU, so the
+    interpreter tests above never compile it."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=300)
+    if "ptxas" in out.stderr and "not found" in out.stderr:
+        pytest.skip("no ptxas in this Triton install")
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
