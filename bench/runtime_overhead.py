@@ -25,6 +25,7 @@ import torch
 
 from kvcanary.engines.sim import SimConfig, SimEngine
 from kvcanary.runtime import Canary, CanaryConfig
+from kvcanary.runtime.staging import MIRRORS
 
 TARGET_US = 100.0  # SPEC §7 / issue 8: bs 64 x 4 k decode step, host + device, on the H200
 
@@ -38,7 +39,7 @@ WARMUP_S = 3.0  # CUDA: seconds of steps before timing
 
 
 def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: int = 0, deep: bool = False,
-         kernel_profile: int = 0) -> dict:
+         kernel_profile: int = 0, host_phases: bool = False) -> dict:
     sc = SimConfig(num_slots=bs * (ctx + 160) + 8, max_requests=bs + 1, max_context=ctx + 160, chunk_size=ctx,
                    max_batch_tokens=max(ctx, 8192), max_running=bs, num_layers=4, kv_bytes=256, seed=0, device=device)
     canary = Canary(CanaryConfig(sweep_interval=64, health_interval=0, readable_per_step=0, deep_fingerprints=deep),
@@ -76,16 +77,22 @@ def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: in
     wall = time.perf_counter() - t0
     device_us = None
     if device == "cuda":  # device time alone: a sleep kernel holds the stream while the host enqueues n steps
-        n = 30
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2 * n * (host / reps * 1e6) * 2000) + 10_000_000)  # cycles (~2 per ns): 2x the host time
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(n):
-            step()
-        e1.record()
-        torch.cuda.synchronize()
-        device_us = e0.elapsed_time(e1) / n * 1e3
+        # n < the staging ring's pinned mirrors: with more, the host waits for a mirror the held stream has not
+        # released and the events time host-paced steps (the 598.9 us of run 35 with n = 30 and 4 mirrors)
+        n, rounds, total = MIRRORS - 1, 20, 0.0
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(2 * n * (host / reps * 1e6) * 2000) + 2_000_000)  # cycles (~2 per ns): 2x the host time
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(n):
+                step()
+            e1.record()
+            torch.cuda.synchronize()
+            total += e0.elapsed_time(e1) * 1e3
+        device_us = total / (n * rounds)
+    if host_phases:
+        print(host_phase_table(canary, batch, bs, ctx, graphs))
     if kernel_profile and device == "cuda":  # where the device time goes: every kernel / copy, summed over n steps
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -122,6 +129,51 @@ def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: in
                 mib=canary.memory_bytes() / 2**20)
 
 
+def host_phase_table(canary: Canary, batch, bs: int, ctx: int, graphs: bool, steps: int = 400) -> str:
+    """Host time per call of each phase of a forward (the public calls `before_forward` / `after_forward` make),
+    perf_counter_ns around each, ``steps`` steps after the timed loop; plus bare costs for comparison."""
+    names = ("begin_step", "stage", "launch_head", "launch_tail", "end_step")
+    tot = dict.fromkeys(names, 0)
+    clock = time.perf_counter_ns
+    rows = batch.req_pool_indices
+    for _ in range(steps):
+        t0 = clock()
+        canary.begin_step(request_ids=batch.request_ids, request_rows=rows if rows.device.type == "cpu" else None,
+                          forward_kind=batch.forward_kind)
+        t1 = clock()
+        canary.stage(batch)
+        t2 = clock()
+        canary.launch_head()
+        t3 = clock()
+        canary.launch_tail()
+        t4 = clock()
+        canary.end_step()
+        t5 = clock()
+        for name, a, b in zip(names, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+            tot[name] += b - a
+    _sync()
+    bare = {}
+    if torch.cuda.is_available():
+        graph, x = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
+        with torch.cuda.graph(graph):
+            x.add_(1)
+        for label, fn in (("empty-ish graph replay (1 node)", graph.replay), ("tensor fill_", lambda: x.fill_(3)),
+                          ("torch.cuda.current_stream()", torch.cuda.current_stream),
+                          ("is_current_stream_capturing()", torch.cuda.is_current_stream_capturing)):
+            for _ in range(50):
+                fn()
+            t = clock()
+            for _ in range(steps):
+                fn()
+            bare[label] = (clock() - t) / steps / 1e3
+        _sync()
+    out = [f"# host phases, {bs} x {ctx} {'graphs' if graphs else 'eager'}, {steps} steps (us per call):"]
+    out += [f"#   {name:<12} {tot[name] / steps / 1e3:7.1f}" for name in names]
+    out.append(f"#   {'sum':<12} {sum(tot.values()) / steps / 1e3:7.1f}")
+    out += [f"#   bare: {label:<34} {us:6.2f}" for label, us in bare.items()]
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small grid")
@@ -130,6 +182,7 @@ def main() -> None:
     ap.add_argument("--grid", help="cases as BSxCTX,... (default: the preset grid)")
     ap.add_argument("--variants", default="both", choices=["both", "graphs", "eager"], help="CUDA variants to run")
     ap.add_argument("--kernel-profile", type=int, default=0, help="CUDA: print the top N device ops (torch.profiler)")
+    ap.add_argument("--host-phases", action="store_true", help="print host us per phase of a forward (and bare costs)")
     ap.add_argument("--profile", type=int, default=0, help="print the top N host functions (cProfile) of each case")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -151,7 +204,7 @@ def main() -> None:
         for graphs in (variants if cuda else (False,)):
             reps = 200 if cuda else (20 if bs * ctx > 50_000 else 50)
             r = case(bs, ctx, device=device, graphs=graphs, reps=reps, profile=args.profile, deep=args.deep_fingerprints,
-                     kernel_profile=args.kernel_profile)
+                     kernel_profile=args.kernel_profile, host_phases=args.host_phases)
             rows.append(r)
             dev_us = f"{r['device_us']:>9.1f}" if r["device_us"] is not None else f"{'-':>9}"
             print(f"{r['bs']:>4} {r['ctx']:>6} {r['variant']:>7} {r['entries']:>8} {r['us']:>9.1f} {r['host_us']:>8.1f} {dev_us} "

@@ -25,6 +25,7 @@ captured before a growth is stale, so growing while graphs are held is an error.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -297,6 +298,12 @@ def _same_inputs(a: GroupInputs, b: GroupInputs) -> bool:
     return a.req_to_token is b.req_to_token and a.lut is b.lut
 
 
+@functools.cache
+def cuda_present() -> bool:
+    """``torch.cuda.is_available()``, asked once (it reads the environment each call: a few us per forward)."""
+    return torch.cuda.is_available()
+
+
 def capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return cuda_present() and torch.cuda.is_current_stream_capturing()

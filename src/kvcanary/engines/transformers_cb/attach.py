@@ -72,6 +72,7 @@ from kvcanary.errors import (
     KvCanaryValueError,
 )
 from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
+from kvcanary.runtime.staging import cuda_present
 
 logger = logging.getLogger("kvcanary")
 
@@ -690,7 +691,7 @@ def check_real_kv_layers(model: torch.nn.Module, config: CanaryConfig) -> None:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return cuda_present() and torch.cuda.is_current_stream_capturing()
 
 
 def _refuse_unobservable_paths(processor) -> None:
