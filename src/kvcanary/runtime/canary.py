@@ -70,6 +70,7 @@ from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violati
 from kvcanary.runtime.batch import BatchDescription, GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
+from kvcanary.runtime.cuda_host import capturing
 from kvcanary.runtime.drain import Harvest, ViolationDrain, ViolationRings
 from kvcanary.runtime.graphs import CanaryGraphs, GraphSet, capture_sweep_slice
 from kvcanary.runtime.groups import CanaryGroup
@@ -78,7 +79,7 @@ from kvcanary.runtime.launch import ForwardLaunches
 from kvcanary.runtime.moves import MoveReport, SlotMoves, move_tags
 from kvcanary.runtime.polled import PolledWords
 from kvcanary.runtime.report import CanaryViolationError, ViolationLedger
-from kvcanary.runtime.staging import StaticBatch, capturing
+from kvcanary.runtime.staging import StaticBatch
 from kvcanary.runtime.stats import CanaryStats, StatsReporter
 from kvcanary.runtime.sweep import SweepReport, Sweeper
 
@@ -159,7 +160,8 @@ class Canary:
             verify_capacity={n: _verify_capacity(g, max_requests, max_context) for n, g in self.groups.items()},
             owner_span=OWNER_SPAN, plans_disabled=self.polled.plans_disabled,
         )
-        self.drain = ViolationDrain(self.rings, synchronous=config.mode == "raise", polled=self.polled)
+        self.drain = ViolationDrain(self.rings, synchronous=config.mode == "raise", polled=self.polled,
+                                    interval=config.drain_interval)
         self._plans_disabled_seen = [0] * len(self.groups)
         self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
         self._graphs: Optional[CanaryGraphs] = None

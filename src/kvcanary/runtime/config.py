@@ -52,6 +52,9 @@ class CanaryConfig:
         default; cost measured on an H200 in bench/NOTES.md (runs 16, 18 and 20).
     log_lines_per_slot: log lines per (reason, group, slot) before that slot's further rows are only
         counted (and summarised per drain); every row still goes to the counters and the JSON lines.
+    drain_interval: ``log`` mode on CUDA: look at the device's violation counters every N forwards (one
+        non-blocking copy, read a look later), so violations reach the log within about 2N forwards of being
+        found; 1 = every forward. Counts stay exact whatever N; ``raise`` mode and the CPU look every forward.
     """
 
     mode: str = "log"
@@ -68,6 +71,7 @@ class CanaryConfig:
     readable_per_step: int = 4
     log_lines_per_slot: int = 3
     deep_fingerprints: bool = True
+    drain_interval: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,6 +96,7 @@ class CanaryConfig:
         for name, low in (
             ("sweep_interval", 0), ("ring_capacity", 1), ("chain_position_warmup", -1),
             ("stats_interval", 0), ("health_interval", 0), ("readable_per_step", 0), ("log_lines_per_slot", 0),
+            ("drain_interval", 1),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -4,8 +4,9 @@ A violation is *born* in an op (a row appended to its launch tag's ring); right 
 the stamp op writes, beside each new row, the step and batch row it belongs to (so rows stay meaningful
 after the step's plans are overwritten). Draining then works one step or more late:
 
-1. end of every step: a non-blocking copy of the write indices into pinned memory, an event recorded;
-2. a later step finds that copy complete (``event.query()``, never a wait); if it shows rows, the drain
+1. end of every ``interval``-th step (a *look*): a non-blocking copy of the write indices into pinned memory,
+   an event recorded;
+2. a later look finds that copy complete (``event.query()``, never a wait); if it shows rows, the drain
    enqueues a *harvest*: rings, stamps and indices copied (non-blocking) into pinned memory, then the
    indices reset — stream-ordered, so no row appended before the reset is missed;
 3. a later step finds the harvest complete and decodes its rows once into `RingRow`s.
@@ -35,6 +36,7 @@ from kvcanary.ops import (
     CanaryLaunchTag,
     FailReason,
 )
+from kvcanary.runtime.cuda_host import current_stream
 from kvcanary.runtime.polled import PolledWords
 
 STAMP_FIELDS = 3  # (step, batch row, expected position): see ops.launch_stamp_violation_rows
@@ -131,11 +133,13 @@ class ViolationDrain:
     host values of its counters and disabled plans) in one buffer: one copy per step reads them all."""
 
     def __init__(self, rings: ViolationRings, *, synchronous: bool, polled: PolledWords,
-                 asynchronous: Optional[bool] = None, event=None) -> None:
+                 asynchronous: Optional[bool] = None, event=None, interval: int = 1) -> None:
         if rings.write_index is not polled.write_index:
             raise KvCanaryValueError("kv-canary: the rings' write_index must be the polled words' view")
         self.rings = rings
         self.polled = polled
+        self.interval = interval  # asynchronous mode: steps between looks (a look: one copy of ``polled``)
+        self._steps = 0
         self.asynchronous = (rings.device.type == "cuda" and not synchronous) if asynchronous is None else asynchronous
         self._event = event or torch.cuda.Event  # a test can hand in a stand-in with record / query / synchronize
         self.watched: tuple[list[int], list[int]] = polled.decode([0] * polled.buffer.numel())[1:]
@@ -158,13 +162,16 @@ class ViolationDrain:
             self.watched = self.polled.decode(self.polled.buffer.tolist())[1:]
             return self.flush()
         done = self._take_harvest(wait=False)
+        self._steps += 1
+        if self._steps % self.interval:
+            return [done] if done is not None else []
         k = self._next_pinned
         self._next_pinned = (k + 1) % len(self._pinned)
         if len(self._snapshots) == len(self._pinned):  # the GPU is far behind: drop the oldest look (slot k)
             self._snapshots.popleft()
         self._pinned[k].copy_(self.polled.buffer, non_blocking=True)
         event = self._events[k]
-        event.record()
+        self._record(event)
         self._snapshots.append((self._epoch, k, event))
         while self._snapshots and self._snapshots[0][2].query():
             epoch, k, _ = self._snapshots.popleft()
@@ -203,9 +210,15 @@ class ViolationDrain:
         self._h_index.copy_(r.write_index, non_blocking=True)
         r.write_index.zero_()
         event = self._event()
-        event.record()
+        self._record(event)
         self._epoch += 1
         self._harvest = (self._h_index, self._h_rings, self._h_stamps, event)
+
+    def _record(self, event) -> None:
+        if self._event is torch.cuda.Event:
+            event.record(current_stream())  # the memoised stream object (`cuda_host.current_stream`)
+        else:
+            event.record()  # a test's stand-in
 
     def _take_harvest(self, *, wait: bool) -> Optional[Harvest]:
         if self._harvest is None:

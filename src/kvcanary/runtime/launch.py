@@ -34,10 +34,11 @@ from kvcanary.ops import (
 from kvcanary.runtime import kernels
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
+from kvcanary.runtime.cuda_host import capturing
 from kvcanary.runtime.deep_store import store_deep_fingerprints
 from kvcanary.runtime.drain import ViolationRings
 from kvcanary.runtime.groups import CanaryGroup
-from kvcanary.runtime.staging import StaticBatch, capturing
+from kvcanary.runtime.staging import StaticBatch
 
 logger = logging.getLogger("kvcanary")
 

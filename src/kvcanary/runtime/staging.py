@@ -25,7 +25,6 @@ captured before a growth is stale, so growing while graphs are held is an error.
 """
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -34,6 +33,7 @@ import torch
 
 from kvcanary.errors import KvCanaryValueError
 from kvcanary.runtime.batch import BatchDescription
+from kvcanary.runtime.cuda_host import capturing, current_stream
 
 logger = logging.getLogger("kvcanary")
 
@@ -142,7 +142,7 @@ class StaticBatch:
         self._by_reference(batch)
         fields = self._fields(batch, n)
         cap = capturing()
-        if self.host_upload and not cap and all(t.device.type == "cpu" for t in fields.values()):
+        if self.host_upload and not cap and all(t.is_cpu for t in fields.values()):
             self._upload(fields, bs, n)
         else:
             self._copy(fields, bs, n, cap)
@@ -183,12 +183,11 @@ class StaticBatch:
         """Field -> values this batch provides. Fields it leaves out (no oracle, no token history) are not read this
         step; context keys, once seen, are staged every step (all padding when a batch has none)."""
         fields = {"rows": batch.req_pool_indices, "prefix": batch.prefix_lens, "extend": batch.extend_lens,
-                  "input_ids": batch.input_ids[:n], "positions": batch.positions[:n]}
+                  "input_ids": _first(batch.input_ids, n), "positions": _first(batch.positions, n)}
         if batch.expected_input_ids is not None:
-            fields["expected_ids"] = batch.expected_input_ids[:n]
+            fields["expected_ids"] = _first(batch.expected_input_ids, n)
         for name in self.groups:
-            loc = batch.groups[name].out_cache_loc
-            fields[f"out_loc:{name}"] = loc[:n] if loc.shape[0] > n else loc
+            fields[f"out_loc:{name}"] = _first(batch.groups[name].out_cache_loc, n)
         if batch.context_keys is not None:
             fields["context_keys"] = batch.context_keys
         elif self.has_context:
@@ -236,7 +235,7 @@ class StaticBatch:
         mirror.extent.update(signature)
         self.packed.copy_(mirror.packed, non_blocking=True)
         if mirror.event is not None:
-            mirror.event.record()
+            mirror.event.record(current_stream())
 
     def _mirror_plan(self, mirror: _Mirror, signature: tuple) -> tuple[list, list, list]:
         """The mirror views one batch shape writes, and the pads left over from what the mirror held."""
@@ -294,16 +293,10 @@ class StaticBatch:
         return 8 * (5 * self.max_rows + (4 + len(self.groups)) * self.max_tokens)
 
 
+def _first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[:n]``, without a new view when ``t`` holds at most ``n`` entries (a decode batch's usual case)."""
+    return t[:n] if t.shape[0] > n else t
+
+
 def _same_inputs(a: GroupInputs, b: GroupInputs) -> bool:
     return a.req_to_token is b.req_to_token and a.lut is b.lut
-
-
-@functools.cache
-def cuda_present() -> bool:
-    """``torch.cuda.is_available()``, asked once (it reads the environment each call: a few us per forward)."""
-    return torch.cuda.is_available()
-
-
-def capturing() -> bool:
-    """True while the current CUDA stream is being captured into a graph."""
-    return cuda_present() and torch.cuda.is_current_stream_capturing()

@@ -72,7 +72,7 @@ from kvcanary.errors import (
     KvCanaryValueError,
 )
 from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
-from kvcanary.runtime.staging import cuda_present
+from kvcanary.runtime.cuda_host import cuda_present
 
 logger = logging.getLogger("kvcanary")
 
