@@ -114,17 +114,17 @@ class _Clock:
         self.Event = Event
 
 
-def _lazy_drain(canary: Canary, clock: _Clock) -> None:
+def _lazy_drain(canary: Canary, clock: _Clock, interval: int = 1) -> None:
     canary.drain = ViolationDrain(
-        canary.rings, synchronous=False, polled=canary.polled, asynchronous=True, event=clock.Event,
+        canary.rings, synchronous=False, polled=canary.polled, asynchronous=True, event=clock.Event, interval=interval,
     )
 
 
-def _faulted_run(*, lag: int | None, ring_capacity: int = 1024):
+def _faulted_run(*, lag: int | None, ring_capacity: int = 1024, interval: int = 1):
     engine, canary = make_sim(seed=3, canary_options=dict(ring_capacity=ring_capacity, sweep_interval=8))
     clock = _Clock(lag or 0)
     if lag is not None:
-        _lazy_drain(canary, clock)
+        _lazy_drain(canary, clock, interval)
     workload = SimWorkload(seed=3, new_tokens=(30, 60), abort_prob=0.0, arrival_prob=0.5)
     stream = workload.stream(engine.config.max_context)
 
@@ -161,10 +161,10 @@ def test_drain_never_waits_on_the_forward_path_and_harvests_late():
     assert canary.drain.asynchronous
 
 
-@pytest.mark.parametrize("lag", [1, 7])
-def test_deferred_attribution_matches_the_immediate_drain(lag):
+@pytest.mark.parametrize("lag,interval", [(1, 1), (7, 1), (1, 4), (3, 4), (7, 2)])
+def test_deferred_attribution_matches_the_immediate_drain(lag, interval):
     _, immediate, _ = _faulted_run(lag=None)
-    _, deferred, _ = _faulted_run(lag=lag)
+    _, deferred, _ = _faulted_run(lag=lag, interval=interval)
     assert {v.launch_tag.phase for v in immediate} >= {"head", "tail", "sweep"}
     assert sorted(map(_key, deferred)) == sorted(map(_key, immediate))
 
@@ -177,3 +177,35 @@ def test_deferred_attribution_with_overflowing_rings_keeps_exact_counts():
     assert b["ring_overflow"] >= a["ring_overflow"] > 0  # rows harvested late share one ring's capacity
     # every row the late drain kept is one the immediate drain saw, with the same attribution
     assert set(map(_key, deferred)) <= set(map(_key, _faulted_run(lag=None)[1]))
+
+
+@pytest.mark.parametrize("lag,interval", [(1, 4), (3, 4), (6, 4), (2, 1)])
+def test_a_violation_reaches_the_ledger_within_two_looks_and_the_lag(lag, interval):
+    """Without a user query, a row found at step s is in the ledger by the step after the look that saw it
+    completed plus the harvest's lag: s + (interval - 1) + interval * ceil(lag / interval) + lag."""
+    engine, canary = make_sim(seed=3, canary_options=dict(sweep_interval=0))
+    clock = _Clock(lag)
+    _lazy_drain(canary, clock, interval)
+    workload = SimWorkload(seed=3, new_tokens=(30, 60), abort_prob=0.0, arrival_prob=0.5)
+    stream = workload.stream(engine.config.max_context)
+
+    def step() -> None:
+        for prompt, new in next(stream):
+            engine.add_request(prompt, new)
+        engine.step()
+        clock.now += 1
+
+    for _ in range(40):
+        step()
+    victim = next(r for r in engine.running if r.num_computed > 8)
+    flip_kv_bit(engine, "full", victim.full_slots[3], side="k", byte=2, bit=5)
+    seen_at = None
+    for _ in range(4 * interval + 2 * lag + 8):
+        step()
+        if seen_at is None and canary.ledger.violations():
+            seen_at = canary.step
+    assert seen_at is not None, "the flipped bit never reached the ledger without a query"
+    found = min(v.step for v in canary.ledger.violations())
+    bound = (interval - 1) + interval * -(-lag // interval) + lag
+    assert 0 < seen_at - found <= bound, (found, seen_at, bound)
+    assert clock.waits == 0

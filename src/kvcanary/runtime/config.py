@@ -53,8 +53,8 @@ class CanaryConfig:
     log_lines_per_slot: log lines per (reason, group, slot) before that slot's further rows are only
         counted (and summarised per drain); every row still goes to the counters and the JSON lines.
     drain_interval: ``log`` mode on CUDA: look at the device's violation counters every N forwards (one
-        non-blocking copy, read a look later), so violations reach the log within about 2N forwards of being
-        found; 1 = every forward. Counts stay exact whatever N; ``raise`` mode and the CPU look every forward.
+        non-blocking copy, read a look later), so violations reach the log about 2N forwards after they were
+        found, plus the device's lag; 1 = every forward. Counts stay exact whatever N; ``raise`` mode and the CPU look every forward.
     """
 
     mode: str = "log"
