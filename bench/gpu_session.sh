@@ -23,6 +23,12 @@ if ls .triton-cache/triton-cache.txz.* >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
+# BENCH_CPUS (e.g. "2-5"): run the bench stages under `taskset -c $BENCH_CPUS`, so the engine's threads stay on
+# the same cores between rounds (run 40's decode rounds fell into two or three host speeds per configuration)
+PIN=()
+if [ -n "${BENCH_CPUS:-}" ]; then
+  if command -v taskset >/dev/null 2>&1; then PIN=(taskset -c "$BENCH_CPUS"); else echo "taskset missing: BENCH_CPUS ignored"; fi
+fi
 summary=()
 stage() {  # stage NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
@@ -38,14 +44,14 @@ for s in "$@"; do
   case $s in
     tests)   stage tests "${TESTS_LIMIT:-230}" python3 -m pytest ${TESTS_SELECT:-tests/gpu tests/ops/test_copy.py::test_gpu_triton_matches_twin \
                tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph} -vv -rf -n ${TESTS_WORKERS:-12} --junitxml "$OUT/tests.xml" -p no:cacheprovider --durations=10 -p no:benchmark ;;
-    runtime) stage runtime "${RUNTIME_LIMIT:-150}" python3 bench/runtime_overhead.py ${RUNTIME_ARGS:---profile 14} --json "$OUT/runtime.json" ;;
-    soak)    stage soak "${SOAK_LIMIT:-110}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-90}" --workers "${SOAK_WORKERS:-0}" --json "$OUT/soak.json" ;;
+    runtime) stage runtime "${RUNTIME_LIMIT:-150}" "${PIN[@]}" python3 bench/runtime_overhead.py ${RUNTIME_ARGS:---profile 14} --json "$OUT/runtime.json" ;;
+    soak)    stage soak "${SOAK_LIMIT:-110}" "${PIN[@]}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-90}" --workers "${SOAK_WORKERS:-0}" --json "$OUT/soak.json" ;;
     copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
-    kernels) stage kernels 110 python3 bench/gpu_kernels.py --quick ;;
-    e2e)     stage e2e "${E2E_LIMIT:-420}" python3 bench/e2e_overhead.py --graphs on ${E2E_ARGS:-} --json "$OUT/e2e.json" ;;
-    e2e_off) stage e2e_off "${E2E_OFF_LIMIT:-240}" python3 bench/e2e_overhead.py --graphs off ${E2E_OFF_ARGS:-} --json "$OUT/e2e_off.json" ;;
-    e2e_quick) stage e2e_quick "${E2E_LIMIT:-300}" python3 bench/e2e_overhead.py --quick --json "$OUT/e2e.json" ;;
-    deep)    stage deep "${DEEP_LIMIT:-90}" python3 bench/runtime_overhead.py --deep-fingerprints --grid 1x256,64x4096 ;;
+    kernels) stage kernels 110 "${PIN[@]}" python3 bench/gpu_kernels.py --quick ;;
+    e2e)     stage e2e "${E2E_LIMIT:-420}" "${PIN[@]}" python3 bench/e2e_overhead.py --graphs on ${E2E_ARGS:-} --json "$OUT/e2e.json" ;;
+    e2e_off) stage e2e_off "${E2E_OFF_LIMIT:-240}" "${PIN[@]}" python3 bench/e2e_overhead.py --graphs off ${E2E_OFF_ARGS:-} --json "$OUT/e2e_off.json" ;;
+    e2e_quick) stage e2e_quick "${E2E_LIMIT:-300}" "${PIN[@]}" python3 bench/e2e_overhead.py --quick --json "$OUT/e2e.json" ;;
+    deep)    stage deep "${DEEP_LIMIT:-90}" "${PIN[@]}" python3 bench/runtime_overhead.py --deep-fingerprints --grid 1x256,64x4096 ;;
     *) echo "unknown stage $s" ;;
   esac
 done
