@@ -1,5 +1,9 @@
 """The simulated engine's slot allocator: LIFO reuse, double frees counted, and the fault hook
 `force_free` (a slot put back on top of the free list while still referenced; mutation audit)."""
+import random
+
+import torch
+
 from kvcanary.engines.sim.pool import PADDING_SLOT, RequestTable, SlotAllocator
 
 
@@ -43,3 +47,19 @@ def test_request_rows_run_out_without_an_error_and_padding_row_is_never_handed_o
     t.req_to_token[rows[0]] = 9
     t.free_row(rows[0])
     assert t.req_to_token[rows[0]].tolist() == [0, 0, 0, 0] and t.alloc_row() == rows[0]
+
+
+def test_live_lists_the_slots_in_use_ascending_after_random_allocs_and_frees():
+    rng = random.Random(4)
+    alloc = SlotAllocator(300)
+    held: list[int] = []
+    for _ in range(200):
+        if held and rng.random() < 0.4:
+            k = rng.randint(1, len(held))
+            rng.shuffle(held)
+            alloc.free(held[:k])
+            held = held[k:]
+        else:
+            held += alloc.alloc(rng.randint(0, 9)) or []
+        live = alloc.live()
+        assert live.dtype == torch.int64 and live.tolist() == sorted(held)
