@@ -143,10 +143,9 @@ class SimEngine:
         canary.set_live_slots_provider(self.live_slots)
 
     def live_slots(self) -> dict[str, torch.Tensor]:
-        """The canary's live-slots provider: each allocator's in-use mask (bool [num_slots], host memory)."""
-        live = {"full": self.full_alloc.in_use}
+        live = {"full": self.full_alloc.live()}
         if self.swa_alloc:
-            live["swa"] = self.swa_alloc.in_use
+            live["swa"] = self.swa_alloc.live()
         return live
 
     # ---- requests -----------------------------------------------------------------------------
