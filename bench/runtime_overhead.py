@@ -6,8 +6,11 @@ TAIL verify/write (PARTIAL hashing of the first and last layer's K and V, the de
 rotating sweep slice + the non-blocking drain poll — ``reps`` times back to back and divides the wall
 time (one synchronize at the end: host and device work overlap as they do in serving). ``host us`` is the
 Python time of those calls alone (the device work is asynchronous); ``device us`` (CUDA) is the device time
-alone: a sleep kernel holds the stream while the host enqueues 30 steps, then CUDA events time their execution. On CUDA two variants: ``eager`` (every
-launch from Python) and ``graphs`` (`Canary.capture_graphs`: HEAD / TAIL / sweep replayed as CUDA graphs).
+alone: a sleep kernel holds the stream while the host enqueues 3 steps (fewer than the staging ring's pinned
+mirrors, so the host never waits on the held stream), then CUDA events time their execution; 20 such rounds.
+``--host-phases`` adds the host time of each public call of a forward, and bare costs of a few CUDA calls.
+On CUDA two variants: ``eager`` (every launch from Python) and ``graphs`` (`Canary.capture_graphs`: HEAD /
+TAIL / sweep replayed as CUDA graphs).
 The engine's own forward is not run: this is the canary's cost alone.
 
     python bench/runtime_overhead.py [--quick] [--json PATH]
