@@ -48,23 +48,33 @@ def _used(s: StaticBatch, batch: BatchDescription) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in out.items()}
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_host_upload_matches_device_copies_padding_included(seed):
+@pytest.mark.parametrize("seed,rows,tokens,small", [(0, 8, 16, 256), (1, 8, 16, 256), (2, 8, 16, 256),
+                                                     (3, 4, 32, 8), (4, 4, 32, 8), (5, 8, 64, 8)])
+def test_host_upload_matches_device_copies_padding_included(seed, rows, tokens, small):
+    """``small`` < ``tokens`` (rows within it): batches of at most ``small`` tokens go to the decode-sized set,
+    the rest to the full one, back and forth; both routes leave the active set's views identical."""
     rng = random.Random(seed)
-    copies = StaticBatch(groups=GROUPS, max_rows=8, max_tokens=16, device=torch.device("cpu"), host_upload=False)
-    upload = StaticBatch(groups=GROUPS, max_rows=8, max_tokens=16, device=torch.device("cpu"), host_upload=True)
+    kw = dict(groups=GROUPS, max_rows=rows, max_tokens=tokens, device=torch.device("cpu"), small_tokens=small)
+    copies = StaticBatch(**kw, host_upload=False)
+    upload = StaticBatch(**kw, host_upload=True)
+    used = set()
     for i in range(40):
         bs = rng.choice([1, 1, 2, 5, 8, 12])  # 12 rows (up to 60 tokens) grows both
         batch = _batch(rng, bs, oracle=rng.random() < 0.5, context=i >= 20 and rng.random() < 0.7,
                        short_loc=rng.random() < 0.3, dtype=rng.choice([torch.int32, torch.int64]))
         copies.stage(batch)
         upload.stage(batch)
+        assert copies.active == upload.active == ("small" if "small" in upload.sets and batch.num_tokens <= small
+                                                  else "full")
+        used.add(upload.active)
         a, b = _used(copies, batch), _used(upload, batch)
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), (i, name, a[name], b[name])
         assert (copies.num_rows, copies.num_tokens) == (upload.num_rows, upload.num_tokens) == (bs, batch.num_tokens)
     assert upload.growths == copies.growths >= 1
+    if small < tokens:
+        assert used == {"small", "full"}
 
 
 def test_host_upload_costs_the_same_torch_calls_for_any_batch_size():
@@ -86,3 +96,17 @@ def test_fresh_mirror_pads_what_the_device_never_held():
     s.stage(_batch(rng, 1, oracle=False, context=False, short_loc=False))
     assert torch.all(s.rows[1:] == 0) and torch.all(s.out_loc["full"][s.num_tokens:] == -1)
     assert torch.all(s.out_loc["swa"][s.num_tokens:] == -1)
+
+
+def test_decode_sized_set_holds_only_small_token_capacities():
+    s = StaticBatch(groups=GROUPS, max_rows=64, max_tokens=8192, device=torch.device("cpu"), host_upload=True)
+    assert set(s.sets) == {"full", "small"}
+    small, full = s.sets["small"].packed.numel(), s.sets["full"].packed.numel()
+    assert small == 5 * 64 + 5 * 256 and full == 5 * 64 + 5 * 8192  # rows fields, then 3 token fields + 2 out_loc
+    s.stage(_batch(random.Random(1), 64, oracle=True, context=False, short_loc=False))  # <= 320 tokens
+    assert s.active == ("small" if s.num_tokens <= 256 else "full")
+    assert s.input_ids.data_ptr() == s.sets[s.active].views["input_ids"].data_ptr()
+    s.stage(_batch(random.Random(2), 8, oracle=True, context=False, short_loc=False))  # <= 40 tokens
+    assert s.active == "small" and s.input_ids.data_ptr() == s.sets["small"].packed[5 * 64 :].data_ptr()
+    wide = StaticBatch(groups=GROUPS, max_rows=512, max_tokens=8192, device=torch.device("cpu"))
+    assert set(wide.sets) == {"full"}  # rows past the decode bucket: no small set

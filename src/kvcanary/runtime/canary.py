@@ -286,7 +286,7 @@ class Canary:
     def launch_head(self) -> None:
         """Plan, HEAD verify + write, slot records (device only; capturable)."""
         if self._graphs is not None:
-            self._graph_set = self._graphs.pick(self.static.num_rows, self.static.num_tokens)
+            self._graph_set = self._graphs.pick(self.static.active)
             self._graph_set.head.replay()
         else:
             self.launches.head()

@@ -10,7 +10,9 @@ while capturing, three graphs serve every batch that fits:
 * ``sweep`` — one rotating sweep slice (cursor on the device);
 * ``tail_sweep`` — ``tail`` then ``sweep`` in one graph (one replay fewer per forward; None without a sweep).
 
-HEAD / TAIL / stamps / tail_sweep exist per bucket (`GraphSet`): the full capacity and a decode bucket.
+HEAD / TAIL / stamps / tail_sweep exist per bucket (`GraphSet`): the full capacity and a decode bucket, each
+reading its own set of static buffers (`StaticBatch.sets`: the decode bucket reads the decode-sized set, so its
+upload is a few KiB).
 An engine that captures HEAD / TAIL inside its own graphs still runs the sweep slice between forwards:
 `capture_sweep_slice` captures that slice alone (one replay instead of its launches from Python each step).
 
@@ -31,15 +33,13 @@ from kvcanary.runtime.staging import StaticBatch
 from kvcanary.runtime.sweep import Sweeper
 
 
-SMALL_TOKENS = 256  # the decode bucket: a batch of at most this many tokens replays graphs sized to it
-
-
 @dataclass(frozen=True)
 class GraphSet:
-    """The graphs of one bucket: launches sized to ``rows`` x ``tokens`` of the static buffers."""
+    """The graphs of one bucket: launches sized to ``rows`` x ``tokens`` of buffer set ``buffers``."""
 
     rows: int
     tokens: int
+    buffers: str
     head: torch.cuda.CUDAGraph
     tail: torch.cuda.CUDAGraph
     stamps: torch.cuda.CUDAGraph
@@ -49,26 +49,28 @@ class GraphSet:
 class CanaryGraphs:
     """Captured HEAD / TAIL / sweep-slice work (see the module docstring). CUDA only.
 
-    Buckets: the full static capacity, plus — when the token capacity exceeds `SMALL_TOKENS` and the rows fit
-    the write op's single-CTA path — a decode bucket of `SMALL_TOKENS` tokens, whose writes run as one small
-    kernel each instead of two kernels spanning every token of the capacity. `pick` chooses per forward from
-    the staged batch's host-known size; the static buffers stay padded past it (see `StaticBatch`)."""
+    Buckets: the full static capacity, plus — when the static buffers have a decode-sized set
+    (`StaticBatch.has_small_set`: more tokens than ``small_tokens``, rows that fit the write op's single-CTA
+    path) — a decode bucket of ``small_tokens`` tokens over that set, whose writes run as one small kernel each
+    instead of two kernels spanning every token of the capacity. `pick` returns the bucket of the set the last
+    stage filled; the static buffers stay padded past the batch (see `StaticBatch`)."""
 
     def __init__(self, *, launches: ForwardLaunches, sweeper: Sweeper, static: StaticBatch, counters) -> None:
         require_cuda(static.device)
         self.launches, self.sweeper, self.static = launches, sweeper, static
         static.clear()
         static.frozen = True
-        shapes = [(static.max_rows, static.max_tokens)]
-        if static.max_tokens > SMALL_TOKENS and static.max_rows <= SMALL_TOKENS:
-            shapes.insert(0, (static.max_rows, SMALL_TOKENS))
+        shapes = [(static.max_rows, static.max_tokens, "full")]
+        if "small" in static.sets:
+            shapes.insert(0, (static.max_rows, static.small_tokens, "small"))
         saved = [t.clone() for t in [counters.table, *sweeper.cursor_state()]]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                for shape in shapes:
-                    launches.head(limit=shape)
+                for rows, tokens, buffers in shapes:
+                    static.activate(buffers)
+                    launches.head(limit=(rows, tokens))
                     self._tail()
                 self._sweep()
         torch.cuda.current_stream().wait_stream(side)
@@ -76,20 +78,20 @@ class CanaryGraphs:
             t.copy_(v)
         pool = torch.cuda.graph_pool_handle()
         self.sweep = self._capture(self._sweep, pool)
-        self.sets = [self._capture_set(rows, tokens, pool) for rows, tokens in shapes]  # smallest first
+        self.sets = [self._capture_set(*shape, pool) for shape in shapes]  # smallest first
+        self._by_buffers = {graph_set.buffers: graph_set for graph_set in self.sets}
 
-    def pick(self, rows: int, tokens: int) -> GraphSet:
-        """The smallest bucket holding a batch of ``rows`` x ``tokens``."""
-        for graph_set in self.sets:
-            if rows <= graph_set.rows and tokens <= graph_set.tokens:
-                return graph_set
-        return self.sets[-1]  # the static capacity (a larger batch raised when it was staged)
+    def pick(self, buffers: str) -> GraphSet:
+        """The bucket reading buffer set ``buffers`` (`StaticBatch.active` after a stage)."""
+        return self._by_buffers[buffers]
 
-    def _capture_set(self, rows: int, tokens: int, pool) -> GraphSet:
+    def _capture_set(self, rows: int, tokens: int, buffers: str, pool) -> GraphSet:
+        self.static.activate(buffers)  # the captured launches read this set's views
         head = self._capture(lambda: self.launches.head(limit=(rows, tokens)), pool)  # TAIL reads HEAD's shape
         tail, stamps = (self._capture(fn, pool) for fn in (self._tail, self._stamps))
         tail_sweep = self._capture(self._tail_then_sweep, pool) if self.sweeper.interval > 0 else None
-        return GraphSet(rows=rows, tokens=tokens, head=head, tail=tail, stamps=stamps, tail_sweep=tail_sweep)
+        return GraphSet(rows=rows, tokens=tokens, buffers=buffers, head=head, tail=tail, stamps=stamps,
+                        tail_sweep=tail_sweep)
 
     def _tail(self) -> None:
         self.launches.tail(run_checks=True)

@@ -20,6 +20,12 @@ host reads), O(1) Python per forward whatever the batch size, by one of two rout
   the device is a whole ring behind, counted in ``upload_waits``);
 * otherwise (device tensors, or while an engine captures its forward): one multi-tensor device copy.
 
+A decode-sized second set of buffers (``max_rows`` rows, `small_tokens` tokens; made when the token capacity
+exceeds it) takes every batch of at most `small_tokens` tokens staged outside a capture: its whole packed buffer is
+a few KiB, so the upload that serves a decode step no longer carries every token field's full capacity (330 KB
+at 8192 tokens and two groups). ``active`` names the set the views point at; graphs captured for the decode
+bucket read the small set (`CanaryGraphs`), a capture of the engine's forward the full one.
+
 Buffers grow between steps when a batch exceeds them (logged, counted in ``growths``); a graph
 captured before a growth is stale, so growing while graphs are held is an error.
 """
@@ -41,6 +47,7 @@ NOT_STORED = -1  # out_loc padding: the write op skips negative slots
 ROW_FIELDS = ("rows", "prefix", "extend", "token_lens", "context_keys")
 TOKEN_FIELDS = ("input_ids", "positions", "expected_ids")
 MIRRORS = 4  # pinned host mirrors in the upload ring
+SMALL_TOKENS = 256  # the decode-sized buffer set's token capacity (and the canary graphs' decode bucket)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,13 +91,27 @@ class _Mirror:
         self.plans: dict[tuple, tuple] = {}  # batch signature -> (host destinations, zero pads, -1 pads)
 
 
+class _BufferSet:
+    """One packed device buffer, its field views, its pinned mirrors, and the extents staged into it last
+    (``rows`` / ``tokens``: beyond them the device buffer holds padding)."""
+
+    def __init__(self, layout: _Layout, device: torch.device) -> None:
+        self.layout = layout
+        self.packed, self.views = layout.buffer(device)
+        self.mirrors: list[_Mirror] = []  # made on first use
+        self.next_mirror = 0
+        self.rows = layout.spans["rows"][1]  # everything, initially
+        self.tokens = layout.spans["input_ids"][1]
+
+
 class StaticBatch:
     """Static per-forward input buffers (see the module docstring)."""
 
     def __init__(self, *, groups: tuple[str, ...], max_rows: int, max_tokens: int, device: torch.device,
-                 host_upload: Optional[bool] = None) -> None:
+                 host_upload: Optional[bool] = None, small_tokens: int = SMALL_TOKENS) -> None:
         self.groups = groups
         self.device = device
+        self.small_tokens = small_tokens
         self.growths = 0
         self.upload_waits = 0  # stages that waited for the device to release a host mirror
         self.frozen = False  # True while a captured graph reads these buffers
@@ -105,18 +126,28 @@ class StaticBatch:
     def _allocate(self, max_rows: int, max_tokens: int) -> None:
         dev = self.device
         self.max_rows, self.max_tokens = max_rows, max_tokens
-        self._layout = _Layout(self.groups, max_rows, max_tokens)
-        self.packed, views = self._layout.buffer(dev)
-        self.rows, self.prefix, self.extend, self.token_lens, self.context_keys = (views[f] for f in ROW_FIELDS)
-        self.input_ids, self.positions, self.expected_ids = (views[f] for f in TOKEN_FIELDS)
-        self.out_loc = {g: views[f"out_loc:{g}"] for g in self.groups}
+        self.sets = {"full": _BufferSet(_Layout(self.groups, max_rows, max_tokens), dev)}
+        if self.has_small_set(max_rows, max_tokens):
+            self.sets["small"] = _BufferSet(_Layout(self.groups, max_rows, self.small_tokens), dev)
+        self.activate("full")
         self.token_arange = torch.arange(max_tokens, dtype=torch.int64, device=dev)
         self.row_arange = torch.arange(max_rows, dtype=torch.int64, device=dev)
         self._entry_aranges: dict[int, torch.Tensor] = {}
-        self._mirrors: list[_Mirror] = []  # made on first use
-        self._next_mirror = 0
-        self._bs = max_rows  # rows / tokens filled by the last stage (everything, initially)
+        self._bs = max_rows  # rows / tokens of the last stage (everything, initially)
         self._n = max_tokens
+
+    def has_small_set(self, max_rows: int, max_tokens: int) -> bool:
+        """Whether buffers of this capacity get the decode-sized set (rows within the decode bucket's)."""
+        return max_tokens > self.small_tokens and max_rows <= self.small_tokens
+
+    def activate(self, name: str) -> None:
+        """Point the field views (``rows`` ... ``out_loc``) at buffer set ``name`` ("full" or "small")."""
+        views = self.sets[name].views
+        self.active = name
+        self.packed = self.sets[name].packed
+        self.rows, self.prefix, self.extend, self.token_lens, self.context_keys = (views[f] for f in ROW_FIELDS)
+        self.input_ids, self.positions, self.expected_ids = (views[f] for f in TOKEN_FIELDS)
+        self.out_loc = {g: views[f"out_loc:{g}"] for g in self.groups}
 
     def entry_arange(self, n: int) -> torch.Tensor:
         """``arange(n)`` on the device, cached per length (plan capacities)."""
@@ -142,10 +173,13 @@ class StaticBatch:
         self._by_reference(batch)
         fields = self._fields(batch, n)
         cap = capturing()
+        self.activate("small" if not cap and "small" in self.sets and n <= self.small_tokens else "full")
+        target = self.sets[self.active]
         if self.host_upload and not cap and all(t.is_cpu for t in fields.values()):
-            self._upload(fields, bs, n)
+            self._upload(target, fields)
         else:
-            self._copy(fields, bs, n, cap)
+            self._copy(target, fields, n, cap)
+        target.rows, target.tokens = bs, n
         self._bs, self._n = bs, n
 
     def _by_reference(self, batch: BatchDescription) -> None:
@@ -196,11 +230,11 @@ class StaticBatch:
             fields["token_lens"] = batch.token_table_lens
         return fields
 
-    def _copy(self, fields: dict[str, torch.Tensor], bs: int, n: int, cap: bool) -> None:
-        """Device route: one multi-tensor copy into the device views, then the pads."""
-        views = self._layout_views()
-        stale_rows = self.max_rows if cap else self._bs  # a graph may replay after any other batch
-        stale_tokens = self.max_tokens if cap else self._n
+    def _copy(self, target: _BufferSet, fields: dict[str, torch.Tensor], n: int, cap: bool) -> None:
+        """Device route: one multi-tensor copy into the set's device views, then the pads."""
+        views = target.views
+        stale_rows = self.max_rows if cap else target.rows  # a graph may replay after any other batch
+        stale_tokens = self.max_tokens if cap else target.tokens
         dst, src, zero, not_stored = [], [], [], []
         for name, values in fields.items():
             view, m = views[name], int(values.shape[0])
@@ -216,9 +250,9 @@ class StaticBatch:
         for buf in not_stored:
             buf.fill_(NOT_STORED)
 
-    def _upload(self, fields: dict[str, torch.Tensor], bs: int, n: int) -> None:
-        """Host route: fill the next pinned mirror (padding kept there), then one upload of the whole buffer."""
-        mirror = self._mirror()
+    def _upload(self, target: _BufferSet, fields: dict[str, torch.Tensor]) -> None:
+        """Host route: fill the set's next pinned mirror (padding kept there), then one upload of its whole buffer."""
+        mirror = self._mirror(target)
         signature = tuple((name, int(t.shape[0])) for name, t in fields.items())
         key = (signature, tuple(mirror.extent.values()))
         plan = mirror.plans.get(key)
@@ -233,7 +267,7 @@ class StaticBatch:
         for buf in not_stored:
             buf.fill_(NOT_STORED)
         mirror.extent.update(signature)
-        self.packed.copy_(mirror.packed, non_blocking=True)
+        target.packed.copy_(mirror.packed, non_blocking=True)
         if mirror.event is not None:
             mirror.event.record(current_stream())
 
@@ -249,29 +283,27 @@ class StaticBatch:
                 (not_stored if name.startswith("out_loc:") else zero).append(view[m:held])
         return dst, zero, not_stored
 
-    def _mirror(self) -> _Mirror:
-        """The next mirror of the ring, once the device has finished reading it."""
-        if not self._mirrors:
+    def _mirror(self, target: _BufferSet) -> _Mirror:
+        """The set's next mirror of the ring, once the device has finished reading it."""
+        if not target.mirrors:
             pinned = self.device.type == "cuda"
-            self._mirrors = [_Mirror(self._layout, pinned) for _ in range(MIRRORS if pinned else 1)]
-        mirror = self._mirrors[self._next_mirror]
-        self._next_mirror = (self._next_mirror + 1) % len(self._mirrors)
+            target.mirrors = [_Mirror(target.layout, pinned) for _ in range(MIRRORS if pinned else 1)]
+        mirror = target.mirrors[target.next_mirror]
+        target.next_mirror = (target.next_mirror + 1) % len(target.mirrors)
         if mirror.event is not None and not mirror.event.query():
             self.upload_waits += 1
             mirror.event.synchronize()
         return mirror
 
-    def _layout_views(self) -> dict[str, torch.Tensor]:
-        views = {f: getattr(self, f) for f in ROW_FIELDS + TOKEN_FIELDS}
-        views.update({f"out_loc:{g}": t for g, t in self.out_loc.items()})
-        return views
-
     def clear(self) -> None:
-        """Pad everything (an empty batch: no active row, no stored token). Keeps the by-reference inputs."""
-        for buf in (self.rows, self.prefix, self.extend, self.token_lens, self.context_keys):
-            buf.zero_()
-        for buf in self.out_loc.values():
-            buf.fill_(NOT_STORED)
+        """Pad every set (an empty batch: no active row, no stored token). Keeps the by-reference inputs."""
+        for target in self.sets.values():
+            for name, view in target.views.items():
+                if name.startswith("out_loc:"):
+                    view.fill_(NOT_STORED)
+                elif name in ROW_FIELDS:
+                    view.zero_()
+            target.rows = target.tokens = 0
         self._bs = self._n = 0
 
     def _grow(self, bs: int, n: int) -> None:
@@ -290,7 +322,7 @@ class StaticBatch:
         self._allocate(rows, tokens)
 
     def memory_bytes(self) -> int:
-        return 8 * (5 * self.max_rows + (4 + len(self.groups)) * self.max_tokens)
+        return sum(8 * t.layout.size for t in self.sets.values()) + 8 * (self.max_rows + self.max_tokens)
 
 
 def _first(t: torch.Tensor, n: int) -> torch.Tensor:
