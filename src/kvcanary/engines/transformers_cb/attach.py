@@ -72,7 +72,7 @@ from kvcanary.errors import (
     KvCanaryValueError,
 )
 from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
-from kvcanary.runtime.cuda_host import cuda_present
+from kvcanary.runtime.cuda_host import capturing as _capturing
 
 logger = logging.getLogger("kvcanary")
 
@@ -688,10 +688,6 @@ def check_real_kv_layers(model: torch.nn.Module, config: CanaryConfig) -> None:
                     f"kv-canary: real_kv_layers index {pick} is out of range for the model's {layer_type} layers "
                     f"({n} layers: valid {-n}..{n - 1})"
                 )
-
-
-def _capturing() -> bool:
-    return cuda_present() and torch.cuda.is_current_stream_capturing()
 
 
 def _refuse_unobservable_paths(processor) -> None:
