@@ -1,5 +1,7 @@
 """The explicit full sweep (`Canary.sweep` -> `Sweeper.run`): its report and its input checks, and the
 rotating passes' per-group report in `CanaryStats.last_pass` (mutation audit, docs/mutation.md)."""
+import re
+
 import pytest
 import torch
 
@@ -110,3 +112,40 @@ def test_a_pass_starts_every_interval_slices(full_spec, interval, starts):
         if interval:
             sweeper.slice()
     assert seen == starts
+
+
+def test_a_live_mask_sweeps_the_same_slots_as_their_indices(manual):
+    eng = _two_forwards(manual)
+    eng.kv[1][1][12, 0] ^= 4
+    mask = torch.zeros(NUM_SLOTS, dtype=torch.bool)
+    mask[[12, 13, 50]] = True  # 50: never written
+    report = eng.canary.sweep(live={"full": mask})
+    assert (report.live, report.verified, report.unrecorded) == ({"full": 3}, {"full": 2}, {"full": 1})
+    vs = eng.canary.violations()
+    assert vs and {v.slot for v in vs} == {12} and all(v.phase == "sweep" for v in vs)
+
+
+@pytest.mark.parametrize("shape", [(NUM_SLOTS - 1,), (NUM_SLOTS + 1,), (2, NUM_SLOTS // 2)])
+def test_a_live_mask_of_another_shape_is_refused(manual, shape):
+    eng = _two_forwards(manual)
+    msg = re.escape(f"kv-canary: live mask of group 'full' must have shape ({NUM_SLOTS},) (one entry per slot), "
+                    f"got {tuple(shape)}")
+    with pytest.raises(ValueError, match=f"^{msg}$"):
+        eng.canary.sweep(live={"full": torch.zeros(shape, dtype=torch.bool)})
+
+
+def test_rotating_passes_from_masks_equal_passes_from_indices():
+    """The simulated engine hands over its allocators' masks; a provider of the same slots as indices gives the
+    same live sets, the same passes and the same (clean) verdicts."""
+    runs = []
+    for as_indices in (False, True):
+        engine, canary = make_sim(canary_options={"sweep_interval": 4}, seed=2)
+        if as_indices:
+            canary.set_live_slots_provider(
+                lambda e=engine: {k: v.nonzero().flatten() for k, v in e.live_slots().items()})
+        engine.run(24)
+        lives = {name: sl.live.clone() for name, sl in canary.sweeper._slices.items()}
+        runs.append((canary.stats().last_pass, lives, canary.counters()["total"]))
+    (pass_m, live_m, total_m), (pass_i, live_i, total_i) = runs
+    assert pass_m == pass_i and total_m == total_i == 0
+    assert live_m.keys() == live_i.keys() and all(torch.equal(live_m[k], live_i[k]) for k in live_m)

@@ -204,7 +204,9 @@ class Canary:
         self._group(group).set_kv_cache(layers, page_size=page_size)
 
     def set_live_slots_provider(self, provider: Optional[LiveSlotsProvider]) -> None:
-        """Callable returning ``{group name: live slot indices}`` for the sweep (called once per pass)."""
+        """Callable returning ``{group name: live slots}`` for the sweep (called once per pass): int64 slot
+        indices, or a bool mask of the group's ``num_slots`` entries (True = live; slot 0 is padding either way).
+        A mask is the cheaper hand-over for an engine that keeps one (no index list built, none scattered)."""
         self._live_slots = provider
 
     @contextlib.contextmanager
@@ -539,7 +541,8 @@ class Canary:
         sweep_rows = [r for r in harvest.rows if r.tag.phase == "sweep"]
         if not sweep_rows or self._live_slots is None:
             return harvest.rows, harvest.counts
-        live = {name: set(t.flatten().tolist()) for name, t in self._resolve_live(None).items()}
+        live = {name: set((t.nonzero() if t.dtype == torch.bool else t).flatten().tolist())  # a mask: its live slots
+                for name, t in self._resolve_live(None).items()}
         stale = [r for r in sweep_rows if r.slot not in live.get(r.tag.group, ())]
         if not stale:
             return harvest.rows, harvest.counts
@@ -602,6 +605,11 @@ class Canary:
         unknown = set(live) - set(self.groups)
         if unknown:
             raise KvCanaryValueError(f"kv-canary: live slots for unknown group(s) {sorted(unknown)}; groups are {sorted(self.groups)}")
+        for name, slots in live.items():
+            n = self.groups[name].num_slots
+            if slots.dtype == torch.bool and tuple(slots.shape) != (n,):
+                raise KvCanaryValueError(f"kv-canary: live mask of group {name!r} must have shape ({n},) (one entry per "
+                                         f"slot), got {tuple(slots.shape)}")
         return live
 
     def _group(self, name: str) -> CanaryGroup:

@@ -7,7 +7,8 @@ forwards and no forward pays for a stop-the-world pass. The slice's plan is buil
 runtime's slot records (the position each slot was written at and the slot it chained from; a slot
 outside the live set, or never written, becomes the padding slot 0, which verify skips), with a device
 cursor: the slice is capturable in a CUDA graph. The live set is refreshed from the adapter's provider at
-the start of each pass (host work once per pass).
+the start of each pass (host work once per pass): slot indices, or a bool mask over the group's slots (copied as
+is: no index scatter, and no index list for the engine to build).
 
 A predecessor rewritten since (freed and reused) is passed as unreachable (0), so only the slot's own
 record and real KV are judged. `run` is the explicit full sweep (`Canary.sweep`): all live slots at once.
@@ -66,27 +67,29 @@ class _Slices:
         # when it was swept stays here for OWNER_HISTORY steps, so late-drained rows blame the right writer.
         self.ones = torch.ones(self.size, dtype=torch.int64, device=dev)
         self.owner_history = torch.full((OWNER_HISTORY, self.size), -1, dtype=torch.int64, device=dev)
-        self._pinned: Optional[torch.Tensor] = None  # host staging of live sets handed over in host memory
-        self._pinned_done = None  # event: the last upload from it finished
+        # host staging of live sets handed over in host memory, per dtype (int64 indices, bool masks), and the
+        # event after the last upload from each
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}
+        self._pinned_done: dict[torch.dtype, object] = {}
 
-    def upload(self, slots: torch.Tensor) -> torch.Tensor:
-        """``slots`` as a flat int64 device tensor. A host tensor bound for CUDA goes through a reused pinned
+    def upload(self, values: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """``values`` as a flat ``dtype`` device tensor. A host tensor bound for CUDA goes through a reused pinned
         buffer with a non-blocking copy (a pageable copy would wait for the stream: a sync once per pass)."""
         dev = self.live.device
-        slots = slots.flatten()
-        if slots.device.type != "cpu" or dev.type != "cuda":
-            return slots.to(dev, torch.int64)
-        n = slots.numel()
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 2 * (self._pinned.numel() if self._pinned is not None else 0)),
-                                       dtype=torch.int64, pin_memory=True)
-            self._pinned_done = None
-        elif self._pinned_done is not None:
-            self._pinned_done.synchronize()  # one pass ago: long done
-        self._pinned[:n].copy_(slots)
-        out = self._pinned[:n].to(dev, non_blocking=True)
-        self._pinned_done = torch.cuda.Event()
-        self._pinned_done.record()
+        values = values.flatten()
+        if values.device.type != "cpu" or dev.type != "cuda":
+            return values.to(dev, dtype)
+        n = values.numel()
+        pinned, done = self._pinned.get(dtype), self._pinned_done.get(dtype)
+        if pinned is None or pinned.numel() < n:
+            pinned = self._pinned[dtype] = torch.empty(max(n, 2 * (pinned.numel() if pinned is not None else 0)),
+                                                       dtype=dtype, pin_memory=True)
+        elif done is not None:
+            done.synchronize()  # one pass ago: long done
+        pinned[:n].copy_(values)
+        out = pinned[:n].to(dev, non_blocking=True)
+        event = self._pinned_done[dtype] = torch.cuda.Event()
+        event.record()
         return out
 
 
@@ -121,12 +124,16 @@ class Sweeper:
         for name, sl in self._slices.items():
             if self.slices_run:
                 sl.last_pass.copy_(torch.cat([sl.live_count, sl.verified]))
-            sl.live.zero_()
             slots = live.get(name)
-            if slots is not None and slots.numel():
-                g = self.groups[name]
-                slots = sl.upload(slots).clamp(0, g.num_slots)  # out of range -> trash
-                sl.live.index_fill_(0, slots, True)
+            g = self.groups[name]
+            if slots is not None and slots.dtype == torch.bool:  # a mask over the group's slots: copied as is
+                sl.live[: g.num_slots].copy_(sl.upload(slots, torch.bool))
+                sl.live[-1] = False
+            else:
+                sl.live.zero_()
+                if slots is not None and slots.numel():
+                    slots = sl.upload(slots).clamp(0, g.num_slots)  # out of range -> trash
+                    sl.live.index_fill_(0, slots, True)
             sl.live[0] = False
             sl.live[-1] = False
             sl.live_count.copy_(sl.live.sum().view(1))
@@ -154,6 +161,8 @@ class Sweeper:
         report = SweepReport(step=int(self.step.item()))
         for name, slots in live.items():
             g = self.groups[name]
+            if slots.dtype == torch.bool:
+                slots = slots.nonzero().flatten()  # a mask: its live slots
             slots = slots.to(g.device, torch.int64).flatten()
             slots = slots[slots != TOKEN_TO_KV_SLOT_PADDING]
             if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= g.num_slots):

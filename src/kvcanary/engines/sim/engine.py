@@ -143,9 +143,10 @@ class SimEngine:
         canary.set_live_slots_provider(self.live_slots)
 
     def live_slots(self) -> dict[str, torch.Tensor]:
-        live = {"full": self.full_alloc.live()}
+        """The canary's live-slots provider: each allocator's in-use mask (bool [num_slots], host memory)."""
+        live = {"full": self.full_alloc.in_use}
         if self.swa_alloc:
-            live["swa"] = self.swa_alloc.live()
+            live["swa"] = self.swa_alloc.in_use
         return live
 
     # ---- requests -----------------------------------------------------------------------------
