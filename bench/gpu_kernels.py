@@ -18,7 +18,8 @@ and target:
 With ``--before DIR`` (a folder holding the package ``kvc_before``: the Triton modules of an
 earlier commit), the same step and prefill cases also run on the earlier kernels ("before" rows).
 ``--quick``: only the launch floor, write 4096 x 1 and the decode step (per op, step, the two
-one-launch paths against the multi-launch ones). ``--dry-run``: tiny sizes on the CPU under the
+one-launch paths against the multi-launch ones); with ``--verify-sweep`` also the verifies and the step over a
+few verify launch shapes (block, programs per SM, warps). ``--dry-run``: tiny sizes on the CPU under the
 Triton interpreter, host timers (checks the script).
 Run: PYTHONPATH=src python bench/gpu_kernels.py [--before DIR]. Prints a table last.
 """
@@ -514,7 +515,7 @@ def write_4096(ops):
     return bench_graph(lambda: ops.write(context=ctx, plan=wp, **wkw)) * 1e3
 
 
-def quick(fl, default, no_pdl):
+def quick(fl, default, no_pdl, sweep=False):
     """The short run: write 4096 x 1, the decode step per op and whole, one-launch paths vs the
     multi-launch ones; then the table."""
     w4096 = write_4096(default)
@@ -534,6 +535,8 @@ def quick(fl, default, no_pdl):
         print(f"decode step [{o.name}]: {steps[o.name]:.1f} us")
     sync()
     print("decode-step violations (HEAD, TAIL_K, TAIL_V):", d.widx.tolist())
+    if sweep:
+        verify_sweep(d)
     lf = fl["launch_us_pdl1"]
     bytes_step = d.bs * d.ctx_len * (32 + 3 * 56 + 2 * 2 * 64)
     floor_us = bytes_step / (fl["copy_GBps"] * 1e3)
@@ -558,6 +561,27 @@ def quick(fl, default, no_pdl):
           f"launches at the PDL launch cost)")
 
 
+VERIFY_SWEEP = ((128, 32, 4), (64, 32, 2), (64, 32, 4), (128, 16, 4), (128, 8, 4), (256, 32, 4), (256, 16, 8),
+                (256, 8, 8), (512, 8, 8), (512, 4, 16))
+
+
+def verify_sweep(d: DecodeStep):
+    """Launch shapes (block, programs per SM, warps) of the verifies against the decode step: the TAIL K+V
+    launch, the HEAD launch and the whole step with that shape, in us (graph); the default shape first."""
+    print("verify launch shapes (block, programs/SM, warps): HEAD (NONE), TAIL K+V, step, us")
+    best = None
+    for block, per_sm, warps in VERIFY_SWEEP:
+        cfg = tverify.VerifyLaunchConfig(block=block, programs_per_sm=per_sm, num_warps=warps)
+        o = new_ops(f"verify {block}/{per_sm}/{warps}", verify_cfg=cfg)
+        head = bench_graph(lambda: d.verify(o, 0)) * 1e3
+        tail = bench_graph(lambda: d.verify_tail(o)) * 1e3
+        step = bench_graph(lambda: d.step(o)) * 1e3
+        print(f"  {block:4d} {per_sm:3d} {warps:3d}   HEAD {head:6.1f}   TAIL K+V {tail:6.1f}   step {step:6.1f}")
+        if best is None or step < best[0]:
+            best = (step, block, per_sm, warps)
+    print(f"fastest step: {best[0]:.1f} us at block {best[1]}, {best[2]} programs/SM, {best[3]} warps")
+
+
 def pdl_probe():
     """Capture two dependent PDL launches in a graph; if that fails, turn PDL off everywhere
     (the launchers' defaults included) and say so."""
@@ -576,6 +600,8 @@ def main():
     parser.add_argument("--before", default=None, help="folder holding the package kvc_before")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--verify-sweep", action="store_true",
+                        help="with --quick: time the verifies and the decode step over a few launch shapes")
     args = parser.parse_args()
     if DRY:
         print("DRY RUN (CPU, Triton interpreter, tiny sizes): timings are meaningless")
@@ -593,7 +619,7 @@ def main():
     fl = floors(N, quick=args.quick)
     print("floors:", {k: round(v, 3) for k, v in fl.items()})
     if args.quick:
-        quick(fl, default, no_pdl)
+        quick(fl, default, no_pdl, sweep=args.verify_sweep)
         return
     res = {}
     for layout in ("paged", "random"):

@@ -47,7 +47,7 @@ for s in "$@"; do
     runtime) stage runtime "${RUNTIME_LIMIT:-150}" "${PIN[@]}" python3 bench/runtime_overhead.py ${RUNTIME_ARGS:---profile 14} --json "$OUT/runtime.json" ;;
     soak)    stage soak "${SOAK_LIMIT:-110}" "${PIN[@]}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-90}" --workers "${SOAK_WORKERS:-0}" --json "$OUT/soak.json" ;;
     copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
-    kernels) stage kernels 110 "${PIN[@]}" python3 bench/gpu_kernels.py --quick ;;
+    kernels) stage kernels "${KERNELS_LIMIT:-110}" "${PIN[@]}" python3 bench/gpu_kernels.py --quick ${KERNELS_ARGS:-} ;;
     e2e)     stage e2e "${E2E_LIMIT:-420}" "${PIN[@]}" python3 bench/e2e_overhead.py --graphs on ${E2E_ARGS:-} --json "$OUT/e2e.json" ;;
     e2e_off) stage e2e_off "${E2E_OFF_LIMIT:-240}" "${PIN[@]}" python3 bench/e2e_overhead.py --graphs off ${E2E_OFF_ARGS:-} --json "$OUT/e2e_off.json" ;;
     e2e_quick) stage e2e_quick "${E2E_LIMIT:-300}" "${PIN[@]}" python3 bench/e2e_overhead.py --quick --json "$OUT/e2e.json" ;;
