@@ -139,6 +139,7 @@ def host_phase_table(canary: Canary, batch, bs: int, ctx: int, graphs: bool, ste
     tot = dict.fromkeys(names, 0)
     clock = time.perf_counter_ns
     rows = batch.req_pool_indices
+    waits0 = canary.static.upload_waits
     for _ in range(steps):
         t0 = clock()
         canary.begin_step(request_ids=batch.request_ids, request_rows=rows if rows.device.type == "cpu" else None,
@@ -155,6 +156,7 @@ def host_phase_table(canary: Canary, batch, bs: int, ctx: int, graphs: bool, ste
         for name, a, b in zip(names, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
             tot[name] += b - a
     _sync()
+    waits = canary.static.upload_waits - waits0  # stages that waited for the device (their wait lands in "stage")
     bare = {}
     if torch.cuda.is_available():
         graph, x = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
@@ -173,6 +175,7 @@ def host_phase_table(canary: Canary, batch, bs: int, ctx: int, graphs: bool, ste
     out = [f"# host phases, {bs} x {ctx} {'graphs' if graphs else 'eager'}, {steps} steps (us per call):"]
     out += [f"#   {name:<12} {tot[name] / steps / 1e3:7.1f}" for name in names]
     out.append(f"#   {'sum':<12} {sum(tot.values()) / steps / 1e3:7.1f}")
+    out.append(f"#   (stage includes {waits} waits of {steps} for a pinned mirror the device had not released)")
     out += [f"#   bare: {label:<34} {us:6.2f}" for label, us in bare.items()]
     return "\n".join(out)
 
