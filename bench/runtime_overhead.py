@@ -9,6 +9,8 @@ Python time of those calls alone (the device work is asynchronous); ``device us`
 alone: a sleep kernel holds the stream while the host enqueues 3 steps (fewer than the staging ring's pinned
 mirrors, so the host never waits on the held stream), then CUDA events time their execution; 20 such rounds.
 ``--host-phases`` adds the host time of each public call of a forward, and bare costs of a few CUDA calls.
+``--ablate`` runs the last grid case again with one part off at a time (the sweep slice, the token checks, real-KV
+hashing), so each part's share of the step shows as a difference in wall and device time, gaps included.
 On CUDA two variants: ``eager`` (every launch from Python) and ``graphs`` (`Canary.capture_graphs`: HEAD /
 TAIL / sweep replayed as CUDA graphs).
 The engine's own forward is not run: this is the canary's cost alone.
@@ -23,6 +25,7 @@ import os
 import platform
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -38,14 +41,20 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+ABLATIONS = (  # --ablate: CanaryConfig overrides, one part of the per-forward work off each
+    ("no sweep slice", {"sweep_interval": 0}),
+    ("no token checks", {"verify_token": False, "write_input_assert": False}),
+    ("real_kv_hash=none", {"real_kv_hash": "none"}),
+)
 WARMUP_S = 3.0  # CUDA: seconds of steps before timing
 
 
 def case(bs: int, ctx: int, *, device: str, graphs: bool, reps: int, profile: int = 0, deep: bool = False,
-         kernel_profile: int = 0, host_phases: bool = False) -> dict:
+         kernel_profile: int = 0, host_phases: bool = False, overrides: Optional[dict] = None) -> dict:
     sc = SimConfig(num_slots=bs * (ctx + 160) + 8, max_requests=bs + 1, max_context=ctx + 160, chunk_size=ctx,
                    max_batch_tokens=max(ctx, 8192), max_running=bs, num_layers=4, kv_bytes=256, seed=0, device=device)
-    canary = Canary(CanaryConfig(sweep_interval=64, health_interval=0, readable_per_step=0, deep_fingerprints=deep),
+    cfg = dict(sweep_interval=64, health_interval=0, readable_per_step=0, deep_fingerprints=deep) | (overrides or {})
+    canary = Canary(CanaryConfig(**cfg),
                     groups=sc.group_specs(), max_requests=sc.max_requests, max_context=sc.max_context,
                     max_batch_tokens=sc.max_batch_tokens, device=device)
     engine = SimEngine(sc, canary)
@@ -190,6 +199,8 @@ def main() -> None:
     ap.add_argument("--kernel-profile", type=int, default=0, help="CUDA: print the top N device ops (torch.profiler)")
     ap.add_argument("--host-phases", action="store_true", help="print host us per phase of a forward (and bare costs)")
     ap.add_argument("--profile", type=int, default=0, help="print the top N host functions (cProfile) of each case")
+    ap.add_argument("--ablate", action="store_true",
+                    help="then the last grid case again with one part off at a time (sweep, token checks, real-KV hashing)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -215,7 +226,25 @@ def main() -> None:
             dev_us = f"{r['device_us']:>9.1f}" if r["device_us"] is not None else f"{'-':>9}"
             print(f"{r['bs']:>4} {r['ctx']:>6} {r['variant']:>7} {r['entries']:>8} {r['us']:>9.1f} {r['host_us']:>8.1f} {dev_us} "
                   f"{r['checked']:>4}/{r['forwards']:<3} {r['mib']:>7.1f}", flush=True)
-    target = [r for r in rows if (r["bs"], r["ctx"]) == (64, 4096)]
+    if args.ablate:  # one part of the per-forward work off at a time: what each costs in the step, gaps included
+        bs, ctx = grid[-1]
+        graphs = cuda and args.variants != "eager"
+        full = next((r for r in rows if (r["bs"], r["ctx"], r["variant"]) == (bs, ctx, "graphs" if graphs else "eager")),
+                    None)
+        print(f"# ablations, {bs} x {ctx} {'graphs' if graphs else 'eager'}: one part off at a time (us per step; "
+              "delta against the row above with everything on)")
+        for label, overrides in ABLATIONS:
+            r = case(bs, ctx, device=device, graphs=graphs, reps=200 if cuda else 20, deep=args.deep_fingerprints,
+                     overrides=overrides)
+            r["ablation"] = label
+            rows.append(r)
+            d_wall = f"{r['us'] - full['us']:+7.1f}" if full else "-"
+            d_dev = (f"{r['device_us'] - full['device_us']:+7.1f}" if full and r["device_us"] is not None
+                     and full["device_us"] is not None else "-")
+            dev_us = f"{r['device_us']:.1f}" if r["device_us"] is not None else "-"
+            print(f"#   {label:<26} us/step {r['us']:7.1f} ({d_wall})  host {r['host_us']:7.1f}  device {dev_us} ({d_dev})",
+                  flush=True)
+    target = [r for r in rows if (r["bs"], r["ctx"]) == (64, 4096) and "ablation" not in r]
     if target and cuda:
         best = min(target, key=lambda r: r["us"])
         print(f"# bs 64 x 4k decode step: {best['us']:.1f} us ({best['variant']}), target <= {TARGET_US:.0f} us: "
