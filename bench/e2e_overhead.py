@@ -31,6 +31,7 @@ step (median), ``graphs`` the engine graphs captured with the canary inside.
     python bench/e2e_overhead.py --tiny             # CPU smoke run (2 layers, 4 requests)
     python bench/e2e_overhead.py --json out.json    # also write the rows as JSON
     python bench/e2e_overhead.py --device-profile   # CUDA: + one profiled run per configuration
+    python bench/e2e_overhead.py --drain-interval 16 --health-interval 0   # canary options for every configuration
 
 ``--device-profile`` (CUDA) adds, after the measured rounds, one more run of every configuration under
 torch.profiler: the device time of all kernels and copies, and of the canary's Triton kernels (by name), per
@@ -207,9 +208,10 @@ def run_one(model, prompts, args, graphs: bool, hash_mode) -> tuple[dict, StepLo
     handle = None
     if hash_mode is not None:
         deep = hash_mode.endswith("+deep")
+        tuned = {k: v for k in ("drain_interval", "health_interval") if (v := getattr(args, k, None)) is not None}
         handle = kvcanary.attach(model, mode="log", real_kv_hash=hash_mode.removesuffix("+deep"),
                                  deep_fingerprints=deep, sweep_interval=args.sweep_interval,
-                                 max_requests=args.requests + 8, capture_canary=args.capture_canary == "on")
+                                 max_requests=args.requests + 8, capture_canary=args.capture_canary == "on", **tuned)
     try:
         with timed_engine_steps(log), (timed_canary(log) if handle is not None else contextlib.nullcontext()):
             _sync()
@@ -385,6 +387,10 @@ def main(argv=None) -> int:
     p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa; flash_attention_2 if installed)")
     p.add_argument("--graphs", default=None, choices=["off", "on", "both"], help="default: both on CUDA, off on CPU")
     p.add_argument("--sweep-interval", type=int, default=64)
+    p.add_argument("--drain-interval", type=int, default=None,
+                   help="CanaryConfig.drain_interval for every canary configuration (default: the config's, 4)")
+    p.add_argument("--health-interval", type=int, default=None,
+                   help="CanaryConfig.health_interval for every canary configuration (default: the config's; 0 = off)")
     p.add_argument("--capture-canary", default="on", choices=["on", "off"],
                    help="graphs off: capture the canary's own HEAD/TAIL work in CUDA graphs (the adapter's default)")
     p.add_argument("--repeats", type=int, default=3,
