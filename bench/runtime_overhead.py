@@ -189,6 +189,11 @@ def host_phase_table(canary: Canary, batch, bs: int, ctx: int, graphs: bool, ste
     return "\n".join(out)
 
 
+def _reps(bs: int, ctx: int, cuda: bool) -> int:
+    """Timed steps of a case: 200 on CUDA; fewer on the CPU, fewest for large cases."""
+    return 200 if cuda else (20 if bs * ctx > 50_000 else 50)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small grid")
@@ -219,8 +224,7 @@ def main() -> None:
     for bs, ctx in grid:
         variants = {"both": (True, False), "graphs": (True,), "eager": (False,)}[args.variants]
         for graphs in (variants if cuda else (False,)):
-            reps = 200 if cuda else (20 if bs * ctx > 50_000 else 50)
-            r = case(bs, ctx, device=device, graphs=graphs, reps=reps, profile=args.profile, deep=args.deep_fingerprints,
+            r = case(bs, ctx, device=device, graphs=graphs, reps=_reps(bs, ctx, cuda), profile=args.profile, deep=args.deep_fingerprints,
                      kernel_profile=args.kernel_profile, host_phases=args.host_phases)
             rows.append(r)
             dev_us = f"{r['device_us']:>9.1f}" if r["device_us"] is not None else f"{'-':>9}"
@@ -234,7 +238,7 @@ def main() -> None:
         print(f"# ablations, {bs} x {ctx} {'graphs' if graphs else 'eager'}: one part off at a time (us per step; "
               "delta against the row above with everything on)")
         for label, overrides in ABLATIONS:
-            r = case(bs, ctx, device=device, graphs=graphs, reps=200 if cuda else 20, deep=args.deep_fingerprints,
+            r = case(bs, ctx, device=device, graphs=graphs, reps=_reps(bs, ctx, cuda), deep=args.deep_fingerprints,
                      overrides=overrides)
             r["ablation"] = label
             rows.append(r)
