@@ -21,8 +21,7 @@ def _compiled(kernel) -> int:
     return len(caches[device][0]) if device in caches else 0
 
 
-GLUE = (kernels._token_rows_kernel, kernels._expected_tokens_kernel, kernels._record_claim_kernel,
-        kernels._record_store_kernel) if kernels.AVAILABLE else ()
+GLUE = (kernels._token_rows_kernel, kernels._record_claim_kernel, kernels._record_store_kernel) if kernels.AVAILABLE else ()
 
 
 def run_sim(device: str) -> Canary:

@@ -4,6 +4,7 @@ slices — on seeded random inputs with the edge cases named in each test, then 
 with the kernels forced on (twins elsewhere) against the runtime on the twins."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -68,8 +69,9 @@ def test_token_rows_with_step_prologue_match_twin(seed: int) -> None:
                    else kernels.token_rows(offsets, bs, n, torch.arange(n), p))
             outs.append((got, p))
         (want, pw), (got, pg) = outs
-        for g, w in zip(got, want):
+        for g, w in zip(got[:3], want[:3]):
             assert torch.equal(g, w)
+        assert got.expected is got.positions is None
         for f in ("rows_from", "row_history", "disabled"):
             assert torch.equal(getattr(pg, f), getattr(pw, f)), (f, bs)
         assert not torch.equal(pw.row_history, torch.zeros_like(pw.row_history))
@@ -91,8 +93,10 @@ def test_token_rows_unsorted_offsets_probe_like_searchsorted() -> None:
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
 def test_expected_tokens_match_twin(seed: int, table_dtype) -> None:
-    """Positions inside and past the history length, past the table width, negative prefixes (never planned,
-    but the kernel must agree), padding tokens past the write range; int32 and int64 histories."""
+    """The expectation computed by the token-rows launch (`TokenOracle`) equals the twins in sequence: positions
+    inside and past the history length, past the table width, negative prefixes (never planned, but the kernel
+    must agree), padding tokens past the write range; int32 and int64
+    histories; with the step prologue and without; and positions only (no table)."""
     gen = torch.Generator().manual_seed(seed)
     reqs, width, cap = 9, 24, 30
     table = torch.randint(-5, 30000, (reqs, width), generator=gen).to(table_dtype)
@@ -100,18 +104,48 @@ def test_expected_tokens_match_twin(seed: int, table_dtype) -> None:
     for bs in (1, 2, 7, cap):
         offsets = random_offsets(gen, bs, cap)
         n = int(offsets[bs]) + 3
-        row, local, _ = kernels.token_rows_twin(offsets, bs, n, torch.arange(n))
+        row, local, valid = kernels.token_rows_twin(offsets, bs, n, torch.arange(n))
         prefix = torch.randint(-2, width + 4, (bs,), generator=gen)
         rows = torch.randint(0, reqs, (bs,), generator=gen)
         lens = torch.randint(0, width + 6, (bs,), generator=gen)
-        ids = torch.randint(0, 30000, (n,), generator=gen)
-        kw = dict(row=row, local=local, prefix=prefix, rows=rows, lens=lens, table=table, input_ids=ids)
-        got = kernels.launch_expected_tokens(**kw)
-        want = kernels.expected_tokens_twin(**kw)
-        for g, w, name in zip(got, want, ("expected", "positions")):
-            assert g.dtype == w.dtype and torch.equal(g, w), f"{name} bs={bs}"
-        from_history += int((got[0] != ids).sum())
+        ids = torch.randint(0, 30000, (n + 4,), generator=gen)  # the static buffer: longer than the batch
+        oracle = kernels.TokenOracle(prefix=prefix, rows=rows, lens=lens, table=table, input_ids=ids)
+        want_exp, want_pos = kernels.expected_tokens_twin(row=row, local=local, prefix=prefix, rows=rows, lens=lens,
+                                                          table=table, input_ids=ids[:n])
+        for prologue in (None, _prologue(gen, rows=bs)):
+            got = kernels.launch_token_rows(offsets, bs, n, prologue, oracle)
+            for g, w, name in zip(got, (row, local, valid, want_exp, want_pos),
+                                  ("row", "local", "valid", "expected", "positions")):
+                assert g.dtype == w.dtype and torch.equal(g, w), f"{name} bs={bs}"
+        only = kernels.launch_token_rows(offsets, bs, n, None, dataclasses.replace(oracle, table=None))
+        assert only.expected is None and torch.equal(only.positions, want_pos)
+        from_history += int((got.expected != ids[:n]).sum())
     assert from_history > 0, "the cases must take tokens from the history"
+
+
+def test_expected_tokens_from_a_table_the_kernel_cannot_read() -> None:
+    """A history whose rows are not contiguous (a column slice): the launch still finds the rows, and the
+    expectation comes from the twin, equal to the twins in sequence."""
+    gen = torch.Generator().manual_seed(3)
+    offsets = random_offsets(gen, 5, 8)
+    n = int(offsets[5]) + 2
+    row, local, _ = kernels.token_rows_twin(offsets, 5, n, torch.arange(n))
+    wide = torch.randint(0, 999, (6, 40), generator=gen)
+    for table in (wide[:, ::2], wide[1:, 3:29:5]):
+        kw = dict(prefix=torch.randint(0, 12, (5,), generator=gen), rows=torch.randint(0, table.shape[0], (5,), generator=gen),
+                  lens=torch.randint(0, 30, (5,), generator=gen), table=table,
+                  input_ids=torch.randint(0, 999, (n,), generator=gen))
+        got = kernels.launch_token_rows(offsets, 5, n, None, kernels.TokenOracle(**kw))
+        want = kernels.expected_tokens_twin(row=row, local=local, **kw)
+        assert torch.equal(got.expected, want[0]) and torch.equal(got.positions, want[1])
+
+
+def _prologue(gen: torch.Generator, *, rows: int) -> kernels.StepPrologue:
+    return kernels.StepPrologue(
+        rows_from=torch.zeros(3, dtype=torch.int32), write_index=torch.randint(0, 9, (3,), generator=gen, dtype=torch.int32),
+        row_history=torch.zeros(4, rows, dtype=torch.int64), step=torch.tensor([5]),
+        rows=torch.randint(0, 9, (rows,), generator=gen), disabled=torch.zeros(1, dtype=torch.int64),
+        enable=torch.ones(1, dtype=torch.int32))
 
 
 # ---- slot records -------------------------------------------------------------------------------------
@@ -140,7 +174,7 @@ def test_record_write_last_duplicate_wins_and_skips() -> None:
     num_slots = 16
     rec = SlotRecords(num_slots, torch.device("cpu"))
     offsets = torch.tensor([0, 3, 5, 5], dtype=torch.int64)  # rows 0..2: tokens 0-2, 3-4, none; token 5 padding
-    row, local, valid = kernels.launch_token_rows(offsets, 3, 6)
+    row, local, valid, _, _ = kernels.launch_token_rows(offsets, 3, 6)
     write = dict(seeds=torch.tensor([-1, num_slots + 1, 2]), row=row, local=local, valid=valid,
                  out_loc=torch.tensor([5, -1, 5, 9, 5, 7]), positions=torch.tensor([10, 11, 12, 20, 21, 99]),
                  step=torch.tensor([4]), owner_span=100)

@@ -18,7 +18,8 @@ Three blocks, each a torch twin (the reference; what the CPU runs) and a Triton 
   trash row stays never written (the twin resets it after dumping there).
 * ``expected_tokens`` — the write-input assert's expectation per staged token: its position
   ``prefix[row] + local`` and, from the engine's token history, ``table[rows[row], position]`` where the
-  history knows it (``position < lens[row]`` and inside the table), else the staged input id itself.
+  history knows it (``position < lens[row]`` and inside the table), else the staged input id itself. On CUDA
+  it is computed by the ``token_rows`` launch itself (a `TokenOracle`), from the row it has just found.
 * ``sweep_slice`` — one rotating sweep slice's verify plan from the slot records (`Sweeper`): slots from
   the device cursor (clamped to the trash row), live = in the pass's live set and written, the chain link
   kept only while the predecessor still holds the previous position (an older, unwritten or moved
@@ -34,7 +35,7 @@ CPU tensors (tests).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -76,6 +77,31 @@ class StepPrologue:
     rows: torch.Tensor
     disabled: torch.Tensor
     enable: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenOracle:
+    """The write-input assert's inputs, for the `token_rows` launch to compute the expectation (`expected_tokens_twin`):
+    int64 per batch row ``prefix``, ``rows`` (request rows) and ``lens`` (history lengths); ``table`` the token
+    history [max_reqs, width] (int32 or int64), or None for positions only (the batch carries its own expected ids);
+    ``input_ids`` int64 [>= n], the expectation where the history does not know the position."""
+
+    prefix: torch.Tensor
+    rows: torch.Tensor
+    lens: torch.Tensor
+    table: Optional[torch.Tensor]
+    input_ids: torch.Tensor
+
+
+class TokenRows(NamedTuple):
+    """Per staged token (all [n]): batch row, offset within it, inside the write range; with a `TokenOracle`
+    also its position and (with a table) its expected token, else None."""
+
+    row: torch.Tensor
+    local: torch.Tensor
+    valid: torch.Tensor
+    expected: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
 
 
 # ---- torch twins -------------------------------------------------------------------------------------
@@ -159,20 +185,25 @@ def sweep_slice_twin(*, records: SlotRecords, plan: VerifyPlan, live_mask: torch
 # ---- dispatch -----------------------------------------------------------------------------------------
 
 def token_rows(offsets: torch.Tensor, bs: int, n: int, token_arange: torch.Tensor,
-               prologue: Optional[StepPrologue] = None):
-    """`token_rows_twin` (and the ``prologue``'s bookkeeping first), on one Triton kernel for CUDA tensors."""
+               prologue: Optional[StepPrologue] = None, oracle: Optional[TokenOracle] = None) -> TokenRows:
+    """`token_rows_twin` (and the ``prologue``'s bookkeeping first; with an ``oracle`` also `expected_tokens_twin`),
+    on one Triton kernel for CUDA tensors."""
     if use_kernels(offsets) and n > 0:
-        return launch_token_rows(offsets, bs, n, prologue)
+        return launch_token_rows(offsets, bs, n, prologue, oracle)
     if prologue is not None:
         step_prologue_twin(prologue)
-    return token_rows_twin(offsets, bs, n, token_arange)
+    return _with_expectation(TokenRows(*token_rows_twin(offsets, bs, n, token_arange)), oracle, n)
 
 
-def expected_tokens(**kw):
-    """`expected_tokens_twin`, on the Triton kernel for CUDA tensors."""
-    if use_kernels(kw["row"]) and kw["row"].shape[0] > 0 and kw["table"].shape[1] > 0 and kw["table"].stride(1) == 1:
-        return launch_expected_tokens(**kw)
-    return expected_tokens_twin(**kw)
+def _with_expectation(found: TokenRows, oracle: Optional[TokenOracle], n: int) -> TokenRows:
+    """``found`` with the oracle's positions / expected tokens from the twin (None without an oracle)."""
+    if oracle is None:
+        return found
+    if oracle.table is None:
+        return found._replace(positions=oracle.prefix[found.row] + found.local)
+    expected, positions = expected_tokens_twin(row=found.row, local=found.local, prefix=oracle.prefix, rows=oracle.rows,
+                                               lens=oracle.lens, table=oracle.table, input_ids=oracle.input_ids[:n])
+    return found._replace(expected=expected, positions=positions)
 
 
 def record_write(records: SlotRecords, **kw) -> None:
@@ -200,10 +231,15 @@ if AVAILABLE:
     def _token_rows_kernel(offsets_ptr, row_ptr, local_ptr, valid_ptr, bs, n,
                            from_ptr, widx_ptr, n_rings, history_ptr, history_rows, step_ptr, rows_ptr, max_rows,
                            disabled_ptr, enable_ptr,
-                           SEARCH_STEPS: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK: tl.constexpr):
+                           prefix_ptr, req_ptr, lens_ptr, table_ptr, table_stride, width, n_table_rows, ids_ptr,
+                           expected_ptr, positions_ptr,
+                           SEARCH_STEPS: tl.constexpr, PROLOGUE: tl.constexpr, ORACLE: tl.constexpr,
+                           BLOCK: tl.constexpr):
         """Per token t < n: the upper-bound search of torch.searchsorted (same probes) over offsets[1 : bs+1];
         ``SEARCH_STEPS`` >= the search's depth, from the offsets' capacity (a constexpr: fixed per plan, not per batch).
-        ``PROLOGUE``: also the `StepPrologue` (rows by every program, marks and the count by program 0)."""
+        ``PROLOGUE``: also the `StepPrologue` (rows by every program, marks and the count by program 0).
+        ``ORACLE``: 1 also each token's position ``prefix[row] + local``; 2 also its expected token from the
+        history (`expected_tokens_twin`)."""
         pid = tl.program_id(0)
         t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         if PROLOGUE:
@@ -232,22 +268,17 @@ if AVAILABLE:
         tl.store(row_ptr + t, row, mask=m)
         tl.store(local_ptr + t, local, mask=m)
         tl.store(valid_ptr + t, (t < end).to(tl.uint8), mask=m)
-
-    @jit_batch_sized('n')
-    def _expected_tokens_kernel(row_ptr, local_ptr, prefix_ptr, rows_ptr, lens_ptr, table_ptr, table_stride,
-                                width, n_table_rows, ids_ptr, expected_ptr, positions_ptr, n, BLOCK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        m = t < n
-        r = tl.load(row_ptr + t, mask=m, other=0)
-        pos = tl.load(prefix_ptr + r, mask=m, other=0) + tl.load(local_ptr + t, mask=m, other=0)
-        known = m & (pos < tl.load(lens_ptr + r, mask=m, other=0)) & (pos < width)
-        col = tl.minimum(tl.maximum(pos, 0), width - 1)
-        rp = tl.load(rows_ptr + r, mask=m, other=0)
-        readable = known & (rp >= 0) & (rp < n_table_rows)  # never outside the history (the twin would raise)
-        tok = tl.load(table_ptr + rp * table_stride + col, mask=readable, other=0).to(tl.int64)
-        ids = tl.load(ids_ptr + t, mask=m, other=0)
-        tl.store(expected_ptr + t, tl.where(readable, tok, ids), mask=m)
-        tl.store(positions_ptr + t, pos, mask=m)
+        if ORACLE > 0:
+            pos = tl.load(prefix_ptr + row, mask=m, other=0) + local
+            tl.store(positions_ptr + t, pos, mask=m)
+            if ORACLE > 1:
+                known = m & (pos < tl.load(lens_ptr + row, mask=m, other=0)) & (pos < width)
+                col = tl.minimum(tl.maximum(pos, 0), width - 1)
+                rp = tl.load(req_ptr + row, mask=m, other=0)
+                readable = known & (rp >= 0) & (rp < n_table_rows)  # never outside the history (the twin would raise)
+                tok = tl.load(table_ptr + rp * table_stride + col, mask=readable, other=0).to(tl.int64)
+                ids = tl.load(ids_ptr + t, mask=m, other=0)
+                tl.store(expected_ptr + t, tl.where(readable, tok, ids), mask=m)
 
     @jit_batch_sized('n')
     def _record_claim_kernel(out_loc_ptr, valid_ptr, scratch_ptr, epoch_ptr, n, num_slots,
@@ -326,13 +357,28 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, _BLOCK),)
 
 
-def launch_token_rows(offsets: torch.Tensor, bs: int, n: int, prologue: Optional[StepPrologue] = None):
-    """Triton `token_rows_twin` (``n >= 1``; with ``prologue`` its bookkeeping too, contiguous tensors):
-    returns new (row, local, valid) tensors of ``n`` tokens."""
+def launch_token_rows(offsets: torch.Tensor, bs: int, n: int, prologue: Optional[StepPrologue] = None,
+                      oracle: Optional[TokenOracle] = None) -> TokenRows:
+    """Triton `token_rows_twin` (``n >= 1``; with ``prologue`` its bookkeeping too, contiguous tensors; with
+    ``oracle`` the expectation too — a table whose rows are not contiguous, or that has no columns, takes the twin
+    for the expected tokens): new tensors of ``n`` tokens."""
     dev = offsets.device
     row = torch.empty(n, dtype=torch.int64, device=dev)
     local = torch.empty(n, dtype=torch.int64, device=dev)
     valid = torch.empty(n, dtype=torch.uint8, device=dev)
+    table = oracle.table if oracle is not None else None
+    fused = table is not None and table.shape[1] > 0 and table.stride(1) == 1
+    mode = 0 if oracle is None else 2 if fused else 1
+    positions = torch.empty(n, dtype=torch.int64, device=dev) if mode else row
+    expected = torch.empty(n, dtype=torch.int64, device=dev) if mode == 2 else row
+    if mode == 2:
+        o = oracle
+        tail = (o.prefix, o.rows, o.lens, table, table.stride(0), table.shape[1], table.shape[0], o.input_ids,
+                expected, positions)
+    elif mode == 1:
+        tail = (oracle.prefix, row, row, row, 0, 0, 0, row, row, positions)
+    else:
+        tail = (row, row, row, row, 0, 0, 0, row, row, row)
     if prologue is not None:
         p = prologue
         if p.rows_from.shape[0] > _BLOCK:
@@ -345,21 +391,15 @@ def launch_token_rows(offsets: torch.Tensor, bs: int, n: int, prologue: Optional
     else:
         extra = (row, row, 0, row, 1, row, row, 0, row, row)
         grid = _grid(n)
-    _token_rows_kernel[grid](offsets, row, local, valid, bs, n, *extra, SEARCH_STEPS=max(bs, offsets.shape[0] - 1, 0).bit_length() + 1,
-                             PROLOGUE=prologue is not None, BLOCK=_BLOCK, num_warps=_WARPS)
-    return row, local, valid.view(torch.bool)
-
-
-def launch_expected_tokens(*, row: torch.Tensor, local: torch.Tensor, prefix: torch.Tensor, rows: torch.Tensor,
-                           lens: torch.Tensor, table: torch.Tensor, input_ids: torch.Tensor):
-    """Triton `expected_tokens_twin` (``n >= 1``; ``table`` rows contiguous): new (expected, positions)."""
-    n = row.shape[0]
-    expected = torch.empty(n, dtype=torch.int64, device=row.device)
-    positions = torch.empty(n, dtype=torch.int64, device=row.device)
-    _expected_tokens_kernel[_grid(n)](row, local, prefix, rows, lens, table, table.stride(0), table.shape[1],
-                                      table.shape[0], input_ids, expected, positions, n, BLOCK=_BLOCK,
-                                      num_warps=_WARPS)
-    return expected, positions
+    _token_rows_kernel[grid](offsets, row, local, valid, bs, n, *extra, *tail,
+                             SEARCH_STEPS=max(bs, offsets.shape[0] - 1, 0).bit_length() + 1,
+                             PROLOGUE=prologue is not None, ORACLE=mode, BLOCK=_BLOCK, num_warps=_WARPS)
+    found = TokenRows(row, local, valid.view(torch.bool))
+    if mode == 2:
+        return found._replace(expected=expected, positions=positions)
+    if mode == 1 and table is not None:  # a table the kernel cannot read: the expected tokens from the twin
+        return _with_expectation(found, oracle, n)
+    return found._replace(positions=positions) if mode == 1 else found
 
 
 def launch_record_write(records: SlotRecords, *, seeds: torch.Tensor, row: torch.Tensor, local: torch.Tensor,

@@ -127,7 +127,8 @@ class ForwardLaunches:
         bs, n = shape.rows, shape.tokens
         rows, prefix, extend = s.rows[:bs], s.prefix[:bs], s.extend[:bs]
         token_table = s.token_table if self.config.verify_token else None
-        tokens_row = None
+        oracle = self._oracle(bs, n)
+        tokens_row = expected_tokens = expected_positions = None
         for gi, (name, g) in enumerate(self.groups.items()):
             vplan, wplan = self.verify_plans[name], self.write_plans[name]
             inputs = s.inputs[name]
@@ -147,15 +148,18 @@ class ForwardLaunches:
                     self.rings.mark()  # not opened yet: the stamps must not re-stamp the step before's rows
                 raise
             if tokens_row is None:  # rows and extends are shared by the groups: one token -> row map, whose
-                # launch also opens the step (ring marks, request rows, this first plan's disabled count)
+                # launch also opens the step (ring marks, request rows, this first plan's disabled count) and
+                # computes the write-input assert's expectation
                 tokens_row = self._token_rows(wplan, bs, n, kernels.StepPrologue(
                     rows_from=self.rings.rows_from, write_index=self.rings.write_index, row_history=self.row_history,
-                    step=self.step, rows=s.rows, disabled=self.plans_disabled[gi : gi + 1], enable=vplan.enable))
+                    step=self.step, rows=s.rows, disabled=self.plans_disabled[gi : gi + 1], enable=vplan.enable), oracle)
+                if oracle is not None:
+                    expected_positions = tokens_row.positions
+                    expected_tokens = s.expected_ids[:n] if oracle.table is None else tokens_row.expected
             else:
                 self.plans_disabled[gi : gi + 1] += 1 - vplan.enable
             if s.has_context and g.anchor_rows:
                 self._chain_from_context_anchors(g, vplan, wplan, bs)
-            expected_tokens, expected_positions = self._oracle(tokens_row, bs, n)
             out_loc = s.out_loc[name][:n]
             launch_canary_verify_kernel(
                 context=self._context(g, "head", "k", "verify", self.no_chain_assert),
@@ -243,36 +247,34 @@ class ForwardLaunches:
         prev = vplan.verify_prev_slot_indices
         prev.copy_(torch.where(first, anchors[row], prev))
 
-    def _token_rows(self, wplan: WritePlan, bs: int, n: int, prologue: kernels.StepPrologue
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(batch row of each staged token, its offset within the row, valid: inside the write range), after
-        the ``prologue``'s bookkeeping; one kernel on CUDA (`kernels.token_rows`)."""
-        return kernels.token_rows(wplan.write_offsets, bs, n, self.static.token_arange, prologue)
+    def _token_rows(self, wplan: WritePlan, bs: int, n: int, prologue: kernels.StepPrologue,
+                    oracle: Optional[kernels.TokenOracle]) -> kernels.TokenRows:
+        """Batch row of each staged token, its offset within the row, valid (inside the write range), and with an
+        ``oracle`` its position and expected token, after the ``prologue``'s bookkeeping; one kernel on CUDA
+        (`kernels.token_rows`)."""
+        return kernels.token_rows(wplan.write_offsets, bs, n, self.static.token_arange, prologue, oracle)
 
-    def _oracle(self, tokens_row, bs: int, n: int):
-        """Expected tokens / positions of the staged tokens for the write-input assert, or (None, None)."""
+    def _oracle(self, bs: int, n: int) -> Optional[kernels.TokenOracle]:
+        """What the write-input assert compares the staged tokens with (once per step), or None: off, or no oracle
+        (counted in ``write_assert_skipped``). Without a table, the batch's own expected ids (positions only)."""
         if not self.config.write_input_assert:
-            return None, None
+            return None
         s = self.static
-        row, local, _ = tokens_row
-        if s.has_oracle:
-            return s.expected_ids[:n], s.prefix[row] + local
-        table = s.token_table
-        if table is None:
+        table = None if s.has_oracle else s.token_table
+        if table is None and not s.has_oracle:
             self.write_assert_skipped += 1
             self._warn_once(
                 "oracle",
                 "kv-canary: write_input_assert is on but the batch has neither expected_input_ids nor token_table; "
                 "the write-input assert is skipped (counted in stats.write_assert_skipped)",
             )
-            return None, None
-        return kernels.expected_tokens(row=row, local=local, prefix=s.prefix, rows=s.rows, lens=s.token_lens,
-                                       table=table, input_ids=s.input_ids[:n])
+            return None
+        return kernels.TokenOracle(prefix=s.prefix, rows=s.rows, lens=s.token_lens, table=table, input_ids=s.input_ids)
 
     def _record_slots(self, g: CanaryGroup, wplan: WritePlan, tokens_row, out_loc: torch.Tensor, n: int) -> None:
         """Slot records of this write: position, predecessor (the seed for a row's first token), step, owner;
         two kernels on CUDA (`kernels.record_write`)."""
-        row, local, valid = tokens_row
+        row, local, valid = tokens_row.row, tokens_row.local, tokens_row.valid
         kernels.record_write(
             g.records, seeds=wplan.write_seed_slot_indices, row=row, local=local, valid=valid, out_loc=out_loc,
             positions=self.static.positions[:n], step=self.step, owner_span=self.owner_span,
