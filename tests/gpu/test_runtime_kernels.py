@@ -69,7 +69,7 @@ def test_sweep_slice_cuda_large() -> None:
         common = dict(records=rec, live_mask=live, offsets=offsets, span=size * interval,
                       step=torch.tensor([k], device=DEV))
         kernels.sweep_slice_twin(**common, **twin.args())
-        kernels.launch_sweep_slice(**common, **fused.args())
+        kernels.launch_sweep_slice(**common, **fused.launch_args())
         assert_same(fused.snapshot(), twin.snapshot())
 
 
@@ -88,7 +88,7 @@ def test_kernels_captured_in_a_graph() -> None:
 
     def work() -> None:
         kernels.launch_record_write(rec, **static)
-        kernels.launch_sweep_slice(records=rec, **sweep_args, **sweep.args())
+        kernels.launch_sweep_slice(records=rec, **sweep_args, **sweep.launch_args())
 
     def twin_work() -> None:
         kernels.record_write_twin(twin_rec, **static)

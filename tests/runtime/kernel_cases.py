@@ -116,12 +116,18 @@ class SweepState:
         self.history = torch.full((OWNER_HISTORY, size), -1, dtype=torch.int64, device=device)
         self.verified = torch.zeros(1, dtype=torch.int64, device=device)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=device)
+        self.done = torch.zeros(1, dtype=torch.int32, device=device)
 
     def args(self) -> dict:
         return dict(plan=self.plan, owner_history=self.history, verified=self.verified, cursor=self.cursor)
+
+    def launch_args(self, ticket: bool = True) -> dict:
+        """`args` for the Triton launch: with the ticket counter (the cursor moved by the slice kernel) or without."""
+        return dict(self.args(), done=self.done if ticket else None)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         p = self.plan
         return dict(slots=p.verify_slot_indices.cpu().clone(), positions=p.verify_expected_positions.cpu().clone(),
                     prev=p.verify_prev_slot_indices.cpu().clone(), history=self.history.cpu().clone(),
-                    verified=self.verified.cpu().clone(), cursor=self.cursor.cpu().clone())
+                    verified=self.verified.cpu().clone(), cursor=self.cursor.cpu().clone(),
+                    done=self.done.cpu().clone())

@@ -203,11 +203,13 @@ def test_record_write_shares_scratch_with_twin() -> None:
 
 # ---- sweep slices -------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("ticket", [True, False], ids=["ticket", "advance-kernel"])
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("num_slots,interval", [(37, 4), (300, 3), (2600, 2)])
-def test_sweep_slice_matches_twin(seed: int, num_slots: int, interval: int) -> None:
+@pytest.mark.parametrize("num_slots,interval", [(37, 4), (300, 3), (2600, 2), (5000, 2)])
+def test_sweep_slice_matches_twin(seed: int, num_slots: int, interval: int, ticket: bool) -> None:
     """Consecutive slices over a full pass and past its wrap (the last slice of a pass reaches past the slot
-    space into the trash row), steps past OWNER_HISTORY; several programs when a slice exceeds a block."""
+    space into the trash row), steps past OWNER_HISTORY; several programs when a slice exceeds a block, the cursor
+    moved by the last of them (ticket) or by the second kernel; the ticket counter back at 0 after each slice."""
     gen = torch.Generator().manual_seed(1000 * seed + num_slots)
     rec = chained_records(gen, num_slots)
     size = -(-num_slots // interval)
@@ -219,7 +221,7 @@ def test_sweep_slice_matches_twin(seed: int, num_slots: int, interval: int) -> N
     for k in range(interval + 2):
         common = dict(records=rec, live_mask=live, offsets=offsets, span=span, step=torch.tensor([60 + 3 * k]))
         kernels.sweep_slice_twin(**common, **twin.args())
-        kernels.launch_sweep_slice(**common, **fused.args())
+        kernels.launch_sweep_slice(**common, **fused.launch_args(ticket))
         assert_same(fused.snapshot(), twin.snapshot())
     assert fused.cursor.item() == (interval + 2) * size % span
     plan = fused.plan

@@ -24,8 +24,9 @@ Three blocks, each a torch twin (the reference; what the CPU runs) and a Triton 
   the device cursor (clamped to the trash row), live = in the pass's live set and written, the chain link
   kept only while the predecessor still holds the previous position (an older, unwritten or moved
   predecessor becomes 0, unreachable), the owners remembered per step, ``verified`` counted, the cursor
-  advanced. Triton: one grid kernel (``verified`` by atomic add) and a one-program kernel that advances the
-  cursor after every program of the first has read it.
+  advanced. Triton: one grid kernel (``verified`` by atomic add); the last program to finish (a ticket counter
+  ``done``, back to 0 after each launch) advances the cursor, after every program has read it. Without a
+  ``done`` counter a slice of more than one program takes a second, one-program kernel for the advance.
 
 Every launcher is device-only (no host reads; grids from host-known sizes), so it can be captured in a CUDA
 graph. ``use_kernels(t)``: Triton imports and ``t`` is on CUDA; otherwise callers use the twins. Triton
@@ -215,10 +216,11 @@ def record_write(records: SlotRecords, **kw) -> None:
         record_write_twin(records, **kw)
 
 
-def sweep_slice(**kw) -> None:
-    """`sweep_slice_twin`, on the Triton kernels for CUDA tensors."""
+def sweep_slice(*, done: Optional[torch.Tensor] = None, **kw) -> None:
+    """`sweep_slice_twin`, on the Triton kernels for CUDA tensors (``done``: the launch's ticket counter, int32 [1]
+    of zeros; the twin needs none)."""
     if use_kernels(kw["cursor"]):
-        launch_sweep_slice(**kw)
+        launch_sweep_slice(done=done, **kw)
     else:
         sweep_slice_twin(**kw)
 
@@ -323,12 +325,14 @@ if AVAILABLE:
     @triton.jit
     def _sweep_slice_kernel(cursor_ptr, step_ptr, live_ptr, rec_step_ptr, rec_position_ptr, rec_prev_ptr,
                             rec_owner_ptr, slot_out_ptr, position_out_ptr, prev_out_ptr, history_ptr,
-                            history_rows, verified_ptr, size, num_slots, NEVER: tl.constexpr,
-                            PADDING: tl.constexpr, BLOCK: tl.constexpr):
-        """Entries [pid * BLOCK, ...) of the slice starting at the cursor (read, not moved, here)."""
+                            history_rows, verified_ptr, done_ptr, size, span, num_slots, NEVER: tl.constexpr,
+                            PADDING: tl.constexpr, ADVANCE: tl.constexpr, BLOCK: tl.constexpr):
+        """Entries [pid * BLOCK, ...) of the slice starting at the cursor. ``ADVANCE`` 1: one program, which
+        moves the cursor; 2: the last program to take a ``done`` ticket moves it and resets ``done``; 0: not moved."""
         e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         m = e < size
-        slot = e + tl.load(cursor_ptr)
+        cursor = tl.load(cursor_ptr)
+        slot = e + cursor
         slot = tl.where(slot < num_slots, slot, num_slots)
         written_at = tl.load(rec_step_ptr + slot, mask=m, other=NEVER)
         live = m & (tl.load(live_ptr + slot, mask=m, other=0) != 0) & (written_at != NEVER)
@@ -346,6 +350,13 @@ if AVAILABLE:
         hrow = ((step % history_rows) + history_rows) % history_rows  # torch.remainder: sign of the divisor
         tl.store(history_ptr + hrow * size + e, tl.load(rec_owner_ptr + slot, mask=m, other=0), mask=m)
         tl.atomic_add(verified_ptr, tl.sum(live.to(tl.int64), 0), sem="relaxed")
+        moved = (((cursor + size) % span) + span) % span
+        if ADVANCE == 1:
+            tl.store(cursor_ptr, moved)
+        elif ADVANCE == 2:  # acq_rel: every other program read the cursor before its ticket
+            if tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+                tl.store(cursor_ptr, moved)
+                tl.store(done_ptr, 0)
 
     @triton.jit
     def _advance_cursor_kernel(cursor_ptr, size, span):
@@ -419,13 +430,18 @@ def launch_record_write(records: SlotRecords, *, seeds: torch.Tensor, row: torch
 
 def launch_sweep_slice(*, records: SlotRecords, plan: VerifyPlan, live_mask: torch.Tensor, cursor: torch.Tensor,
                        offsets: torch.Tensor, span: int, step: torch.Tensor, owner_history: torch.Tensor,
-                       verified: torch.Tensor) -> None:
-    """Triton `sweep_slice_twin` (``offsets`` only gives the size: entry e is ``cursor + e``)."""
+                       verified: torch.Tensor, done: Optional[torch.Tensor] = None) -> None:
+    """Triton `sweep_slice_twin` (``offsets`` only gives the size: entry e is ``cursor + e``). ``done``: int32 [1]
+    of zeros, left at zero; with it the slice kernel moves the cursor itself (one launch, not two)."""
     size = offsets.shape[0]
-    _sweep_slice_kernel[_grid(size)](
+    grid = _grid(size)
+    advance = 1 if grid[0] == 1 else 2 if done is not None else 0
+    _sweep_slice_kernel[grid](
         cursor, step, live_mask.view(torch.uint8), records.step, records.position, records.prev_slot, records.owner,
         plan.verify_slot_indices, plan.verify_expected_positions, plan.verify_prev_slot_indices,
-        owner_history, owner_history.shape[0], verified, size, records.num_slots,
-        NEVER=NEVER_WRITTEN, PADDING=TOKEN_TO_KV_SLOT_PADDING, BLOCK=_BLOCK, num_warps=_WARPS,
+        owner_history, owner_history.shape[0], verified, done if done is not None else verified, size, span,
+        records.num_slots, NEVER=NEVER_WRITTEN, PADDING=TOKEN_TO_KV_SLOT_PADDING, ADVANCE=advance, BLOCK=_BLOCK,
+        num_warps=_WARPS,
     )
-    _advance_cursor_kernel[(1,)](cursor, size, span, num_warps=1)
+    if advance == 0:
+        _advance_cursor_kernel[(1,)](cursor, size, span, num_warps=1)

@@ -59,6 +59,7 @@ class _Slices:
         self.plan.verify_expected_tokens.fill_(-1)
         self.offsets = torch.arange(self.size, dtype=torch.int64, device=dev)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.done = torch.zeros(1, dtype=torch.int32, device=dev)  # the slice kernel's ticket counter (stays 0)
         self.live = torch.zeros(g.num_slots + 1, dtype=torch.bool, device=dev)  # + trash row
         self.live_count = torch.zeros(1, dtype=torch.int64, device=dev)  # at the current pass start
         self.verified = torch.zeros(1, dtype=torch.int64, device=dev)  # in the current pass
@@ -146,12 +147,12 @@ class Sweeper:
 
     def slice_device(self) -> None:
         """The device half of `slice` (capturable; the caller counts ``slices_run``). Per group the slice's
-        plan, owners, ``verified`` and cursor come from one fused kernel pair on CUDA (`kernels.sweep_slice`)."""
+        plan, owners, ``verified`` and cursor come from one fused kernel on CUDA (`kernels.sweep_slice`)."""
         for name, sl in self._slices.items():
             g = self.groups[name]
             kernels.sweep_slice(
                 records=g.records, plan=sl.plan, live_mask=sl.live, cursor=sl.cursor, offsets=sl.offsets,
-                span=sl.span, step=self.step, owner_history=sl.owner_history, verified=sl.verified,
+                span=sl.span, step=self.step, owner_history=sl.owner_history, verified=sl.verified, done=sl.done,
             )
             self._launch(g, sl.plan, entry_rows=sl.ones)
 
