@@ -32,12 +32,20 @@ step (median), ``graphs`` the engine graphs captured with the canary inside.
     python bench/e2e_overhead.py --json out.json    # also write the rows as JSON
     python bench/e2e_overhead.py --device-profile   # CUDA: + one profiled run per configuration
     python bench/e2e_overhead.py --drain-interval 16 --health-interval 0   # canary options for every configuration
+    python bench/e2e_overhead.py --host-probe       # + a host-speed probe around each round, decode normalised by it
 
 ``--device-profile`` (CUDA) adds, after the measured rounds, one more run of every configuration under
 torch.profiler: the device time of all kernels and copies, and of the canary's Triton kernels (by name), per
 engine step. Wall-clock overheads of ~1 % sit inside the engine's own spread between runs; the canary
 kernels' share of the device time does not depend on that spread (the canary's torch copies, a few per
 step, are not in it: they carry aten names).
+
+``--host-probe``: the engine's decode step is host-bound (its thread's CPU time equals the step's wall time), so a
+round's decode time follows the host's speed, which moved by up to 30 % between rounds on the H200's host (run 49).
+A fixed host workload (small torch CPU ops and Python containers, like an engine's scheduling) is timed on the same
+cores before and after every round; each round's decode time is also given scaled by the median probe over its
+probe, with the overhead of those scaled rounds and the correlation of decode with probe over all rounds. The probe
+sees drift between rounds, not within one.
 
 Assert-free: a configuration that fails prints its error in the table and the run goes on.
 """
@@ -55,6 +63,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from twin_fallbacks import count_twin_fallbacks  # bench/twin_fallbacks.py
@@ -317,6 +326,43 @@ def summarize(log: StepLog) -> dict:
     }
 
 
+def host_probe(reps: int = 7, ops: int = 400) -> float:
+    """Milliseconds of a fixed host workload (``ops`` x two small torch CPU ops and a small dict and sort): the median
+    of ``reps`` timings."""
+    x = torch.zeros(256, dtype=torch.int64)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for i in range(ops):
+            x.add_(1)
+            x[:64].sum()
+            sorted({j: (j * i) % 7 for j in range(16)}.values())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def probe_normalise(rows: list[dict], probes: dict[str, list[float]]) -> Optional[float]:
+    """Per row of one graph mode: ``per_round_probe_ms``, ``per_round_decode_ms_probe_scaled`` (decode x median
+    probe / the round's probe), their mean ``decode_ms_probe_scaled`` and its overhead against the baseline's.
+    Returns the correlation of decode with probe over all rounds (None when undefined)."""
+    ref = statistics.median(v for vs in probes.values() for v in vs)
+    pairs = []
+    for row in rows:
+        rounds, probe = row.get("per_round_decode_ms") or [], probes.get(row["config"], [])
+        row["per_round_probe_ms"] = probe
+        scaled = [d * ref / p for d, p in zip(rounds, probe) if d is not None]
+        pairs += [(d, p) for d, p in zip(rounds, probe) if d is not None]
+        row["per_round_decode_ms_probe_scaled"] = scaled
+        row["decode_ms_probe_scaled"] = statistics.mean(scaled) if scaled else None
+    base = next((r["decode_ms_probe_scaled"] for r in rows if r["config"] == "baseline"), None)
+    for row in rows:
+        row["decode_overhead_probe_scaled_pct"] = _pct(row["decode_ms_probe_scaled"], base)
+    try:
+        return statistics.correlation(*zip(*pairs)) if len(pairs) > 2 else None
+    except statistics.StatisticsError:  # a constant series
+        return None
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -398,6 +444,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=",".join(n.split("/")[-1] for n, _ in CONFIGS),
                    help="comma-separated subset of baseline,default,partial,none")
+    p.add_argument("--host-probe", action="store_true",
+                   help="time a fixed host workload around each round; decode also given scaled by it")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--device-profile", action="store_true",
                    help="CUDA: one more run per configuration under torch.profiler (device time, canary kernels' share)")
@@ -448,14 +496,18 @@ def main(argv=None) -> int:
         logs: dict = {name: [] for name, _ in configs}
         results: dict = {}
         errors: dict = {}
+        probes: dict = {name: [] for name, _ in configs}
         for r in range(args.repeats):
             for name, hash_mode in configs:
+                probe = host_probe() if args.host_probe else None
                 t = time.perf_counter()
                 try:
                     (result, log), twins = count_twin_fallbacks(lambda: run_one(model, prompts, args, graphs, hash_mode))
                     log.twin_fallbacks = twins
                     logs[name].append(log)
                     results[name] = result
+                    if probe is not None:  # one probe per measured round of this configuration
+                        probes[name].append((probe + host_probe()) / 2)
                 except Exception as exc:  # assert-free: report and go on
                     traceback.print_exc()
                     errors[name] = f"{type(exc).__name__}: {exc}"[:200]
@@ -485,6 +537,12 @@ def main(argv=None) -> int:
                 row["decode_overhead_pct"] = _pct(row.get("decode_ms"), base["decode_ms"])
                 row["prefill_overhead_pct"] = _pct(row.get("prefill_us_per_token"), base["prefill_us_per_token"])
             rows.append(row)
+        if args.host_probe and any(probes.values()):
+            r_probe = probe_normalise(rows[-len(configs):], probes)
+            flat = [v for vs in probes.values() for v in vs]
+            print(f"# {mode:>3} host probe between rounds: {min(flat):.2f}-{max(flat):.2f} ms "
+                  f"({(max(flat) / min(flat) - 1) * 100:.2f} %); correlation of round decode with probe: "
+                  + ("-" if r_probe is None else f"{r_probe:+.2f}"), flush=True)
         if args.device_profile and cuda:
             for row, (name, hash_mode) in zip(rows[-len(configs):], configs):
                 try:
@@ -506,6 +564,13 @@ def main(argv=None) -> int:
                   + ", ".join(f"{x:.2f}" for x in r["per_round_decode_ms"] if x is not None)
                   + "  (engine thread CPU ms: "
                   + ", ".join(f"{x:.2f}" for x in r.get("per_round_decode_cpu_ms", []) if x is not None) + ")")
+    for r in rows:
+        if r.get("per_round_decode_ms_probe_scaled"):
+            print(f"  {r['graphs']:<3} {r['config']:<15} decode ms per round scaled by the host probe: "
+                  + ", ".join(f"{x:.2f}" for x in r["per_round_decode_ms_probe_scaled"])
+                  + f"  (probe ms: {', '.join(f'{x:.2f}' for x in r['per_round_probe_ms'])}); mean "
+                  + f"{r['decode_ms_probe_scaled']:.2f}, vs baseline "
+                  + ("-" if r["decode_overhead_probe_scaled_pct"] is None else f"{r['decode_overhead_probe_scaled_pct']:+.2f} %"))
     for r in rows:
         if r.get("canary_host_ms_replayed_median") is not None:
             parts = ", ".join(f"{k.split('.')[-1]} {v:.3f}" for k, v in
