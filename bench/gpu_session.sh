@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of a session: the stages named as arguments, each under its own time limit, logs in $OUT.
-#   bash bench/gpu_session.sh tests runtime soak copy kernels e2e e2e_quick deep
+#   bash bench/gpu_session.sh tests runtime soak_warm soak copy kernels e2e e2e_quick deep
 # Runs from wherever it is started (a snapshot of a commit: see bench/NOTES.md); prints a short summary last.
 # The tests stage is verbose (-vv: pyproject's addopts has -q, so -v alone prints dots; under xdist each result is printed with its name as it lands), so a stage cut by
 # its limit still says which tests failed (run 22 printed only `...F.F.`).
@@ -45,6 +45,7 @@ for s in "$@"; do
     tests)   stage tests "${TESTS_LIMIT:-230}" python3 -m pytest ${TESTS_SELECT:-tests/gpu tests/ops/test_copy.py::test_gpu_triton_matches_twin \
                tests/ops/test_copy.py::test_gpu_copy_and_export_replay_in_a_cuda_graph} -vv -rf -n ${TESTS_WORKERS:-12} --junitxml "$OUT/tests.xml" -p no:cacheprovider --durations=10 -p no:benchmark ;;
     runtime) stage runtime "${RUNTIME_LIMIT:-150}" "${PIN[@]}" python3 bench/runtime_overhead.py ${RUNTIME_ARGS:---profile 14} --json "$OUT/runtime.json" ;;
+    soak_warm) stage soak_warm "${SOAK_WARM_LIMIT:-150}" python3 bench/gpu_soak.py --seconds "${SOAK_WARM_SECONDS:-100}" ;;  # compiles the soak's variants into the packed cache (run 48: 87 s of compile)
     soak)    stage soak "${SOAK_LIMIT:-110}" "${PIN[@]}" python3 bench/gpu_soak.py --seconds "${SOAK_SECONDS:-90}" --workers "${SOAK_WORKERS:-0}" --json "$OUT/soak.json" ;;
     copy)    stage copy 60 python3 bench/copy_records.py --device cuda ;;
     kernels) stage kernels "${KERNELS_LIMIT:-110}" "${PIN[@]}" python3 bench/gpu_kernels.py --quick ${KERNELS_ARGS:-} ;;
