@@ -7,6 +7,7 @@ import torch
 
 from kvcanary.ops import FailReason
 from kvcanary.ops.constants import CANARY_FIELD_PREV_HASH
+from kvcanary.engines.sim.engine import kv_bytes
 from tests.runtime.conftest import make_canary, make_sim
 
 NUM_SLOTS = 64  # full_spec
@@ -149,3 +150,24 @@ def test_rotating_passes_from_masks_equal_passes_from_indices():
     (pass_m, live_m, total_m), (pass_i, live_i, total_i) = runs
     assert pass_m == pass_i and total_m == total_i == 0
     assert live_m.keys() == live_i.keys() and all(torch.equal(live_m[k], live_i[k]) for k in live_m)
+
+
+def test_a_token_after_unstored_ones_is_swept_without_a_false_chain_link(manual):
+    """A write whose first tokens of a row are not stored (negative slots: a sliding window's positions that left it
+    within the chunk) chains the first stored token from the row's seed, not from a chain head. Its record must not
+    claim a chain head: a sweep of the slot then checks no link (the predecessor is unknown), and finds nothing."""
+    eng = manual(sweep_interval=0, chain_position_warmup=-1)  # the window's gap: no chain-position assert
+    eng.forward(eng.batch(row=1, prefix=0, tokens=[5, 6, 7], slots=[10, 11, 12]))
+    batch = eng.batch(row=1, prefix=3, tokens=[8, 9, 10, 11], slots=[-1, -1, 14, 15])
+    with eng.canary.forward(batch):
+        loc = batch.groups["full"].out_cache_loc
+        stored = loc >= 0
+        for layer, (k, v) in eng.kv.items():
+            for side, t in enumerate((k, v)):
+                t[loc[stored]] = kv_bytes(batch.input_ids[stored], batch.positions[stored], layer, side, 32)
+    assert eng.canary.violations() == []
+    report = eng.canary.sweep(live={"full": torch.tensor([10, 11, 12, 14, 15])})
+    assert report.complete and report.verified == {"full": 5}
+    assert eng.canary.violations() == []
+    records = eng.canary.groups["full"].records
+    assert records.prev_slot[14].item() == 0 and records.prev_slot[15].item() == 14  # unknown link; a known one

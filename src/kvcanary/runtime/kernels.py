@@ -8,8 +8,8 @@ Three blocks, each a torch twin (the reference; what the CPU runs) and a Triton 
   launch also opens the step: marks the rings (``rows_from = write_index``), keeps the step's request rows
   (``row_history[step % rows] = rows``) and counts a disabled first plan (``disabled += 1 - enable``).
 * ``record_write`` — the slot records of one HEAD write (`SlotRecords`): position, predecessor slot (the
-  row's seed for a row's first token, else the previous token's slot; a context anchor becomes the trash
-  row), owner ``step * owner_span + row`` and step, last write wins when a slot repeats. Triton: kernel 1
+  row's seed for a row's first token, else the previous token's slot, or 0 — unknown, never checked — when that
+  token was not stored; a context anchor becomes the trash row), owner ``step * owner_span + row`` and step, last write wins when a slot repeats. Triton: kernel 1
   claims each slot with ``atomic_max`` of the key ``epoch * 2**20 + token``, kernel 2 stores the fields of
   the token whose key won. The epoch is a device counter of the records advanced once per launch pair, so
   keys grow across launches and the scratch never needs a reset (a step number would not do: a step can
@@ -131,7 +131,10 @@ def record_write_twin(records: SlotRecords, *, seeds: torch.Tensor, row: torch.T
     """Record one write of ``n`` tokens (all int64 [n] but ``valid`` bool [n]; ``seeds`` int64 [>= rows],
     the write plan's seed slot per row; ``step`` int64 [1]): see the module docstring."""
     trash = records.num_slots
-    prev = torch.where(local == 0, seeds[row], out_loc.roll(1))
+    before = out_loc.roll(1)
+    # a previous token not stored (negative slot) is not the link: the write chained past it, from a slot this
+    # launch does not name here, so the link is unknown (0, never checked), not a chain head (-1)
+    prev = torch.where(local == 0, seeds[row], torch.where(before < 0, 0, before))
     prev = torch.where(prev >= trash, trash, prev)  # a context anchor: no slot to link to (trash)
     records.record(slots=out_loc, valid=valid, positions=positions, prev_slots=prev,
                    owners=step * owner_span + row, step=step)
@@ -312,7 +315,8 @@ if AVAILABLE:
         local = tl.load(local_ptr + t, mask=won, other=0)
         seed = tl.load(seed_ptr + row, mask=won, other=0)
         before = tl.where(t == 0, n - 1, t - 1)  # roll(1) over the n tokens
-        prev = tl.where(local == 0, seed, tl.load(out_loc_ptr + before, mask=won, other=0))
+        earlier = tl.load(out_loc_ptr + before, mask=won, other=0)
+        prev = tl.where(local == 0, seed, tl.where(earlier < 0, 0, earlier))  # unstored predecessor: unknown (0)
         prev = tl.where(prev >= num_slots, num_slots, prev)
         step = tl.load(step_ptr)
         tl.store(rec_position_ptr + slot, tl.load(positions_ptr + t, mask=won, other=0), mask=won)
