@@ -63,7 +63,7 @@ def host_only_canary(bs: int, ctx: int):
     canary.drain = ViolationDrain(canary.rings, synchronous=False, polled=canary.polled, asynchronous=True,
                                   event=_DoneEvent, interval=canary.config.drain_interval)
     canary.static.host_upload = True
-    replays = types.SimpleNamespace(head=_NoReplay(), tail=_NoReplay(), stamps=_NoReplay(), tail_sweep=_NoReplay())
+    replays = types.SimpleNamespace(head=_NoReplay(), tail=_NoReplay(), stamps=_NoReplay(), head_sweep=_NoReplay())
     canary._graphs = types.SimpleNamespace(pick=lambda *_: replays, sweep=_NoReplay())  # replays cost nothing here
     return canary, batch
 

@@ -1,6 +1,6 @@
 """The per-forward hot path: no host reads, O(1) Python, violations drained late but attributed exactly.
 
-* The device halves (`begin_step`, `stage`, `launch_head`, `launch_tail`, a sweep slice) run on the ``meta``
+* The device halves (`begin_step`, `stage`, `launch_head` with its sweep slice, `launch_tail`) run on the ``meta``
   device — tensors without data: any host read (``.item()``, ``.tolist()``, ``bool(t)``, a copy to the
   host) raises there — with the ops replaced by stand-ins that only record their calls (the ops' own
   CUDA path is the Triton kernels; on the CPU the twins read counts, legitimately).
@@ -69,9 +69,8 @@ def _meta_batch(bs: int, tables) -> BatchDescription:
 def _device_halves(c: Canary, batch: BatchDescription) -> None:
     c.begin_step(request_ids=batch.request_ids, forward_kind=batch.forward_kind)
     c.stage(batch)
-    c.launch_head()
+    c.launch_head()  # with the pass's live set taken, the sweep slice too
     c.launch_tail()
-    c.sweeper.slice()
 
 
 def test_device_halves_read_nothing_back_and_cost_the_same_for_any_batch(op_calls):
@@ -89,6 +88,7 @@ def test_device_halves_read_nothing_back_and_cost_the_same_for_any_batch(op_call
     # per group: plan, HEAD verify + write, TAIL verify and TAIL writes (both sides: one call), the deep buffers'
     # fingerprints (one call), one stamp call for the HEAD / TAIL rings; sweep: one verify call, one stamp call
     assert counts[1][1] == 2 * (3 + 1 + 1 + 1 + 1 + 1 + 1)
+    assert c.sweeper.slices_run == 4  # one slice per forward, run by launch_head
     # steady state (same batch size as the step before: no stale padding to clear) costs the same torch calls
     # whatever the batch size: O(1) Python per forward
     assert counts[1] == counts[3], counts

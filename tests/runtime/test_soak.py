@@ -28,8 +28,9 @@ def test_clean_soak_reports_nothing_and_verifies_every_live_slot(sim_options, st
     assert canary.counters()["total"] == 0 and stats.health_stalls == 0
     assert report.complete and all(n > 0 for n in report.live.values())
     assert report.unrecorded == {g: 0 for g in report.live}
-    # rotating sweep: one pass per 50 forwards, each verifying every slot live at its start
-    assert stats.forwards == steps and stats.sweep_passes == (steps - 1) // 50
+    # rotating sweep: one pass per 50 forwards, each verifying every slot live at its start; a pass is counted at
+    # the end of the step that ran its last slice (the next pass's live set is taken there)
+    assert stats.forwards == steps and stats.sweep_passes == steps // 50
     assert all(p["live"] > 0 and p["verified"] == p["live"] for p in stats.last_pass.values()), stats.last_pass
     assert stats.slots_verified["head"] > 0 and stats.slots_verified["tail"] > 0
     assert stats.slots_verified["sweep"] >= sum(report.live.values())

@@ -166,7 +166,7 @@ class Canary:
         self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
         self._graphs: Optional[CanaryGraphs] = None
         self._graph_set: Optional[GraphSet] = None  # the bucket this forward's HEAD replayed
-        self._swept_this_step = False  # the sweep slice already replayed with TAIL (own graphs)
+        self._swept_this_step = False  # this step's sweep slice already ran with HEAD
         self._sweep_graph: Optional[torch.cuda.CUDAGraph] = None  # the slice alone (engine graphs hold HEAD / TAIL)
         self.canary_errors = 0  # the canary's own failures contained in log mode
         self.unchecked_forwards = 0
@@ -286,25 +286,36 @@ class Canary:
             self.launches.resize()
 
     def launch_head(self) -> None:
-        """Plan, HEAD verify + write, slot records (device only; capturable)."""
+        """Plan, HEAD verify + write, slot records (device only; capturable). Outside an engine's capture the
+        forward's sweep slice runs here too, once the step is open and before the records are written (with the
+        canary's own graphs on a parallel branch of the HEAD graph); inside one, `end_step` runs it. The slice
+        sees the records, canary buffers and KV as the step before left them."""
+        # a pass's live set is taken at the end of the step before (`end_step`), when every live slot is written; a
+        # pass not started by then (the first step) sweeps in `end_step` instead
+        sweeping = self._sweeping() and not capturing() and not self.sweeper.pass_starts()
         if self._graphs is not None:
             self._graph_set = self._graphs.pick(self.static.active)
-            self._graph_set.head.replay()
+            if sweeping and self._graph_set.head_sweep is not None:
+                self._graph_set.head_sweep.replay()
+                self._swept()
+            else:
+                self._graph_set.head.replay()
         else:
-            self.launches.head()
+            self.launches.head(on_open=self._sweep_slice_now if sweeping else None)
+
+    def _sweep_slice_now(self) -> None:
+        self.sweeper.slice_device()
+        self._swept()
+
+    def _swept(self) -> None:
+        self.sweeper.slices_run += 1
+        self._swept_this_step = True
 
     def launch_tail(self, *, run_checks: bool = True) -> None:
-        """TAIL verify + write, row stamps (device only; capturable). ``run_checks=False``: stamps only.
-        With the canary's own graphs the forward's sweep slice replays in the same graph as TAIL."""
+        """TAIL verify + write, row stamps (device only; capturable). ``run_checks=False``: stamps only."""
         if self._graphs is not None:
             graphs = self._graph_set  # the bucket HEAD replayed
-            if run_checks and graphs.tail_sweep is not None and self._sweeping():
-                self._start_pass_if_due()
-                graphs.tail_sweep.replay()
-                self.sweeper.slices_run += 1
-                self._swept_this_step = True
-            else:
-                (graphs.tail if run_checks else graphs.stamps).replay()
+            (graphs.tail if run_checks else graphs.stamps).replay()
         else:
             self.launches.tail(run_checks=run_checks)
 
@@ -344,7 +355,8 @@ class Canary:
         return True
 
     def end_step(self) -> None:
-        """Sweep slice, non-blocking drain, health, stats (host); raises in ``raise`` mode."""
+        """Sweep slice (unless HEAD ran it), the next pass's live set when one starts, non-blocking drain, health,
+        stats (host); raises in ``raise`` mode."""
         try:
             if self._swept_this_step:
                 self._swept_this_step = False
@@ -356,6 +368,8 @@ class Canary:
                     self.sweeper.slices_run += 1
                 else:
                     self.sweeper.slice()
+            if self._sweeping():
+                self._start_pass_if_due()  # the next slice starts a pass: its live set as this step leaves it
             for harvest in self.drain.end_step():
                 self._report(harvest)
             self._grow_disabled_plans()

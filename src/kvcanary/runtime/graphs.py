@@ -8,9 +8,12 @@ while capturing, three graphs serve every batch that fits:
 * ``head``  — ring marks, request-row history, plan, HEAD verify + write, slot records;
 * ``tail``  — TAIL verify + write, row stamps (``stamps``: the stamps alone, for a forward that raised);
 * ``sweep`` — one rotating sweep slice (cursor on the device);
-* ``tail_sweep`` — ``tail`` then ``sweep`` in one graph (one replay fewer per forward; None without a sweep).
+* ``head_sweep`` — ``head`` with the forward's sweep slice on a parallel branch (None without a sweep): the branch
+  forks once the step is open (`ForwardLaunches.head`'s ``on_open``), its slice plans join the main branch before
+  the slot records are written (they read the records as the step found them), and its verify + stamps overlap the
+  HEAD checks and record writes; the whole branch joins before the graph ends (the engine writes KV next).
 
-HEAD / TAIL / stamps / tail_sweep exist per bucket (`GraphSet`): the full capacity and a decode bucket, each
+HEAD / TAIL / stamps / head_sweep exist per bucket (`GraphSet`): the full capacity and a decode bucket, each
 reading its own set of static buffers (`StaticBatch.sets`: the decode bucket reads the decode-sized set, so its
 upload is a few KiB).
 An engine that captures HEAD / TAIL inside its own graphs still runs the sweep slice between forwards:
@@ -43,7 +46,7 @@ class GraphSet:
     head: torch.cuda.CUDAGraph
     tail: torch.cuda.CUDAGraph
     stamps: torch.cuda.CUDAGraph
-    tail_sweep: Optional[torch.cuda.CUDAGraph]
+    head_sweep: Optional[torch.cuda.CUDAGraph]
 
 
 class CanaryGraphs:
@@ -63,6 +66,7 @@ class CanaryGraphs:
         shapes = [(static.max_rows, static.max_tokens, "full")]
         if "small" in static.sets:
             shapes.insert(0, (static.max_rows, static.small_tokens, "small"))
+        self.branch = _SweepBranch(sweeper) if sweeper.interval > 0 else None
         saved = [t.clone() for t in [counters.table, *sweeper.cursor_state()]]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -70,9 +74,11 @@ class CanaryGraphs:
             for _ in range(2):
                 for rows, tokens, buffers in shapes:
                     static.activate(buffers)
-                    launches.head(limit=(rows, tokens))
+                    if self.branch is not None:
+                        self._head_with_sweep(rows, tokens)
+                    else:
+                        launches.head(limit=(rows, tokens))
                     self._tail()
-                self._sweep()
         torch.cuda.current_stream().wait_stream(side)
         for t, v in zip([counters.table, *sweeper.cursor_state()], saved):
             t.copy_(v)
@@ -89,9 +95,10 @@ class CanaryGraphs:
         self.static.activate(buffers)  # the captured launches read this set's views
         head = self._capture(lambda: self.launches.head(limit=(rows, tokens)), pool)  # TAIL reads HEAD's shape
         tail, stamps = (self._capture(fn, pool) for fn in (self._tail, self._stamps))
-        tail_sweep = self._capture(self._tail_then_sweep, pool) if self.sweeper.interval > 0 else None
+        head_sweep = (self._capture(lambda: self._head_with_sweep(rows, tokens), pool)
+                      if self.branch is not None else None)
         return GraphSet(rows=rows, tokens=tokens, buffers=buffers, head=head, tail=tail, stamps=stamps,
-                        tail_sweep=tail_sweep)
+                        head_sweep=head_sweep)
 
     def _tail(self) -> None:
         self.launches.tail(run_checks=True)
@@ -102,9 +109,9 @@ class CanaryGraphs:
     def _sweep(self) -> None:
         self.sweeper.slice_device()
 
-    def _tail_then_sweep(self) -> None:
-        self._tail()
-        self._sweep()
+    def _head_with_sweep(self, rows: int, tokens: int) -> None:
+        self.launches.head(limit=(rows, tokens), on_open=self.branch.fork, before_records=self.branch.wait_plans)
+        self.branch.join()
 
     @staticmethod
     def _capture(fn, pool) -> torch.cuda.CUDAGraph:
@@ -112,6 +119,30 @@ class CanaryGraphs:
         with torch.cuda.graph(graph, pool=pool):
             fn()
         return graph
+
+
+class _SweepBranch:
+    """The sweep slice on a second stream, forked from and joined to the current one (captured as a parallel
+    branch of the graph): `fork` enqueues the slice plans, then its checks; `wait_plans` makes the current
+    stream wait for the plans only; `join` for the whole branch."""
+
+    def __init__(self, sweeper: Sweeper) -> None:
+        self.sweeper = sweeper
+        self.stream = torch.cuda.Stream()
+        self.planned = torch.cuda.Event()
+
+    def fork(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.sweeper.slice_plans()
+            self.planned.record(self.stream)
+            self.sweeper.slice_checks()
+
+    def wait_plans(self) -> None:
+        torch.cuda.current_stream().wait_event(self.planned)
+
+    def join(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)
 
 
 def require_cuda(device: torch.device) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -112,10 +112,14 @@ class ForwardLaunches:
         self.row_history = torch.zeros(ROW_HISTORY, self.static.max_rows, dtype=torch.int64, device=dev)
 
     # ---- the two halves ----------------------------------------------------------------------------
-    def head(self, *, full: bool = False, limit: Optional[tuple[int, int]] = None) -> None:
+    def head(self, *, full: bool = False, limit: Optional[tuple[int, int]] = None,
+             on_open: Optional[Callable[[], None]] = None, before_records: Optional[Callable[[], None]] = None) -> None:
         """Plan, HEAD verify + write, slot records, for every group. ``limit``: span ``(rows, tokens)`` of the
         static buffers (a graph bucket: everything past the staged batch is padding); else ``full`` or while
-        capturing: the whole static capacity; else the staged batch's size. `tail` spans what `head` spanned."""
+        capturing: the whole static capacity; else the staged batch's size. `tail` spans what `head` spanned.
+        ``on_open``: called once the step is open (rings marked), before any HEAD check: work that must see the
+        slot records and KV as the step found them (the sweep slice); ``before_records``: called before the
+        first slot-record write (where a parallel branch joins)."""
         s = self.static
         if limit is not None:
             shape = _Shape(rows=min(limit[0], s.max_rows), tokens=min(limit[1], s.max_tokens))
@@ -156,6 +160,8 @@ class ForwardLaunches:
                 if oracle is not None:
                     expected_positions = tokens_row.positions
                     expected_tokens = s.expected_ids[:n] if oracle.table is None else tokens_row.expected
+                if on_open is not None:
+                    on_open()
             else:
                 self.plans_disabled[gi : gi + 1] += 1 - vplan.enable
             if s.has_context and g.anchor_rows:
@@ -171,6 +177,8 @@ class ForwardLaunches:
                 enable_write_input_assert=expected_tokens is not None,
                 expected_input_tokens=expected_tokens, expected_input_positions=expected_positions,
             )
+            if before_records is not None and gi == 0:
+                before_records()
             self._record_slots(g, wplan, tokens_row, out_loc, n)
 
     def tail(self, *, run_checks: bool = True) -> None:

@@ -109,17 +109,19 @@ class Sweeper:
         self.sweeps = 0  # explicit full sweeps
         self.passes = 0  # rotating passes completed
         self.slices_run = 0
+        self._refreshed_at = -1  # slices_run at the last live-set refresh (a pass refreshes once)
         self.last: Optional[SweepReport] = None
         self._no_assert = torch.zeros(1, dtype=torch.int32, device=next(iter(groups.values())).device)
         self._slices = {n: _Slices(g, self.interval) for n, g in groups.items()} if self.interval > 0 else {}
 
     # ---- per forward --------------------------------------------------------------------------------
     def pass_starts(self) -> bool:
-        """True when the next slice starts a pass (the host refreshes the live set first)."""
-        return self.interval > 0 and self.slices_run % self.interval == 0
+        """True when the next slice starts a pass whose live set is not refreshed yet (the host refreshes it first)."""
+        return self.interval > 0 and self.slices_run % self.interval == 0 and self._refreshed_at != self.slices_run
 
     def refresh_live(self, live: Mapping[str, torch.Tensor]) -> None:
         """New live set for the pass about to start (host: once per pass)."""
+        self._refreshed_at = self.slices_run
         if self.slices_run:
             self.passes += 1
         for name, sl in self._slices.items():
@@ -146,15 +148,25 @@ class Sweeper:
         self.slices_run += 1
 
     def slice_device(self) -> None:
-        """The device half of `slice` (capturable; the caller counts ``slices_run``). Per group the slice's
-        plan, owners, ``verified`` and cursor come from one fused kernel on CUDA (`kernels.sweep_slice`)."""
+        """The device half of `slice` (capturable; the caller counts ``slices_run``): `slice_plans`, then
+        `slice_checks`."""
+        self.slice_plans()
+        self.slice_checks()
+
+    def slice_plans(self) -> None:
+        """Every group's slice plan, owners, ``verified`` and cursor from the slot records: one fused kernel per
+        group on CUDA (`kernels.sweep_slice`). The only part of a slice that reads the records."""
         for name, sl in self._slices.items():
             g = self.groups[name]
             kernels.sweep_slice(
                 records=g.records, plan=sl.plan, live_mask=sl.live, cursor=sl.cursor, offsets=sl.offsets,
                 span=sl.span, step=self.step, owner_history=sl.owner_history, verified=sl.verified, done=sl.done,
             )
-            self._launch(g, sl.plan, entry_rows=sl.ones)
+
+    def slice_checks(self) -> None:
+        """Verify every group's slice plan (TAIL records, real KV, deep fingerprints) and stamp its rows."""
+        for name, sl in self._slices.items():
+            self._launch(self.groups[name], sl.plan, entry_rows=sl.ones)
 
     # ---- explicit full sweep ------------------------------------------------------------------------
     def run(self, live: Mapping[str, torch.Tensor]) -> SweepReport:
