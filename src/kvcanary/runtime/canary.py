@@ -211,7 +211,7 @@ class Canary:
 
     @contextlib.contextmanager
     def forward(self, batch: BatchDescription) -> Iterator[None]:
-        """Bracket one engine forward: HEAD checks on entry, TAIL checks (and a sweep slice) on exit.
+        """Bracket one engine forward: HEAD checks and the sweep slice (`launch_head`) on entry, TAIL checks on exit.
 
         If the body raises, TAIL is skipped, the step still ends, and the engine's exception
         propagates. Re-entrant use passes through.
