@@ -9,8 +9,9 @@ Three blocks, each a torch twin (the reference; what the CPU runs) and a Triton 
   (``row_history[step % rows] = rows``) and counts a disabled first plan (``disabled += 1 - enable``).
 * ``record_write`` — the slot records of one HEAD write (`SlotRecords`): position, predecessor slot (the
   row's seed for a row's first token, else the previous token's slot, or 0 — unknown, never checked — when that
-  token was not stored; a context anchor becomes the trash row), owner ``step * owner_span + row`` and step, last write wins when a slot repeats. Triton: kernel 1
-  claims each slot with ``atomic_max`` of the key ``epoch * 2**20 + token``, kernel 2 stores the fields of
+  token was not stored; a context anchor becomes the trash row), owner ``step * owner_span + row`` and step,
+  last write wins when a slot repeats. Triton: kernel 1 claims each slot with ``atomic_max`` of the key
+  ``epoch * 2**20 + token``, kernel 2 stores the fields of
   the token whose key won. The epoch is a device counter of the records advanced once per launch pair, so
   keys grow across launches and the scratch never needs a reset (a step number would not do: a step can
   be replayed with another batch, e.g. by an engine warming up its own graphs). Skipped tokens (invalid,
