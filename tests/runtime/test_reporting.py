@@ -28,7 +28,7 @@ def test_a_flood_is_rate_limited_in_the_log_but_exact_in_counters_and_jsonl(tmp_
                                                           readable_per_step=1))
     warm_sim(engine, steps=30, seed=4)
     slots = _scribble(engine)
-    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+    with caplog.at_level(logging.DEBUG, logger="kvcanary"):  # the first-seen markers are DEBUG records
         engine.run(25, SimWorkload(seed=4, arrival_prob=0.0, abort_prob=0.0))
         counters = canary.counters()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_canary violation:")]
@@ -77,6 +77,28 @@ def test_raise_mode_surfaces_a_failing_sink(tmp_path):
     _scribble(engine)
     with pytest.raises(OSError):
         engine.run(5, SimWorkload(seed=4, arrival_prob=0.0, abort_prob=0.0))
+
+
+def test_log_mode_writes_one_warning_line_per_violation_and_the_real_kv_line_shows_fingerprints(caplog):
+    engine, canary = make_sim(seed=4, canary_options=dict(readable_per_step=4))
+    warm_sim(engine, steps=30, seed=4)
+    _scribble(engine)
+    with caplog.at_level(logging.DEBUG, logger="kvcanary"):
+        engine.run(2, SimWorkload(seed=4, arrival_prob=0.0, abort_prob=0.0))
+        violations = canary.violations()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    lines = [m for m in warnings if m.startswith("kv_canary violation:")]
+    assert violations and len(lines) == len(violations)  # under the per-slot limit: every row, once
+    assert all(m.startswith(("kv_canary violation:", "kv_canary summary:")) for m in warnings), warnings
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(m.startswith("kv_canary first-seen:") for m in debug)
+    assert any("meaning:  the K/V bytes changed" in m for m in debug)  # the readable block, at DEBUG
+    v = next(v for v in violations if v.reason_label == "verify_real_kv_hash")
+    line = v.log_line()
+    assert line in lines
+    assert line.endswith(f" stored_fingerprint=0x{v.stored_fingerprint:016x} "
+                         f"recomputed_fingerprint=0x{v.recomputed_fingerprint:016x}")
+    assert all("stored_fingerprint=" not in u.log_line() for u in violations if u.stored_fingerprint is None)
 
 
 def test_real_kv_readable_block_shows_stored_and_recomputed_fingerprints():

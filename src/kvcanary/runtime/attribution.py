@@ -83,7 +83,9 @@ class Violation:
         return self.launch_tag.phase
 
     def log_line(self) -> str:
-        """The stable one-line form (``kv_canary violation: launch_tag=... fail_reason=...``)."""
+        """The stable one-line form (``kv_canary violation: launch_tag=... fail_reason=...``); a row that carries
+        real-KV fingerprints ends with ``stored_fingerprint=... recomputed_fingerprint=...`` (the chain hashes
+        before them agree on such a row: the record is intact, the K/V bytes are not)."""
         exp_tok = "-" if self.expected_token is None else self.expected_token
         exp_pos = "-" if self.expected_position is None else self.expected_position
         return (
@@ -94,6 +96,8 @@ class Violation:
             f"group={self.group} op={self.op} request_id={self.request_id if self.request_id is not None else '-'} "
             f"request_row={self.request_row if self.request_row is not None else '-'} "
             f"step={self.step} forward_kind={self.forward_kind}"
+            + ("" if self.stored_fingerprint is None else
+               f" stored_fingerprint={_hex(self.stored_fingerprint)} recomputed_fingerprint={_hex(self.recomputed_fingerprint)}")
         )
 
     def readable(self) -> str:

@@ -3,10 +3,11 @@
 Counts per launch tag come from the rings' write indices (exact even when a ring is full); counts per
 reason from the rows kept. Every kept violation is counted, kept (up to a bound), handed to the sinks and
 written as one JSON object to ``jsonl_path`` when set. The *log* is rate-limited so an incident stays
-readable: a ``kv_canary first-seen`` marker the first time a (group, slot) is reported, the stable line
-(``kv_canary violation: launch_tag=... fail_reason=...``) for the first ``log_lines_per_slot`` rows of each
-(reason, group, slot), a readable block for the first few of a drain, and one ``kv_canary summary`` line per
-drain (counts by reason and by request, lines suppressed). A sink that fails (a JSON-lines file that cannot be
+readable: one stable line per violation (``kv_canary violation: launch_tag=... fail_reason=...``) for the first
+``log_lines_per_slot`` rows of each (reason, group, slot), at WARNING (ERROR in ``raise`` mode), and one
+``kv_canary summary`` line per drain (counts by reason and by request, lines suppressed). At DEBUG also: a
+``kv_canary first-seen`` marker the first time a (group, slot) is reported and a readable block (with what the
+reason means) for the first ``readable_per_step`` logged rows of a drain. A sink that fails (a JSON-lines file that cannot be
 written, a callable that raises) is reported once, counted in ``sink_errors`` and dropped in ``log`` mode;
 reporting goes on.
 """
@@ -85,14 +86,14 @@ class ViolationLedger:
                     self.by_reason[bit.label] += 1
             if (v.group, v.slot) not in self._seen:
                 self._seen.add((v.group, v.slot))
-                logger.log(level, "kv_canary first-seen: group=%s slot_idx=%d step=%d fail_reason=%s request_id=%s",
-                           v.group, v.slot, v.step, v.reason_label, v.request_id if v.request_id is not None else "-")
+                logger.debug("kv_canary first-seen: group=%s slot_idx=%d step=%d fail_reason=%s request_id=%s",
+                             v.group, v.slot, v.step, v.reason_label, v.request_id if v.request_id is not None else "-")
             key = (v.reason_label, v.group, v.slot)
             self._lines[key] += 1
             if self._lines[key] <= self.lines_per_slot:
                 logger.log(level, v.log_line())
                 if i < self.readable_per_step:
-                    logger.log(level, v.readable())
+                    logger.debug(v.readable())
             else:
                 suppressed += 1
             if len(self._kept) < MAX_KEPT_VIOLATIONS:
