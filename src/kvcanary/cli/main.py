@@ -1,4 +1,4 @@
-"""``kvcanary`` command line: ``kvcanary demo [--json PATH] [--device DEV] [--seed N]``."""
+"""``kvcanary`` command line: ``kvcanary demo | campaign | replay | pd | report`` (``kvcanary -h``)."""
 from __future__ import annotations
 
 import argparse
@@ -33,10 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     pd.add_argument("--seed", type=int, default=0, help="seed for prompts and engines")
     pd.add_argument("--max-new", type=int, default=6, help="tokens to decode per request")
     pd.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl with 2 GPUs, else gloo)")
-    from kvcanary.cli import campaign, replay
+    from kvcanary.cli import campaign, replay, report
 
     campaign.add_parser(sub)
     replay.add_parser(sub)
+    report.add_parser(sub)
     return parser
 
 
@@ -62,11 +63,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from kvcanary.cli.pd import main as pd_main
 
         return pd_main(args)
-    if args.command in ("campaign", "replay"):
-        from kvcanary.cli import campaign, replay
+    if args.command in ("campaign", "replay", "report"):
+        from kvcanary.cli import campaign, replay, report
 
         try:
-            return (campaign if args.command == "campaign" else replay).run(args)
+            return {"campaign": campaign, "replay": replay, "report": report}[args.command].run(args)
         except Exception as exc:
             return _usage_error(exc)
     return 2
