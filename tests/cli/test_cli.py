@@ -73,3 +73,37 @@ def test_demo_json_records_versions_device_and_seed(tmp_path):
     assert result["versions"]["torch"] == torch.__version__
     assert result["versions"]["transformers"] == transformers.__version__
     assert result["versions"]["python"].count(".") == 2
+
+
+def test_unknown_demo_model_lists_the_valid_ones_before_the_run(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    _no_demo(monkeypatch)
+    assert cli_main.main(["demo", "--models", "gpt2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kv-canary: --models: unknown model(s) gpt2")
+    assert "llama" in err[0] and "qwen3_swa" in err[0]
+
+
+def test_demo_json_says_where_it_wrote(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "demo.json"
+    assert cli_main.main(["demo", "--models", "", "--device", "cpu", "--json", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out and out.is_file()
+
+
+def _options(parser):
+    """(subcommand, option strings, help) for every option of every subcommand."""
+    import argparse
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if action.option_strings and not isinstance(action, argparse._HelpAction):
+                yield name, action.option_strings, action.help
+
+
+def test_every_option_of_every_command_has_help_text():
+    missing = [(name, opts) for name, opts, text in _options(cli_main._parser()) if not text]
+    assert not missing, missing
+    names = {name for name, _, _ in _options(cli_main._parser())}
+    assert {"demo", "pd", "campaign", "replay", "report"} <= names

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -98,10 +98,26 @@ def _summary(handle) -> dict:
             "violations": int(counters.get("total", 0)), "by_reason": dict(counters.get("by_reason", {}))}
 
 
-def run_demo(*, device: Optional[str] = None, seed: int = 0, models=("llama", "qwen3_swa"),
-             verbose: bool = False) -> dict:
+MODELS = ("llama", "qwen3_swa")
+
+
+def check_models(models) -> tuple[str, ...]:
+    """``models`` (names) as a tuple, each one of `MODELS`."""
+    models = tuple(models)
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise KvCanaryValueError(f"kv-canary: --models: unknown model(s) {', '.join(unknown)}; "
+                                 f"the demo's models are {', '.join(MODELS)} (tiny, random, embedded)")
+    return models
+
+
+def run_demo(*, device: Optional[str] = None, seed: int = 0, models=MODELS,
+             verbose: bool = False, progress: Optional[Callable[[str], None]] = None) -> dict:
     """Run the demo; returns the JSON-ready result (see `kvcanary.cli.main`). Unless ``verbose``, the
-    engine's log and the canary's per-violation log lines are kept quiet (the table reports them)."""
+    engine's log and the canary's per-violation log lines are kept quiet (the table reports them).
+    ``progress(line)`` is called before each generation run."""
+    models = check_models(models)
+    say = progress or (lambda line: None)
     if not verbose:
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
         logging.getLogger("kvcanary").setLevel(logging.ERROR)
@@ -113,7 +129,9 @@ def run_demo(*, device: Optional[str] = None, seed: int = 0, models=("llama", "q
     t0 = time.perf_counter()
     for kind in models:
         model = tiny_model(kind, dev, seed)
+        say(f"{kind}: reference run (no canary) ...")
         reference = generate(model, prompts)
+        say(f"{kind}: clean run with the canary ...")
         with attach(model, mode="log", sweep_interval=8, readable_per_step=0) as handle:
             checked = generate(model, prompts)
         clean = _summary(handle)
@@ -125,6 +143,7 @@ def run_demo(*, device: Optional[str] = None, seed: int = 0, models=("llama", "q
         faults = [FlipSharedBlockByte(seed=seed), RedirectRead(group="full", seed=seed)] if kind == "llama" else \
             [RedirectRead(group="swa", seed=seed)]
         for injector in faults:
+            say(f"{kind}: run with fault {injector.name} ...")
             injector.install(model)
             try:
                 with attach(model, mode="log", sweep_interval=8, readable_per_step=0) as handle:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from kvcanary.cli.tables import fault_lines
 from kvcanary.errors import KvCanaryRuntimeError
@@ -63,15 +63,28 @@ def _summary(run: dict) -> dict:
             "preemptions": m.get("num_preemptions", 0), "slots_reused": m.get("kv_canary_slots_reused", 0)}
 
 
-def run_demo(*, seed: int = 0, processes: bool = False, workdir: Optional[str] = None) -> dict:
-    """Run the three engines; the JSON-ready result (`format_table` prints it)."""
+RUNS = (("ref", "without the canary (reference outputs)"), ("clean", "with the canary"),
+        ("faults", "with the canary and two injected faults"))
+
+
+def run_demo(*, seed: int = 0, processes: bool = False, workdir: Optional[str] = None,
+             progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Run the three engines; the JSON-ready result (`format_table` prints it). ``progress(line)`` is
+    called before each run and after it (each takes about a minute on a small CPU)."""
     from kvcanary.engines.vllm import check_vllm_version
 
     version = check_vllm_version()
     t0 = time.perf_counter()
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
         work = workdir or tmp
-        runs = [_run(mode, work, seed, processes) for mode in ("ref", "clean", "faults")]
+        for k, (mode, what) in enumerate(RUNS, 1):
+            if progress is not None:
+                progress(f"vLLM run {k}/{len(RUNS)}: {what} ...")
+            t = time.perf_counter()
+            runs.append(_run(mode, work, seed, processes))
+            if progress is not None:
+                progress(f"vLLM run {k}/{len(RUNS)} done in {time.perf_counter() - t:.0f} s")
     return summarize(*runs, engine=f"vllm {version} (cpu)", processes=processes,
                      seconds=round(time.perf_counter() - t0, 2))
 

@@ -23,7 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     demo.add_argument("--seed", type=int, default=0, help="seed for models, workload and fault injectors")
     demo.add_argument("--verbose", action="store_true", help="show the engine log and one log line per violation")
-    demo.add_argument("--models", default="llama,qwen3_swa", help="comma list of: llama, qwen3_swa")
+    demo.add_argument("--models", default="llama,qwen3_swa",
+                      help="comma list of the embedded tiny random models: llama (full attention), "
+                           "qwen3_swa (sliding window + full) (default both)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     demo.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                       help="transformers continuous batching (default) or vLLM (needs the vLLM venv: scripts/setup_vllm.sh)")
     demo.add_argument("--processes", action="store_true",
@@ -32,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     pd.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     pd.add_argument("--seed", type=int, default=0, help="seed for prompts and engines")
     pd.add_argument("--max-new", type=int, default=6, help="tokens to decode per request")
-    pd.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl with 2 GPUs, else gloo)")
+    pd.add_argument("--backend", default=None, help="torch.distributed backend: gloo or nccl (default: nccl with 2 GPUs, else gloo)")
     from kvcanary.cli import campaign, replay, report
 
     campaign.add_parser(sub)
@@ -48,21 +51,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "demo":
         try:
             check_output_path("--json", args.json)  # before the run, not after it
-            from kvcanary.cli.demo import format_table, run_demo
+            from kvcanary.cli.demo import check_models, format_table, run_demo
             from kvcanary.engines.transformers_cb.attach import check_device
 
+            models = check_models(m for m in args.models.split(",") if m)
             check_device(args.device)
-            result = run_demo(device=args.device, seed=args.seed, models=tuple(m for m in args.models.split(",") if m),
-                              verbose=args.verbose)
+            result = run_demo(device=args.device, seed=args.seed, models=models, verbose=args.verbose,
+                              progress=None if args.no_progress else _progress("demo"))
         except Exception as exc:
             return _usage_error(exc)
         _emit(format_table(result), result, args.json)
         clean_ok = result["clean"]["violations"] == 0
         return 0 if clean_ok and all(f["caught"] for f in result["faults"]) else 1
     if args.command == "pd":
-        from kvcanary.cli.pd import main as pd_main
+        try:
+            from kvcanary.cli.pd import main as pd_main
 
-        return pd_main(args)
+            return pd_main(args)
+        except Exception as exc:
+            return _usage_error(exc)
     if args.command in ("campaign", "replay", "report"):
         from kvcanary.cli import campaign, replay, report
 
@@ -83,11 +90,24 @@ def _usage_error(exc: Exception) -> int:
 
 
 def _emit(table: str, result: dict, json_path: Optional[str]) -> None:
-    """Print a run's table; write its result as JSON when asked."""
+    """Print a run's table; write its result as JSON when asked (and say where)."""
     print(table)
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(result, fh, indent=2, default=str)
+        print(f"wrote {json_path}")
+
+
+def _progress(command: str):
+    """A progress sink: one timestamped line per phase on stderr (the table goes to stdout)."""
+    import time
+
+    t0 = time.perf_counter()
+
+    def say(line: str) -> None:
+        print(f"kvcanary {command} [{time.perf_counter() - t0:5.0f} s] {line}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def _demo_vllm(args) -> int:
@@ -96,7 +116,10 @@ def _demo_vllm(args) -> int:
         check_output_path("--json", args.json)
         from kvcanary.cli.demo_vllm import format_table, run_demo
 
-        result = run_demo(seed=args.seed, processes=args.processes)
+        if args.models != "llama,qwen3_swa" and args.models != "llama":
+            raise KvCanaryValueError("kv-canary: --models: the vLLM demo runs one model, llama")
+        result = run_demo(seed=args.seed, processes=args.processes,
+                          progress=None if args.no_progress else _progress("demo"))
     except Exception as exc:
         return _usage_error(exc)
     _emit(format_table(result), result, args.json)

@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 from typing import Optional
 
 import torch
 
-from kvcanary.errors import KvCanaryRuntimeError
+from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
 from kvcanary.engines.sim import SimConfig, SimEngine
 from kvcanary.engines.sim.moves import SimMoves, Transfer
 from kvcanary.ops import FailReason
@@ -241,20 +242,58 @@ def run_pd(*, seed: int = 0, max_new: int = 6, backend: Optional[str] = None) ->
 
 
 def format_table(result: dict) -> str:
-    lines = [f"kvcanary pd: prefill (rank 0) -> decode (rank 1) over {result['backend']}, seed {result['seed']}",
-             f"{'scenario':<18} {'blocks':>6} {'caught':>6} {'viol':>5}  {'reasons':<40} {'blamed':<22} tokens"]
+    head = ("scenario", "blocks", "caught", "viol", "reasons", "blamed", "tokens")
+    rows = [head]
     for r in result["rows"]:
         tok = ("same as one process" if r.get("same_tokens_as_one_process") else "DIFFERENT") if "tokens" in r else "not decoded"
-        lines.append(f"{r['scenario']:<18} {r['blocks']:>6} {str(r['caught']):>6} {r['violations']:>5}  "
-                     f"{'+'.join(r['reasons']) or '-':<40} {','.join(r['blamed']) or '-':<22} {tok}")
+        rows.append((r["scenario"], str(r["blocks"]), "yes" if r["caught"] else "no", str(r["violations"]),
+                     "+".join(r["reasons"]) or "-", ",".join(r["blamed"]) or "-", tok))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    right = {1, 3}  # numbers
+    lines = [f"kvcanary pd: prefill (rank 0) -> decode (rank 1) over {result['backend']}, seed {result['seed']}"]
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
     lines.append(f"prefill-side violations: {result['prefill_violations']}; result: {'OK' if result['ok'] else 'FAILED'}")
     return "\n".join(lines)
 
 
+BACKENDS = ("gloo", "nccl")
+
+
+def check_args(args) -> None:
+    """Every argument, before the two processes start (a bad backend would fail in both, late)."""
+    from kvcanary.cli.main import check_output_path
+
+    if args.max_new < 1:
+        raise KvCanaryValueError(f"kv-canary: --max-new must be >= 1, got {args.max_new}")
+    check_output_path("--json", args.json)
+    if args.backend is None:
+        return
+    if args.backend not in BACKENDS:
+        raise KvCanaryValueError(f"kv-canary: --backend {args.backend!r} is not one of {', '.join(BACKENDS)}")
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise KvCanaryValueError("kv-canary: --backend: this torch build has no torch.distributed")
+    if args.backend == "nccl":
+        if not dist.is_nccl_available():
+            raise KvCanaryValueError("kv-canary: --backend nccl: this torch build has no NCCL (a CPU build?); "
+                                     "use --backend gloo")
+        if torch.cuda.device_count() < 2:
+            raise KvCanaryValueError(f"kv-canary: --backend nccl needs 2 CUDA devices, this machine has "
+                                     f"{torch.cuda.device_count()}; use --backend gloo")
+    elif not dist.is_gloo_available():
+        raise KvCanaryValueError("kv-canary: --backend gloo: this torch build has no gloo")
+
+
 def main(args) -> int:
+    check_args(args)
+    print("kvcanary pd: starting two processes (prefill, decode) ...", file=sys.stderr, flush=True)
     result = run_pd(seed=args.seed, max_new=args.max_new, backend=args.backend)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
+        print(f"wrote {args.json}")
     return 0 if result["ok"] else 1
