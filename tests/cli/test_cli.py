@@ -80,7 +80,7 @@ def test_unknown_demo_model_lists_the_valid_ones_before_the_run(monkeypatch, cap
     _no_demo(monkeypatch)
     assert cli_main.main(["demo", "--models", "gpt2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("kv-canary: --models: unknown model(s) gpt2")
+    assert len(err) == 1 and err[0].startswith("kv-canary: unknown demo model 'gpt2' (--models: ")
     assert "llama" in err[0] and "qwen3_swa" in err[0]
 
 

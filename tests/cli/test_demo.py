@@ -11,10 +11,14 @@ from kvcanary.cli.main import main  # noqa: E402
 
 
 def test_demo_prints_table_and_writes_json(tmp_path, capsys):
-    out = tmp_path / "demo.json"
-    rc = main(["demo", "--json", str(out), "--seed", "0"])
+    out, jsonl = tmp_path / "demo.json", tmp_path / "violations.jsonl"
+    rc = main(["demo", "--json", str(out), "--seed", "0", "--jsonl", str(jsonl)])
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
+    # every violation of the faulted runs reached the JSON lines, and `kvcanary report` reads them
+    assert len(jsonl.read_text().splitlines()) == sum(f["violations_in_run"] for f in result["faults"]) > 0
+    assert main(["report", str(jsonl), "--json", "-"]) == 1
+    assert json.loads(capsys.readouterr().out)["violations"] == len(jsonl.read_text().splitlines())
 
     assert set(result["clean"]) >= {"forwards", "slots_verified", "violations"}
     assert result["clean"]["violations"] == 0

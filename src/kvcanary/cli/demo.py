@@ -106,16 +106,19 @@ def check_models(models) -> tuple[str, ...]:
     models = tuple(models)
     unknown = [m for m in models if m not in MODELS]
     if unknown:
-        raise KvCanaryValueError(f"kv-canary: --models: unknown model(s) {', '.join(unknown)}; "
-                                 f"the demo's models are {', '.join(MODELS)} (tiny, random, embedded)")
+        raise KvCanaryValueError(f"kv-canary: unknown demo model {', '.join(map(repr, unknown))} (--models: a comma "
+                                 f"list of {', '.join(MODELS)}: tiny random models, embedded)")
     return models
 
 
 def run_demo(*, device: Optional[str] = None, seed: int = 0, models=MODELS,
-             verbose: bool = False, progress: Optional[Callable[[str], None]] = None) -> dict:
+             verbose: bool = False, progress: Optional[Callable[[str], None]] = None,
+             jsonl_path: Optional[str] = None) -> dict:
     """Run the demo; returns the JSON-ready result (see `kvcanary.cli.main`). Unless ``verbose``, the
     engine's log and the canary's per-violation log lines are kept quiet (the table reports them).
-    ``progress(line)`` is called before each generation run."""
+    ``progress(line)`` is called before each generation run. ``jsonl_path``: every checked run appends its
+    violations there as JSON lines (the canary's ``jsonl_path`` sink; ``kvcanary report`` reads it)."""
+    sink = {} if jsonl_path is None else {"jsonl_path": jsonl_path}
     models = check_models(models)
     say = progress or (lambda line: None)
     if not verbose:
@@ -132,7 +135,7 @@ def run_demo(*, device: Optional[str] = None, seed: int = 0, models=MODELS,
         say(f"{kind}: reference run (no canary) ...")
         reference = generate(model, prompts)
         say(f"{kind}: clean run with the canary ...")
-        with attach(model, mode="log", sweep_interval=8, readable_per_step=0) as handle:
+        with attach(model, mode="log", sweep_interval=8, readable_per_step=0, **sink) as handle:
             checked = generate(model, prompts)
         clean = _summary(handle)
         clean["outputs_identical"] = checked == reference
@@ -146,7 +149,7 @@ def run_demo(*, device: Optional[str] = None, seed: int = 0, models=MODELS,
             say(f"{kind}: run with fault {injector.name} ...")
             injector.install(model)
             try:
-                with attach(model, mode="log", sweep_interval=8, readable_per_step=0) as handle:
+                with attach(model, mode="log", sweep_interval=8, readable_per_step=0, **sink) as handle:
                     generate(model, prompts)
             finally:
                 injector.remove()

@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="comma list of the embedded tiny random models: llama (full attention), "
                            "qwen3_swa (sliding window + full) (default both)")
     demo.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    demo.add_argument("--jsonl", metavar="PATH", help="transformers: append every violation as a JSON line to PATH "
+                      "(read it with: kvcanary report PATH)")
     demo.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                       help="transformers continuous batching (default) or vLLM (needs the vLLM venv: scripts/setup_vllm.sh)")
     demo.add_argument("--processes", action="store_true",
@@ -51,16 +53,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "demo":
         try:
             check_output_path("--json", args.json)  # before the run, not after it
+            check_output_path("--jsonl", args.jsonl)
             from kvcanary.cli.demo import check_models, format_table, run_demo
             from kvcanary.engines.transformers_cb.attach import check_device
 
             models = check_models(m for m in args.models.split(",") if m)
             check_device(args.device)
             result = run_demo(device=args.device, seed=args.seed, models=models, verbose=args.verbose,
-                              progress=None if args.no_progress else _progress("demo"))
+                              progress=None if args.no_progress else _progress("demo"), jsonl_path=args.jsonl)
         except Exception as exc:
             return _usage_error(exc)
         _emit(format_table(result), result, args.json)
+        if args.jsonl:
+            print(f"violations appended to {args.jsonl} (kvcanary report {args.jsonl})")
         clean_ok = result["clean"]["violations"] == 0
         return 0 if clean_ok and all(f["caught"] for f in result["faults"]) else 1
     if args.command == "pd":
@@ -118,6 +123,9 @@ def _demo_vllm(args) -> int:
 
         if args.models != "llama,qwen3_swa" and args.models != "llama":
             raise KvCanaryValueError("kv-canary: --models: the vLLM demo runs one model, llama")
+        if args.jsonl:
+            raise KvCanaryValueError("kv-canary: --jsonl: the vLLM demo keeps its workers' JSON lines in a temporary "
+                                     "directory; use the transformers demo, or jsonl_path in kv_transfer_config")
         result = run_demo(seed=args.seed, processes=args.processes,
                           progress=None if args.no_progress else _progress("demo"))
     except Exception as exc:

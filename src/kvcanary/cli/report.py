@@ -238,7 +238,10 @@ def format_report(s: dict, *, top: int = TOP_DEFAULT) -> str:
     lines += tally("by group", "group", s["by_group"], len(s["by_group"]))
     lines += tally("by request", "request", s["by_request"], s["requests"])
     lines += tally("by slot", "group/slot", s["by_slot"], s["slots"])
-    lines += tally("by step", "step", s["by_step"], s["steps"])
+    more = f" (top {len(s['by_step'])} of {s['steps']})" if s["steps"] > len(s["by_step"]) else ""
+    lines += _table("by step" + more, ("step", "violations", "slots", "requests", "reasons"),
+                    [(r["key"], r["violations"], r["slots"], r["requests"], "+".join(r["reasons"]))
+                     for r in s["by_step"]])
     return "\n".join(lines).rstrip()
 
 
