@@ -37,6 +37,12 @@ def test_replays_md_count_and_table_match_the_replay_modes():
     assert _replay_rows((DOCS / "replays.out.txt").read_text()) == rows
 
 
+def test_readme_replay_count_matches():
+    caught = sum(m.expect_caught for m in BUG_MODES.values())
+    m = re.search(r"# (\d+) kinds of reported KV bugs re-enacted, (\d+) caught", README.read_text())
+    assert m and (int(m.group(1)), int(m.group(2))) == (len(BUG_MODES), caught)
+
+
 def test_replays_json_matches_the_table():
     results = json.loads((DOCS / "replays.json").read_text())
     md = (DOCS / "replays.md").read_text()
