@@ -213,9 +213,9 @@ def format_report(s: dict, *, top: int = TOP_DEFAULT) -> str:
     f = s["first"]
     lines = [f"kvcanary report: {s['violations']} violation(s), {s['requests']} request(s), {s['slots']} slot(s); "
              f"files: {files}",
-             f"first seen: step {f['step']} {f['launch_tag']} {f['fail_reason']} {f['group']} slot {f['slot']} "
-             f"position {f['stored_position']} request {f['request_id'] if f['request_id'] is not None else '-'} "
-             f"({f['file']}:{f['line']})",
+             f"first seen: step {f.get('step')} {f['launch_tag']} {'+'.join(_reasons(f))} {f.get('group')} "
+             f"slot {f['slot']} position {f.get('stored_position', '-')} "
+             f"request {f['request_id'] if f.get('request_id') is not None else '-'} ({f['file']}:{f['line']})",
              f"last seen:  step {s['last']['step']} ({s['last']['file']}:{s['last']['line']})", ""]
     lines += _table("by reason", ("reason", "violations", "steps", "slots", "requests", "usually means"),
                     [(r["key"], r["violations"], _steps(r), r["slots"], r["requests"], r["meaning"])
