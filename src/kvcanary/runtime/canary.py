@@ -21,6 +21,9 @@ How an adapter drives it (the whole engine-facing API):
 
        canary.set_live_slots_provider(lambda: {"full": allocator.used_slots()})
 
+   and, as slots are freed between forwards, ``canary.release_slots("full", freed)``: a pass takes its live
+   set once, at its start, and must not go on checking a slot the engine freed (and may have reused) since.
+
 4. Around every model forward::
 
        with canary.forward(batch):          # batch: BatchDescription, built before the forward
@@ -208,6 +211,16 @@ class Canary:
         indices, or a bool mask of the group's ``num_slots`` entries (True = live; slot 0 is padding either way).
         A mask is the cheaper hand-over for an engine that keeps one (no index list built, none scattered)."""
         self._live_slots = provider
+
+    def release_slots(self, group: str, slots) -> None:
+        """The engine freed ``slots`` of ``group`` (int slot indices; call between forwards, as it frees them):
+        the rotating sweep stops checking them until the provider lists them live again (the next pass). An
+        engine that can reuse a freed slot's bytes within one pass (e.g. a pool whose memory moves between
+        groups) must call it, or the pass may check a slot that is free, or reallocated and not yet written."""
+        self._check_open()
+        g = self._group(group)
+        if self._sweeping():
+            self.sweeper.release(g.name, torch.as_tensor(slots, dtype=torch.int64).flatten())
 
     @contextlib.contextmanager
     def forward(self, batch: BatchDescription) -> Iterator[None]:

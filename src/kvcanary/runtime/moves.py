@@ -41,7 +41,7 @@ from kvcanary.ops.copy_format import CANARY_RECORDS_HEADER_ROWS, check_canary_re
 from kvcanary.ops.constants import CANARY_FIELD_POSITION
 from kvcanary.ops.reference.common import last_occurrence_mask
 from kvcanary.runtime.attribution import Violation
-from kvcanary.runtime.groups import CanaryGroup
+from kvcanary.runtime.groups import NEVER_WRITTEN, CanaryGroup
 
 if TYPE_CHECKING:
     from kvcanary.runtime.canary import Canary
@@ -252,13 +252,20 @@ class SlotMoves:
             hit = sorted_src[at] == prev
             prev = torch.where(hit, sorted_dst[at], prev)
         owner = rec.owner[safe_src] if lens is None else self._owner_codes(self.canary.step, lens, g.device)
-        self._store_slot_records(g, dst, live, position=rec.position[safe_src], prev_slot=prev, owner=owner,
-                                 step=self.canary.step)
+        # A source never written (e.g. the unwritten tail of a forked request's last block) gives a destination
+        # never written: its copied record is empty, and must not pass for one written at the move's step.
+        unwritten = rec.step[safe_src] == NEVER_WRITTEN
+        never = torch.full_like(prev, NEVER_WRITTEN)
+        self._store_slot_records(g, dst, live, position=torch.where(unwritten, never, rec.position[safe_src]),
+                                 prev_slot=torch.where(unwritten, never, prev),
+                                 owner=torch.where(unwritten, never, owner),
+                                 step=torch.where(unwritten, never, torch.full_like(prev, self.canary.step)))
 
     @staticmethod
     def _store_slot_records(g: CanaryGroup, slots: torch.Tensor, live: torch.Tensor, *, position: torch.Tensor,
-                            prev_slot: torch.Tensor, owner: torch.Tensor, step: int) -> None:
-        """Write the entries' slot records (live entries only; a slot named twice keeps its last entry)."""
+                            prev_slot: torch.Tensor, owner: torch.Tensor, step: Union[int, torch.Tensor]) -> None:
+        """Write the entries' slot records (live entries only; a slot named twice keeps its last entry); ``step``:
+        one step for all, or int64 [n] per entry."""
         keep = live.clone()
         if keep.any():
             idx = keep.nonzero().squeeze(1)
@@ -271,7 +278,7 @@ class SlotMoves:
         rec.position[idx] = position[keep]
         rec.prev_slot[idx] = prev_slot[keep]
         rec.owner[idx] = owner[keep]
-        rec.step[idx] = step
+        rec.step[idx] = step[keep] if isinstance(step, torch.Tensor) else step
 
     def _verify(self, g: CanaryGroup, slots: torch.Tensor, positions: torch.Tensor, tokens: Optional[torch.Tensor],
                 links: torch.Tensor, lens: list[int]) -> int:

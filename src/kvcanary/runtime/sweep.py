@@ -142,6 +142,25 @@ class Sweeper:
             sl.live_count.copy_(sl.live.sum().view(1))
             sl.verified.zero_()
 
+    def release(self, name: str, slots: torch.Tensor) -> None:
+        """The engine freed ``slots`` (int indices of group ``name``): they leave the current pass's live set at
+        once, so no slice verifies them while they are free (the engine may reuse their bytes, or give them to
+        another request, before the slice reaches them). A slot not yet reached counts out of the pass's live
+        total too. The next pass's live set comes from the provider as usual. Device ops only (no host read)."""
+        sl = self._slices.get(name)
+        if sl is None:
+            return
+        g = self.groups[name]
+        slots = sl.upload(slots).clamp(0, g.num_slots)  # out of range -> the trash row (never live)
+        if not slots.numel():
+            return
+        hit = torch.zeros_like(sl.live)
+        hit.index_fill_(0, slots, True)
+        hit &= sl.live
+        pending = hit[: g.num_slots] & (torch.arange(g.num_slots, device=hit.device) >= sl.cursor)
+        sl.live_count.sub_(pending.sum().view(1))
+        sl.live &= ~hit
+
     def slice(self) -> None:
         """Verify the next slice of every group."""
         self.slice_device()

@@ -242,7 +242,15 @@ def persistent_manager(model) -> Optional[object]:
 #   ``FutureRequestState`` whose ``state.is_cpu_offloaded``, pops ``_request_id_to_cpu_blocks[request_id]``
 #   (allocator name -> host block ids) and copies the first ``min(len(host ids), len(block_table[request_id]))``
 #   blocks, positionally, into the request's new blocks. Called from ``prepare_next_batch`` before the forward.
+# * cache_allocators/cache_pool.py ``CachePool.free_blocks(index, block_ids)``: the blocks ``block_ids`` of the
+#   allocator of index ``index`` go back to the free pool (a request's blocks no other request shares nor the
+#   ledger keeps cached, a de-duplicated block, evicted cached blocks). A free block's bytes are the engine's to
+#   reuse: by the same allocator for another request, or, once its whole sector is free
+#   (``try_to_free_sectors``), by another allocator whose blocks cut the same bytes differently.
+#   ``CachePool.reset()`` frees every block (``PagedAttentionCache.reset``). ``cache.pool`` is the pool.
 FORK_COPY_METHOD = "perform_cache_copy"
+POOL_FREE_METHOD = "free_blocks"
+POOL_RESET_METHOD = "reset"
 OFFLOAD_METHOD = "_offload_to_cpu"
 RESTORE_METHOD = "restore_scheduled_requests"
 
@@ -259,6 +267,11 @@ def shadow_method(obj, name: str, make: Callable[[Callable], Callable]) -> Calla
 def unshadow_method(obj, name: str) -> None:
     """Remove the instance attribute: the class method is visible again, exactly as before."""
     vars(obj).pop(name, None)
+
+
+def cache_pool(cache):
+    """``cache.pool``: the ``CachePool`` every allocator takes its blocks from and frees them to."""
+    return cache.pool
 
 
 def offloading_manager(processor):

@@ -13,6 +13,11 @@ transformers 5.24.0 moves KV outside the forward in two ways (the wrapped method
   once against the restored KV, expected positions and the request's tokens, under the ``MOVE_{K,V}`` tags
   and attributed to the restoring request: KV damaged while parked is reported then.
 
+* **free**: blocks going back to the engine's pool (``CachePool.free_blocks`` / ``reset``) are released from
+  the sweep's live set (``Canary.release_slots``): a freed block's bytes may be reused at once — by its own
+  group, or by the other group once its sector is free (the groups cut one byte tensor into blocks of different
+  sizes) — so the sweep pass that listed it live at its start must not check it any longer.
+
 Slots are the canary's compact slots (`layout.GroupLayout`): ``block * page_size + offset``. A request's live
 positions: ``[0, L)`` for full attention (position ``p`` in logical block ``p // page_size``), the last
 ``min(L, W)`` for a sliding window of ``W`` (ring index ``p % W``), ``L`` = ``compat.kv_length``.
@@ -71,7 +76,7 @@ def block_slots(g: GroupLayout, blocks) -> torch.Tensor:
 
 
 class MoveObserver:
-    """The fork / offload / restore wrappers of one session (see the module docstring)."""
+    """The fork / offload / restore / free wrappers of one session (see the module docstring)."""
 
     def __init__(self, *, cache, processor, layouts: list[GroupLayout], enter: Callable[[], Optional[object]],
                  failed: Callable[[Exception], None]) -> None:
@@ -79,6 +84,7 @@ class MoveObserver:
         self.processor = processor
         self.manager = compat.offloading_manager(processor) if compat.cpu_offload_enabled(processor) else None
         self.by_type = {g.layer_type: g for g in layouts}
+        self.by_index = {g.index: g for g in layouts}
         self.enter = enter
         self.failed = failed
         self.parked: dict[str, dict[str, ParkedRecords]] = {}  # request id -> group name -> records
@@ -87,6 +93,7 @@ class MoveObserver:
         self.offloads = 0  # requests whose records were parked
         self.restores = 0  # requests whose records were imported and verified
         self.slots_restored = 0
+        self.slots_released = 0  # slots of blocks freed to the engine's pool
         self._installed: list[tuple[object, str]] = []
 
     # ---- install / remove ----------------------------------------------------------------------------
@@ -95,6 +102,9 @@ class MoveObserver:
         pool exists); `remove` undoes exactly this."""
         try:
             self._shadow(self.cache, compat.FORK_COPY_METHOD, self._wrap_fork_copy)
+            pool = compat.cache_pool(self.cache)
+            self._shadow(pool, compat.POOL_FREE_METHOD, self._wrap_pool_free)
+            self._shadow(pool, compat.POOL_RESET_METHOD, self._wrap_pool_reset)
             if self.manager is not None:
                 self._shadow(self.manager, compat.OFFLOAD_METHOD, self._wrap_offload)
                 self._shadow(self.manager, compat.RESTORE_METHOD, self._wrap_restore)
@@ -109,9 +119,11 @@ class MoveObserver:
         self.parked.clear()
 
     def counts(self) -> dict:
-        """The moves observed: ``fork_copies``, ``slots_copied``, ``offloads``, ``restores``, ``slots_restored``."""
+        """The moves observed: ``fork_copies``, ``slots_copied``, ``offloads``, ``restores``, ``slots_restored``,
+        ``slots_released`` (slots of blocks freed to the pool)."""
         return {"fork_copies": self.forks, "slots_copied": self.slots_copied, "offloads": self.offloads,
-                "restores": self.restores, "slots_restored": self.slots_restored}
+                "restores": self.restores, "slots_restored": self.slots_restored,
+                "slots_released": self.slots_released}
 
     def _shadow(self, obj, name: str, make) -> None:
         compat.shadow_method(obj, name, make)
@@ -125,6 +137,24 @@ class MoveObserver:
             return result
 
         return perform_cache_copy
+
+    def _wrap_pool_free(self, original):
+        def free_blocks(index, block_ids):
+            result = original(index, block_ids)
+            if block_ids:
+                self._observe(lambda canary: self._release(canary, index, block_ids))
+            return result
+
+        return free_blocks
+
+    def _wrap_pool_reset(self, original):
+        def reset():
+            result = original()
+            self._observe(lambda canary: [canary.release_slots(g.name, torch.arange(g.num_slots))
+                                          for g in self.by_type.values()])
+            return result
+
+        return reset
 
     def _wrap_offload(self, original):
         def offload_to_cpu(victims, victim_block_tables):
@@ -188,6 +218,14 @@ class MoveObserver:
                 if block in blocks:
                     owner[block] = rid
         return owner
+
+    # ---- free ------------------------------------------------------------------------------------------
+    def _release(self, canary, index: int, block_ids) -> None:
+        g = self.by_index.get(int(index))
+        if g is None:
+            raise KvCanaryRuntimeError(f"kv-canary: the engine freed blocks of an unknown cache allocator index {index}")
+        canary.release_slots(g.name, block_slots(g, block_ids))
+        self.slots_released += len(block_ids) * g.page_size
 
     # ---- offload / restore -----------------------------------------------------------------------------
     def _park(self, canary, victims, victim_block_tables: dict, moved) -> None:
