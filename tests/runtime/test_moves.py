@@ -156,3 +156,17 @@ def test_bad_input(manual):
         eng.canary.copy_slots("full", [1], [9])
     eng.canary.after_forward()
     assert eng.canary.counters()["total"] == 0
+
+
+def test_a_copy_from_a_never_written_slot_leaves_the_destination_never_written(manual):
+    """A fork copies whole blocks, the parent's unwritten tail too: the copies of unwritten slots stay unwritten
+    (the sweep counts them unrecorded), they do not pass for slots written at the copy's step."""
+    eng = manual()
+    _prefill(eng, [1, 2, 3])
+    _copy_kv(eng, [2, 3, 4], [20, 21, 22])
+    eng.canary.copy_slots("full", [2, 3, 4], [20, 21, 22], request_ids=["b"], label="fork")  # 4: never written
+    rec = eng.canary.groups["full"].records
+    assert rec.step[22].item() == -1 and rec.position[22].item() == -1 and rec.step[21].item() > 0
+    report = eng.canary.sweep({"full": torch.tensor([20, 21, 22])})
+    assert (report.verified, report.unrecorded) == ({"full": 2}, {"full": 1})
+    assert eng.canary.violations() == []
