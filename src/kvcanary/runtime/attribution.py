@@ -49,7 +49,9 @@ class Violation:
     the predecessor's chain value (verify only). request_id / request_row: the request that read or
     wrote the slot (HEAD/TAIL), or the slot's last writer (SWEEP); None when unknown.
     stored_fingerprint / recomputed_fingerprint (``verify_real_kv_hash`` rows only): the real-KV fingerprint
-    the slot's record holds and the one its K/V bytes give, both read when the row was drained.
+    the slot's record holds and the one its K/V bytes give, both read when the row was drained (not when it was
+    checked: a slot rewritten in between shows two equal values); fingerprint_scope: which bytes they cover (a
+    sweep row: the first record that disagrees now — the TAIL one, or a deep one of every byte of a few layers).
     """
 
     launch_tag: CanaryLaunchTag
@@ -69,6 +71,7 @@ class Violation:
     forward_kind: str
     stored_fingerprint: Optional[int] = None
     recomputed_fingerprint: Optional[int] = None
+    fingerprint_scope: Optional[str] = None
 
     @property
     def position(self) -> int:
@@ -113,7 +116,11 @@ class Violation:
             f"  chain:    {_hex(self.stored_hash)}" + ("" if self.expected_hash is None else f", expected {_hex(self.expected_hash)}"),
         ]
         if self.stored_fingerprint is not None:
-            lines.append(f"  real KV:  record {_hex(self.stored_fingerprint)}, bytes now {_hex(self.recomputed_fingerprint)}")
+            scope = f" ({self.fingerprint_scope})" if self.fingerprint_scope else ""
+            lines.append(f"  real KV:  record {_hex(self.stored_fingerprint)}, bytes now {_hex(self.recomputed_fingerprint)}{scope}")
+            if self.stored_fingerprint == self.recomputed_fingerprint:
+                lines.append("            equal now (read after the check): the slot was rewritten, or its bytes restored, "
+                             "between the check and this report")
         lines += [f"  meaning:  {REASON_MEANING[bit]}" for bit in FailReason if self.reasons & bit]
         return "\n".join(lines)
 
@@ -168,7 +175,7 @@ class Attributor:
         rows_of_step: Callable[[int], Optional[Sequence[int]]],
         slot_owner: Callable[[str, list[int]], tuple[list[int], list[int]]],
         sweep_owner: Callable[[str, int, int], Optional[int]] = lambda group, step, entry: None,
-        fingerprints: Callable[[CanaryLaunchTag, list[int]], list[tuple[int, int]]] = lambda tag, slots: [],
+        fingerprints: Callable[[CanaryLaunchTag, list[int]], list[tuple]] = lambda tag, slots: [],
     ) -> None:
         self.log = log
         self.owner_span = owner_span
@@ -219,7 +226,8 @@ class Attributor:
             found.update({(tag, s): fp for s, fp in zip(slots, self._fingerprints(tag, slots))})
         return [
             replace(v, stored_fingerprint=found[(v.launch_tag, v.slot)][0],
-                    recomputed_fingerprint=found[(v.launch_tag, v.slot)][1])
+                    recomputed_fingerprint=found[(v.launch_tag, v.slot)][1],
+                    fingerprint_scope=(found[(v.launch_tag, v.slot)][2:] or (None,))[0])
             if (v.launch_tag, v.slot) in found else v
             for v in violations
         ]

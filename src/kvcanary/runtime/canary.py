@@ -67,7 +67,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
-from kvcanary.ops import CANARY_FIELD_REAL_KV_HASH
+from kvcanary.ops import CANARY_FIELD_REAL_KV_HASH, RealKvHashMode
 from kvcanary.ops.reference.real_kv import fingerprint_slots
 from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violation, device_rows
 from kvcanary.runtime.batch import BatchDescription, GroupSpec
@@ -584,16 +584,29 @@ class Canary:
         for harvest in self.drain.flush():
             self._report(harvest)
 
-    def _fingerprints(self, tag, slots: list[int]) -> list[tuple[int, int]]:
-        """(stored, recomputed) real-KV fingerprints of ``slots`` for ``tag``'s side (host reads: drain time)."""
+    def _fingerprints(self, tag, slots: list[int]) -> list[tuple[int, int, str]]:
+        """(stored, recomputed, scope) real-KV fingerprints of ``slots`` for ``tag``'s side (host reads: drain
+        time): the TAIL record's; for a sweep row (which also checked the deep records of every byte), the first
+        of TAIL, then each deep chunk, that disagrees now, else the TAIL one."""
         g = self.groups[tag.group]
         if tag.side not in g.tail_bufs:
             return []
         idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        stored = g.tail_bufs[tag.side].view(torch.int64)[idx, CANARY_FIELD_REAL_KV_HASH]
-        now = fingerprint_slots(g.sources.get(tag.side, ()), int(g.hash_mode), idx, self.device)
         mask = 2**64 - 1
-        return [(a & mask, b & mask) for a, b in zip(stored.tolist(), now.tolist())]
+        mode = RealKvHashMode(int(g.hash_mode)).name.lower()
+        candidates = [(g.tail_bufs[tag.side], g.sources.get(tag.side, ()), int(g.hash_mode),
+                       f"layers {list(g.hashed_layers)}, {mode}")]
+        if tag.phase == "sweep":
+            for (chunk, side), sources in sorted(g.deep_sources.items()):
+                if side == tag.side:
+                    candidates.append((g.deep_bufs[(chunk, side)], sources, int(RealKvHashMode.ALL),
+                                       f"layers {list(g.deep_layers.get(chunk, ()))}, every byte"))
+        pairs = []
+        for buf, sources, hash_mode, scope in candidates:
+            stored = buf.view(torch.int64)[idx, CANARY_FIELD_REAL_KV_HASH].tolist()
+            now = fingerprint_slots(sources, hash_mode, idx, self.device).tolist()
+            pairs.append([(a & mask, b & mask, scope) for a, b in zip(stored, now)])
+        return [next((p for p in per_slot if p[0] != p[1]), per_slot[0]) for per_slot in zip(*pairs)]
 
     def _slot_owner(self, group: str, slots: list[int]) -> tuple[list[int], list[int]]:
         rec = self.groups[group].records

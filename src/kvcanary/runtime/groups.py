@@ -110,6 +110,7 @@ class CanaryGroup:
         self.deep_bufs: dict[tuple[int, str], torch.Tensor] = {}
         self.deep_sources: dict[tuple[int, str], tuple[RealKvSource, ...]] = {}
         self.hashed_layers: tuple[int, ...] = ()
+        self.deep_layers: dict[int, tuple[int, ...]] = {}  # deep chunk -> the layers its records fingerprint
         self._contexts: dict[tuple, VerifyOrWriteContext] = {}
 
     def _new_buffer(self) -> torch.Tensor:
@@ -190,6 +191,7 @@ class CanaryGroup:
                         f"kv-canary: set_kv_cache for group {self.name!r} has no tensors for layer {layer} "
                         "(deep_fingerprints hash every layer of the group)"
                     ) from None
+            self.deep_layers[chunk] = tuple(pairs)
             for i, side in enumerate("kv"):
                 deep_sources[(chunk, side)] = tuple(self._source(p[i], page_size, l, side) for l, p in pairs.items())
                 if (chunk, side) not in self.deep_bufs:
