@@ -55,8 +55,8 @@ How an adapter drives it (the whole engine-facing API):
 5. Optionally call ``note_engine_forward()`` from the engine's own step loop (not from the hook):
    the health watchdog then notices forwards that ran without the canary.
 
-Users read results with `violations`, `counters`, `stats`, `memory_bytes`; `close` drains the
-last step and returns final stats.
+Users read results with `violations`, `counters`, `stats`, `memory_bytes`; `close` sweeps every live slot
+once more (when the sweep is on), drains the last step and returns final stats.
 """
 from __future__ import annotations
 
@@ -472,12 +472,34 @@ class Canary:
             f"{len(self.groups)} group(s) ({per_slot:.0f} B/slot + context anchors, static buffers, plans and rings)"
         )
 
-    def close(self) -> CanaryStats:
-        """Drain what is left and return the final stats. Idempotent."""
-        if not self._closed:
+    def close(self, *, final_sweep: bool = True) -> CanaryStats:
+        """Drain what is left and return the final stats. Idempotent.
+
+        With ``final_sweep`` (default), when the rotating sweep is on (a live-slots provider and
+        ``sweep_interval > 0``) and no forward is open, first verify every live slot (`sweep`): damage to cached KV
+        that no later read or rotating slice reached is reported before the session ends. Skip it when the slots'
+        records cannot be trusted any more (e.g. forwards ran unchecked). In ``raise`` mode a violation it finds is
+        raised after the canary is closed; a failure of the sweep itself (an engine tearing down) is logged and
+        counted in ``coverage()["canary_errors"]``, never raised."""
+        if self._closed:
+            return self._gather_stats()
+        found: Optional[CanaryViolationError] = None
+        try:
+            if final_sweep and self._sweeping() and self._depth == 0:
+                try:
+                    self.sweep()
+                except CanaryViolationError as exc:
+                    found = exc
+                except Exception as exc:  # noqa: BLE001 — closing must not fail on a provider gone with its engine
+                    self.canary_errors += 1
+                    logger.error("kv-canary: the final sweep at close failed (%s: %s); closed without it",
+                                 type(exc).__name__, exc)
+        finally:
             self._flush()
             self.ledger.close()
             self._closed = True
+        if found is not None:
+            raise found
         return self._gather_stats()
 
     def __enter__(self) -> "Canary":

@@ -130,6 +130,8 @@ class _Session:
     graphs_captured: int = 0
     graphs_dropped: int = 0
     moves: Optional[MoveObserver] = None  # fork / CPU offload / restore wrappers (moves.py), removed at close
+    manager: Optional[object] = None  # the ContinuousBatchingManager whose ``stop`` is shadowed (removed at close)
+    final_swept_at: int = -1  # canary step of the full sweep run when the engine stopped (-1: none)
 
 
 @dataclass(frozen=True)
@@ -277,7 +279,7 @@ class TransformersCbHandle:
         graphs = bool(s is not None and s.graphs)
         if s is not None and s in self._sessions:
             try:
-                self._close_session(s)
+                self._close_session(s, final_sweep=False)  # its records no longer match what the engine wrote
             except Exception as exc:  # noqa: BLE001 — closing a broken canary may fail too; results are kept
                 logger.debug("kv-canary: closing the suspended session failed: %s", exc)
                 if s in self._sessions:
@@ -417,8 +419,11 @@ class TransformersCbHandle:
             return current
         with self._lock:
             if current is not None:
-                self._close_session(current)
                 self._current = None
+                try:
+                    self._close_session(current)
+                except CanaryViolationError as exc:  # the old session's final sweep (raise mode): not this forward's
+                    self.errors.append(exc)
             self._end_suspension()  # a new cache: a fresh canary checks it
             self._current = self._open_session(cache)
             return self._current
@@ -473,8 +478,51 @@ class TransformersCbHandle:
             session.graphs_dropped += compat.drop_graphs(processor, list(compat.graph_store(processor)))
             compat.install_compute_wrapper(processor, lambda original: self._wrap_compute_batch(session, original))
         self._observe_moves(session)
+        self._observe_stop(session)
         self._sessions.append(session)
         return session
+
+    def _observe_stop(self, s: _Session) -> None:
+        """Shadow the running manager's ``stop`` (removed when the session closes): once the engine has stopped
+        (its generation thread joined), sweep every live slot of the session (`_engine_stopped`)."""
+        manager = compat.find_manager(s.processor)
+        if manager is None or compat.MANAGER_STOP_METHOD in vars(manager):
+            return
+
+        def make(original):
+            def stop(*args, **kwargs):
+                result = original(*args, **kwargs)
+                self._engine_stopped(s, manager)
+                return result
+
+            return stop
+
+        compat.shadow_method(manager, compat.MANAGER_STOP_METHOD, make)
+        s.manager = manager
+
+    def _engine_stopped(self, s: _Session, manager) -> None:
+        """The end of a generation session (``generate_batch`` returning, the manager stopped): a full sweep of
+        the session's live slots — KV damaged after the last rotating slice reached it, and read by no later
+        forward, is reported now, against the slot's last writer. The session stays open (a persistent manager
+        reuses the cache; results stay readable); its close skips a second sweep of the same state. Nothing is
+        swept while the generation thread still runs (``stop(block=False)``): the close sweeps instead. Errors go
+        to ``errors`` (raise mode) or the log; the engine's stop never fails because of the canary."""
+        if self._current is not s or self._detached or manager.is_running():
+            return
+        try:
+            self._end_deferred(s)
+            if s.phase == IDLE and not s.head_open and s.canary._sweeping():
+                s.canary.sweep()
+                s.final_swept_at = s.canary.step
+        except CanaryViolationError as exc:
+            s.final_swept_at = s.canary.step
+            self.errors.append(exc)
+        except Exception as exc:  # noqa: BLE001 — the canary's failure, never the engine's
+            self._canary_errors += 1
+            if self.config.mode == "raise":
+                self.errors.append(exc)
+            logger.error("kv-canary: the sweep at the end of the generation session failed (%s: %s)",
+                         type(exc).__name__, exc)
 
     def _observe_moves(self, s: _Session) -> None:
         """Install the KV-move wrappers of a new session (moves.py); `_close_session` removes them."""
@@ -493,10 +541,13 @@ class TransformersCbHandle:
         self._end_deferred(s)
         return s.canary
 
-    def _close_session(self, session: _Session) -> None:
+    def _close_session(self, session: _Session, *, final_sweep: bool = True) -> None:
         """Close a session's canary and keep only its results. In graph mode the compute_batch wrapper is
         removed and the graphs captured with the canary are dropped (their replays would write into the
-        closed canary's buffers)."""
+        closed canary's buffers). ``final_sweep``: sweep every live slot first (`Canary.close`), unless a forward
+        was left open (its records are incomplete) or the sweep at the engine's stop already saw this state."""
+        final_sweep = (final_sweep and session.phase in (IDLE, DEFERRED_END) and not session.head_open
+                       and session.final_swept_at != session.canary.step)
         try:
             self._abandon(session)
         finally:
@@ -505,8 +556,11 @@ class TransformersCbHandle:
                 session.graphs_dropped += compat.drop_graphs(session.processor, list(compat.graph_store(session.processor)))
             if session.moves is not None:
                 session.moves.remove()
+            if session.manager is not None:
+                compat.unshadow_method(session.manager, compat.MANAGER_STOP_METHOD)
+                session.manager = None
             try:
-                session.canary.close()
+                session.canary.close(final_sweep=final_sweep)
             finally:
                 self._closed.append(_result(session))
                 self._sessions.remove(session)

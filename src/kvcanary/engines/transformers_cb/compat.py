@@ -38,6 +38,24 @@ def find_batch_processor(cache):
     )
 
 
+MANAGER_STOP_METHOD = "stop"
+
+
+def find_manager(processor):
+    """The ``ContinuousBatchingManager`` (continuous_api.py) running ``processor``, or None.
+
+    The generation thread sets ``manager.batch_processor`` before its first forward. ``manager.stop(block, timeout,
+    keep_for_next_session, hard_stop)`` ends a generation session (``generate_batch``, the context manager, or a
+    direct call): it joins the thread when ``block`` (``is_running()`` is False once joined), then keeps the
+    processor and its cache for the next session (``keep_for_next_session``) or drops them.
+    """
+    for ref in gc.get_referrers(processor):
+        if getattr(ref, "batch_processor", None) is processor and callable(getattr(ref, "is_running", None)) and \
+                callable(getattr(ref, MANAGER_STOP_METHOD, None)):
+            return ref
+    return None
+
+
 def batch_io(processor):
     """``processor.inputs_and_outputs``: a ``ContinuousBatchingIOs`` (sync) or ``ContinuousBatchingAsyncIOs``."""
     return processor.inputs_and_outputs
