@@ -9,9 +9,12 @@
 
 Eager forwards (``use_cuda_graph=False``) are driven by the hooks alone: the pre-hook also runs the host
 half (``host_step`` + ``begin_step``), the post-hook ``end_step``. The forward itself is not patched; KV the
-engine moves between forwards (fork copies, CPU offload / restore) is seen through instance attributes shadowing
-three methods of the session's cache and offloading manager (`moves.MoveObserver`, removed when the session
-closes, so by `detach`). On CUDA the canary's
+engine moves between forwards (fork copies, CPU offload / restore) and blocks it frees to its pool are seen
+through instance attributes shadowing methods of the session's cache, pool and offloading manager
+(`moves.MoveObserver`, removed when the session closes, so by `detach`). The end of a generation session is
+seen the same way, on the running manager's ``stop``: once the engine thread has stopped, every live slot is
+swept (KV damaged where no later read and no rotating slice reached it is reported then); a session's close
+sweeps too, unless that sweep already saw its final state. On CUDA the canary's
 own HEAD / TAIL launches are captured once after the first forward (`Canary.capture_graphs`), and so is the
 translation (``describe`` + ``stage``) over fixed-shape copies of the kwargs (`forward_view.StaticKwargs`):
 per forward a few copies and three graph replays.
