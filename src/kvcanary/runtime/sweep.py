@@ -151,7 +151,12 @@ class Sweeper:
         if sl is None:
             return
         g = self.groups[name]
-        slots = sl.upload(slots).clamp(0, g.num_slots)  # out of range -> the trash row (never live)
+        dev = sl.live.device
+        if slots.device.type == "cpu" and dev.type == "cuda":  # frees come often: a fresh pinned buffer from torch's
+            host = torch.empty(slots.numel(), dtype=torch.int64, pin_memory=True)  # caching host allocator, no
+            host.copy_(slots.flatten())  # wait for earlier copies (the shared pass buffer would wait for the last one)
+            slots = host.to(dev, non_blocking=True)
+        slots = slots.to(dev, torch.int64).flatten().clamp(0, g.num_slots)  # out of range -> trash (never live)
         if not slots.numel():
             return
         hit = torch.zeros_like(sl.live)
