@@ -17,6 +17,7 @@ import torch
 
 from kvcanary.ops import CanaryLaunchTag, FailReason
 from kvcanary.runtime.drain import RingRow
+from kvcanary.runtime.reads import READ_TABLE_MISMATCH, RUNTIME_REASONS, reason_label
 
 DEFAULT_STEP_LOG = 65536
 
@@ -31,6 +32,8 @@ REASON_MEANING = {
     FailReason.VERIFY_TOKEN_MISMATCH: "the slot's token differs from the request's token history",
     FailReason.VERIFY_SLOT_OUT_OF_RANGE: "the plan names a slot outside the canary buffer (a garbage slot index)",
     FailReason.WRITE_SLOT_OUT_OF_RANGE: "the engine stored KV at a slot outside the canary buffer",
+    READ_TABLE_MISMATCH: "attention reads entries the request does not own there (a surplus or missing page, or a "
+    "new token read from another slot than the one written), so the canary's table does not cover what is read",
 }
 
 
@@ -52,6 +55,10 @@ class Violation:
     the slot's record holds and the one its K/V bytes give, both read when the row was drained (not when it was
     checked: a slot rewritten in between shows two equal values); fingerprint_scope: which bytes they cover (a
     sweep row: the first record that disagrees now — the TAIL one, or a deep one of every byte of a few layers).
+    ``read_table_mismatch`` rows (`kvcanary.runtime.reads`): slot is the slot attention reads, stored_position /
+    stored_token what that slot's HEAD record holds, expected_position the position the read stands for;
+    reads / owned_reads the entries attention reads for the row and the entries the row owns; expected_slot the
+    slot the row owns at that position (None: no such position); stored_hash is 0 and expected_hash None.
     """
 
     launch_tag: CanaryLaunchTag
@@ -72,6 +79,9 @@ class Violation:
     stored_fingerprint: Optional[int] = None
     recomputed_fingerprint: Optional[int] = None
     fingerprint_scope: Optional[str] = None
+    reads: Optional[int] = None
+    owned_reads: Optional[int] = None
+    expected_slot: Optional[int] = None
 
     @property
     def position(self) -> int:
@@ -79,7 +89,7 @@ class Violation:
 
     @property
     def reason_label(self) -> str:
-        return self.reasons.label
+        return reason_label(int(self.reasons))
 
     @property
     def phase(self) -> str:
@@ -121,7 +131,11 @@ class Violation:
             if self.stored_fingerprint == self.recomputed_fingerprint:
                 lines.append("            equal now (read after the check): the slot was rewritten, or its bytes restored, "
                              "between the check and this report")
-        lines += [f"  meaning:  {REASON_MEANING[bit]}" for bit in FailReason if self.reasons & bit]
+        if self.reads is not None:
+            owns = "no such position" if self.expected_slot is None else f"slot {self.expected_slot} there"
+            lines.append(f"  reads:    {self.reads} entries for {self.owned_reads} owned; the read of position "
+                         f"{self.expected_position} is slot {self.slot}, the request owns {owns}")
+        lines += [f"  meaning:  {REASON_MEANING[bit]}" for bit in (*FailReason, *RUNTIME_REASONS) if int(self.reasons) & int(bit)]
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -243,6 +257,14 @@ class Attributor:
 
     @staticmethod
     def _violation(r: RingRow, rid, rrow, expected_pos, kind: str) -> Violation:
+        if int(r.reasons) & READ_TABLE_MISMATCH:  # field layout of `runtime.reads`
+            return Violation(
+                launch_tag=r.tag, group=r.tag.group, op="verify", slot=r.slot, stored_position=r.position,
+                expected_position=expected_pos, stored_token=r.stored_token, expected_token=None, stored_hash=0,
+                expected_hash=None, reasons=r.reasons, request_id=rid, request_row=rrow, step=r.step,
+                forward_kind=kind, reads=r.expected_token, owned_reads=r.stored_hash,
+                expected_slot=None if r.expected_aux < 0 else r.expected_aux,
+            )
         return Violation(
             launch_tag=r.tag,
             group=r.tag.group,

@@ -48,18 +48,41 @@ class GroupSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReadCheck:
+    """What one group's attention reads this forward, checked by the adapter against what each row owns
+    (`kvcanary.runtime.reads`). All device tensors ``[bs]``, one entry per batch row:
+
+    mismatch (bool): the row's reads disagree — it reads an entry it does not own (a surplus page, a new token
+    from another slot than the one written), or fewer entries than it owns. slot: the first disagreeing slot
+    attention reads (0: none). position: the position that read stands for (or the first owned position not
+    read). expected_slot: the slot the row owns at ``position`` (-1: none). reads / owned: entries attention
+    reads for the row / entries it owns (cached positions it may read + its new tokens).
+    A disagreeing row becomes one ``read_table_mismatch`` violation of the group, attributed to that row.
+    """
+
+    mismatch: torch.Tensor
+    slot: torch.Tensor
+    position: torch.Tensor
+    expected_slot: torch.Tensor
+    reads: torch.Tensor
+    owned: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupBatch:
     """One group's view of a forward.
 
     req_to_token: int32 [max_reqs, max_len], slot of (request row, position) — in the group's
     own slot space, or in the full space when ``full_to_group_lut`` is given (int64 [num_full_slots],
     full slot -> group slot). out_cache_loc: [num_tokens] slots written by this forward, in the
-    group's own space (negative = not stored).
+    group's own space (negative = not stored). read_check: optional `ReadCheck` — what attention reads,
+    checked against what each row owns; disagreements are reported (``read_table_mismatch``) when staged.
     """
 
     req_to_token: torch.Tensor
     out_cache_loc: torch.Tensor
     full_to_group_lut: Optional[torch.Tensor] = None
+    read_check: Optional[ReadCheck] = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +99,11 @@ class BatchDescription:
     expected_input_ids: optional token oracle, [num_tokens] — the tokens the engine *should* be
     writing (for the write-input assert); without it the assert reads them from token_table.
     context_keys: optional int64 [bs], who produced each row's KV (LoRA adapter, tenant, cache salt; 0 =
-    no context): mixed into the chain at position 0, so a prefix-cache hit across contexts on identical
-    tokens is a ``verify_chain_hash`` violation.
+    no context): a keyed row's position 0 chains from ``mix3(H0, key, -1)`` instead of H0, so a prefix-cache
+    hit across contexts on identical tokens is a ``verify_chain_hash`` violation at position 0 (full
+    attention; a window that no longer holds position 0 does not see the key). Give them on every forward
+    once given (a row without a key is context 0); the sweep does not judge position 0's link, so it never
+    reports a keyed slot for its key.
 
     Host syncs: the runtime reads prefix_lens, extend_lens and req_pool_indices on the host once
     per forward (to size and attribute); pass CPU copies of those three if the engine has them.

@@ -81,6 +81,7 @@ from kvcanary.runtime.health import HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
 from kvcanary.runtime.moves import MoveReport, SlotMoves, move_tags
 from kvcanary.runtime.polled import PolledWords
+from kvcanary.runtime.reads import append_read_rows
 from kvcanary.runtime.report import CanaryViolationError, ViolationLedger
 from kvcanary.runtime.staging import StaticBatch
 from kvcanary.runtime.stats import CanaryStats, StatsReporter
@@ -289,7 +290,10 @@ class Canary:
         return self._step
 
     def stage(self, batch: BatchDescription) -> None:
-        """Copy ``batch`` into the static buffers (device copies only; capturable)."""
+        """Copy ``batch`` into the static buffers (device copies only; capturable). A group's `ReadCheck`
+        (``GroupBatch.read_check``) is reported here: its disagreeing rows become ``read_table_mismatch`` rows of
+        the group's HEAD ring (`runtime.reads`), before the step's HEAD launches; staging one forward twice
+        reports them twice."""
         if capturing():
             self.static.frozen = True  # an engine graph now reads the buffers: they must not move
         self.static.stage(batch)
@@ -297,6 +301,16 @@ class Canary:
         if size != self._static_size:
             self._static_size = size
             self.launches.resize()
+        for name, gb in batch.groups.items():
+            if gb.read_check is not None:
+                self._report_reads(self.groups[name], gb.read_check)
+
+    def _report_reads(self, g: CanaryGroup, check) -> None:
+        tag = g.tag("head")
+        ring, write_index = self.rings.ring_for(tag)
+        append_read_rows(ring=ring, write_index=write_index, stamps=self.rings.stamps[self.rings.index[tag]], tag=tag,
+                         head_buf=g.head_buf, num_slots=g.num_slots, check=check, step=self.launches.step,
+                         row_arange=self.static.row_arange if check.mismatch.shape[0] <= self.static.max_rows else None)
 
     def launch_head(self) -> None:
         """Plan, HEAD verify + write, slot records (device only; capturable). Outside an engine's capture the

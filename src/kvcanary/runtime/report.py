@@ -19,9 +19,10 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from kvcanary.errors import KvCanaryRuntimeError
-from kvcanary.ops import CanaryLaunchTag, FailReason
+from kvcanary.ops import CanaryLaunchTag
 from kvcanary.runtime.attribution import Violation
 from kvcanary.runtime.config import CanaryConfig
+from kvcanary.runtime.reads import reason_labels
 
 logger = logging.getLogger("kvcanary")
 
@@ -81,9 +82,8 @@ class ViolationLedger:
         level = logging.ERROR if self.mode == "raise" else logging.WARNING
         suppressed = 0
         for i, v in enumerate(violations):
-            for bit in FailReason:
-                if v.reasons & bit:
-                    self.by_reason[bit.label] += 1
+            for label in reason_labels(int(v.reasons)):
+                self.by_reason[label] += 1
             if (v.group, v.slot) not in self._seen:
                 self._seen.add((v.group, v.slot))
                 logger.debug("kv_canary first-seen: group=%s slot_idx=%d step=%d fail_reason=%s request_id=%s",

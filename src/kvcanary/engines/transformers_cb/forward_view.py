@@ -47,7 +47,7 @@ from kvcanary.engines.transformers_cb import compat
 from kvcanary.engines.transformers_cb.compat import find_batch_processor  # noqa: F401  (re-exported)
 from kvcanary.engines.transformers_cb.layout import NOT_STORED, PADDING_SLOT, GroupLayout
 from kvcanary.errors import KvCanaryCapacityError
-from kvcanary.runtime.batch import BatchDescription, GroupBatch
+from kvcanary.runtime.batch import BatchDescription, GroupBatch, ReadCheck
 
 # rows of `ForwardTranslator.meta`
 META_ROWS, META_PREFIX, META_EXTEND, META_TOKEN_LENS = range(4)
@@ -280,19 +280,26 @@ class ForwardTranslator:
         block_table = kwargs.get("block_table")
         for g in self.layouts:
             table = self.req_to_token[g.name]
+            cu_k = kwargs["cu_seq_lens_k"][g.layer_type].to(torch.int64)
             if block_table is not None:
-                out = self._paged(g, table, block_table[g.index], rows, tok_bc, tok_valid, tok_pos)
+                out, check = self._paged(g, table, block_table[g.index], rows, prefix, extend, cu_k, bsz, tok_bc,
+                                         tok_valid, tok_pos)
             else:
-                out = self._indexed(g, table, kwargs, bsz, n, rows, prefix, extend, tok_row, tok_valid, tok_pos)
-            groups[g.name] = GroupBatch(req_to_token=table, out_cache_loc=out)
+                out, check = self._indexed(g, table, kwargs, bsz, n, rows, prefix, extend, cu_q, cu_k, tok_row,
+                                           tok_valid, tok_pos)
+            groups[g.name] = GroupBatch(req_to_token=table, out_cache_loc=out, read_check=check)
         expected = self.expected[:n] if self.expected is not None else None
         return BatchDescription(
             req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend, input_ids=input_ids, positions=positions,
             groups=groups, token_table=self.token_table, token_table_lens=token_lens, expected_input_ids=expected,
         )
 
-    def _indexed(self, g: GroupLayout, table, kwargs, bsz, n, rows, prefix, extend, tok_row, tok_valid, tok_pos):
-        """Index-based path (``write_index`` / ``read_index``): fill ``table``, return the written slots."""
+    def _indexed(self, g: GroupLayout, table, kwargs, bsz, n, rows, prefix, extend, cu_q, cu_k, tok_row, tok_valid,
+                 tok_pos):
+        """Index-based path (``write_index`` / ``read_index``): fill ``table``, return the written slots and the
+        group's `ReadCheck` (every read entry of a row is a cached position it owns — in ``table``, verified at
+        HEAD —, one of its new tokens read from the slot it is written to (sliding window: the sentinel), or a
+        disagreement; and the row's key length must be the entries it owns)."""
         ctx = self.max_context
         written = g.physical_to_slot(kwargs["write_index"][g.index][:n], for_write=True)
         if written.shape[0] < n:  # unpadded write index shorter than the tokens: nothing stored past it
@@ -304,34 +311,53 @@ class ForwardTranslator:
             old = prefix - window
             keep = (rows > 0) & (old >= 0)
             table.index_put_((torch.where(keep, rows, 0), old.clamp(min=0)), torch.zeros_like(old, dtype=torch.int32))
+        # cached entries a row reads (every cached position a query of the chunk reads, those the chunk recycles
+        # included), then its E new tokens: the row owns exactly these entries of the read index
+        cached_n = prefix.clamp(max=window - 1) if window else prefix
+        owned = cached_n + extend
+        klen = cu_k[1 : bsz + 1] - cu_k[:bsz]
+        first = None
         reads = kwargs["read_index"][g.index]
         k = int(reads.shape[0])
-        if k:
-            cu_k = kwargs["cu_seq_lens_k"][g.layer_type].to(torch.int64)
+        if k and bsz:
             j = self._arange[:k]
-            jb = torch.searchsorted(cu_k[1:], j, right=True)
+            jb = torch.searchsorted(cu_k[1 : bsz + 1], j, right=True)
             jvalid = jb < bsz
-            jb = jb.clamp_(max=max(bsz - 1, 0))
+            jb = jb.clamp_(max=bsz - 1)
             local = j - cu_k[jb]
-            p = prefix[jb]
-            if window:  # every cached position a query of the chunk reads, those the chunk recycles included
-                cached = p.clamp(max=window - 1)
-                pos = p - cached + local
-                keep = jvalid & (local < cached)
-            else:
-                pos = local
-                keep = jvalid & (local < p)
-            slots = g.physical_to_slot(reads, for_write=False).to(torch.int32)
-            table.index_put_((torch.where(keep, rows[jb], 0), torch.where(keep, pos, 0).clamp_(0, ctx - 1)), slots)
+            c = cached_n[jb]
+            pos = prefix[jb] - c + local
+            keep = jvalid & (local < c)
+            slots = g.physical_to_slot(reads, for_write=False)
+            table.index_put_((torch.where(keep, rows[jb], 0), torch.where(keep, pos, 0).clamp_(0, ctx - 1)),
+                             slots.to(torch.int32))
+            new = (local >= c) & (local < c + extend[jb])
+            token = (cu_q[jb] + local - c).clamp_(0, max(n - 1, 0))
+            want = torch.full_like(slots, PADDING_SLOT) if window else written[token]  # window: the sentinel
+            bad = jvalid & (rows[jb] > 0) & ((new & (slots != want)) | (local >= c + extend[jb]))
+            first = torch.full_like(prefix, k).scatter_reduce_(0, jb, torch.where(bad, j, k), "amin")
+            at = first.clamp(max=k - 1)
+            has = first < k
         keep = stored & (tok_row > 0)
         table.index_put_((torch.where(keep, tok_row, 0), torch.where(keep, tok_pos, 0)),
                          out.clamp(min=PADDING_SLOT).to(torch.int32))
-        return out
+        # a row with no disagreeing entry but a wrong key length: the first owned position it does not read
+        gap = prefix - cached_n + torch.minimum(klen, owned)
+        gap_token = (cu_q[:bsz] + gap - prefix).clamp_(0, max(n - 1, 0))
+        gap_slot = torch.where(gap >= prefix, written[gap_token], table[rows, gap.clamp(0, ctx - 1)].to(torch.int64))
+        gap_slot = torch.where(klen < owned, gap_slot, -1)
+        if first is None:
+            return out, _read_check(rows, klen, owned, None, torch.zeros_like(gap), gap, gap_slot)
+        wrong_new = has & (local[at] < c[at] + extend[jb[at]])
+        expected = torch.where(wrong_new, want[at], -1)
+        return out, _read_check(rows, klen, owned, has, torch.where(has, slots[at], PADDING_SLOT),
+                                torch.where(has, pos[at], gap), torch.where(has, expected, gap_slot))
 
-    def _paged(self, g: GroupLayout, table, pages, rows, tok_bc, tok_valid, tok_pos):
+    def _paged(self, g: GroupLayout, table, pages, rows, prefix, extend, cu_k, bsz, tok_bc, tok_valid, tok_pos):
         """Decode fast path (block table ``[B, nb]`` of ``block * pages_stride``): fill ``table`` for positions
         ``[0, nb * page)`` of every batch row (entries past a row's blocks map to the padding slot), return
-        the written slots."""
+        the written slots and the group's `ReadCheck` (the kernel reads positions ``[0, key length)`` of a row's
+        blocks: the key length must be ``P + E``)."""
         page = g.page_size
         nb = int(pages.shape[1])
         width = min(nb * page, self.max_context)
@@ -341,7 +367,14 @@ class ForwardTranslator:
             table[rows, :width] = g.block_entries_to_slots(entries, col % page).to(torch.int32)
         blk = torch.div(tok_pos, page, rounding_mode="floor").clamp_(max=max(nb - 1, 0))
         written = g.block_entries_to_slots(pages[tok_bc, blk], tok_pos % page)
-        return torch.where(tok_valid & (written > PADDING_SLOT), written, NOT_STORED)
+        out = torch.where(tok_valid & (written > PADDING_SLOT), written, NOT_STORED)
+        owned = prefix + extend
+        klen = cu_k[1 : bsz + 1] - cu_k[:bsz]
+        pos = torch.minimum(klen, owned)  # a surplus: the first position past the row's; a gap: the first unread
+        slot = table[rows, pos.clamp(0, self.max_context - 1)].to(torch.int64) if width else torch.zeros_like(pos)
+        surplus = klen > owned
+        return out, _read_check(rows, klen, owned, None, torch.where(surplus, slot, PADDING_SLOT), pos,
+                                torch.where(surplus, -1, slot))
 
     # ---- sweep ------------------------------------------------------------------------------------
     def live_slots(self) -> dict[str, torch.Tensor]:
@@ -395,6 +428,16 @@ class ForwardTranslator:
         idx = torch.div(pos, g.page_size, rounding_mode="floor").clamp_(max=nb - 1)
         slots = blocks.gather(1, idx) * g.page_size + pos % g.page_size
         return slots[col[None, :] < lens[1][:, None]]
+
+
+def _read_check(rows, klen, owned, has, slot, position, expected_slot) -> ReadCheck:
+    """The per-row `ReadCheck`: a row disagrees when it reads an entry it does not own (``has``) or its key length
+    is not the entries it owns; padding rows never."""
+    mismatch = (rows > 0) & (klen != owned)
+    if has is not None:
+        mismatch |= (rows > 0) & has
+    return ReadCheck(mismatch=mismatch, slot=slot, position=position, expected_slot=expected_slot, reads=klen,
+                     owned=owned)
 
 
 class StaticKwargs:
