@@ -96,13 +96,15 @@ class SlotMoves:
 
     # ---- the three moves -----------------------------------------------------------------------------
     def copy_slots(self, group: str, src: Slots, dst: Slots, *, request_ids: Optional[Sequence[Optional[str]]] = None,
-                   request_lens: Optional[Sequence[int]] = None, verify: bool = False, label: str = "") -> MoveReport:
+                   request_lens: Optional[Sequence[int]] = None, verify: bool = False, label: str = "",
+                   context_keys: Optional[Sequence[int]] = None) -> MoveReport:
         """Copy the canary state of ``src[i]`` to ``dst[i]`` (call when the engine copies that KV).
 
         src, dst: int [N] slot lists (tensor or sequence), same length. request_ids / request_lens: who
         owns the destinations (``request_lens`` splits the N entries into runs, one per id; default one
         run). verify=True also verifies the destinations against their real KV now (the KV copy must have
-        happened already).
+        happened already). context_keys: one int per run, the receiving request's context key as given in
+        ``BatchDescription.context_keys`` (0 = none; default: none) — position 0 is verified against it.
         """
         c = self._open("copy_slots")
         g = c._group(group)
@@ -121,7 +123,8 @@ class SlotMoves:
         verified = 0
         if verify:
             positions = g.records.position[dst_t.clamp(0, g.num_slots)]
-            verified = self._verify(g, dst_t, positions, None, self._links(dst_t, positions, lens), lens)
+            links = self._links(dst_t, positions, lens, anchors=self._anchors(g, context_keys, lens))
+            verified = self._verify(g, dst_t, positions, None, links, lens)
         return self._finish(step, "copy", label, moved, verified)
 
     def export_records(self, group: str, slots: Slots) -> torch.Tensor:
@@ -135,7 +138,7 @@ class SlotMoves:
         self, group: str, slots: Slots, records: torch.Tensor, verify: bool = True, *,
         positions: Optional[Slots] = None, tokens: Optional[Slots] = None,
         request_ids: Optional[Sequence[Optional[str]]] = None, request_lens: Optional[Sequence[int]] = None,
-        prev_slots: Optional[Slots] = None, label: str = "",
+        prev_slots: Optional[Slots] = None, label: str = "", context_keys: Optional[Sequence[int]] = None,
     ) -> MoveReport:
         """Install ``records`` into ``slots`` and (``verify``) check them against the KV now in those slots.
 
@@ -145,8 +148,10 @@ class SlotMoves:
         expected tokens (default: not checked). request_ids / request_lens: the receiving requests, each a
         run of entries in position order (default: one run). prev_slots: int [len(runs)] the slot holding
         the position before each run's first entry, when the receiver has it (default: checked only for
-        position 0, against the chain anchor). Returns the `MoveReport`; in ``raise`` mode a violation
-        raises `CanaryViolationError` after the records are installed.
+        position 0, against the chain anchor). context_keys: one int per run, the receiving request's context
+        key as given in ``BatchDescription.context_keys`` (0 = none; default: none): position 0 is verified
+        against that context's anchor. Returns the `MoveReport`; in ``raise`` mode a violation raises
+        `CanaryViolationError` after the records are installed.
         """
         c = self._open("import_records")
         g = c._group(group)
@@ -164,10 +169,11 @@ class SlotMoves:
         carried = records[CANARY_RECORDS_HEADER_ROWS:, CANARY_FIELD_POSITION].to(g.device)
         if expected is None:
             expected = carried
-        links = self._links(s, expected, lens, seeds)
+        links = self._links(s, expected, lens, seeds, anchors=self._anchors(g, context_keys, lens))
         live = s > TOKEN_TO_KV_SLOT_PADDING
         owners = self._owner_codes(step, lens, g.device)
-        self._store_slot_records(g, s, live, position=carried, prev_slot=links.clamp(min=-1), owner=owners, step=step)
+        prev = torch.where(links >= g.num_slots, g.num_slots, links.clamp(min=-1))  # a context anchor: the trash row
+        self._store_slot_records(g, s, live, position=carried, prev_slot=prev, owner=owners, step=step)
         moved = int(live.sum())
         self.imports += 1
         self.slots_imported += moved
@@ -209,11 +215,30 @@ class SlotMoves:
         return ids, lens
 
     @staticmethod
+    def _anchors(g: CanaryGroup, keys: Optional[Sequence[int]], lens: list[int]) -> Optional[torch.Tensor]:
+        """Per run, the canary row its position 0 chains from: -1 (the chain head) without a key, else the
+        group's context anchor row ``num_slots + run`` holding the key (written here; the next forward's HEAD
+        rewrites the anchors), UNKNOWN_PREDECESSOR past the anchor rows. None without keys."""
+        if keys is None:
+            return None
+        keys = [int(k) for k in keys]
+        if len(keys) != len(lens):
+            raise KvCanaryValueError(f"kv-canary: context_keys has {len(keys)} keys for {len(lens)} request runs")
+        if not any(keys):
+            return None
+        n = g.anchor_rows
+        anchor_keys = torch.zeros(n, dtype=torch.int64)
+        anchor_keys[: min(n, len(keys))] = torch.tensor(keys[:n], dtype=torch.int64)
+        g.set_anchor_keys(anchor_keys.to(g.device))
+        rows = [-1 if k == 0 else (g.num_slots + i if i < n else UNKNOWN_PREDECESSOR) for i, k in enumerate(keys)]
+        return torch.tensor(rows, dtype=torch.int64, device=g.device)
+
+    @staticmethod
     def _links(slots: torch.Tensor, positions: torch.Tensor, lens: list[int],
-               seeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+               seeds: Optional[torch.Tensor] = None, anchors: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Predecessor of each entry for the verify: the previous entry of its run when that holds the
-        previous position, the run's seed (``prev_slots``) for its first entry, -1 (chain anchor) at
-        position 0, else UNKNOWN_PREDECESSOR (link not checked)."""
+        previous position, the run's seed (``prev_slots``) for its first entry, the run's anchor (-1, the chain
+        head, without ``anchors``) at position 0, else UNKNOWN_PREDECESSOR (link not checked)."""
         n = slots.numel()
         dev = slots.device
         run = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
@@ -225,7 +250,8 @@ class SlotMoves:
             starts = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)[:-1].tolist()), device=dev)
             nonempty = torch.tensor(lens, device=dev) > 0
             prev[starts[nonempty]] = seeds[nonempty]
-        return torch.where(positions == 0, torch.full_like(prev, -1), prev)
+        head = torch.full_like(prev, -1) if anchors is None else anchors[run]
+        return torch.where(positions == 0, head, prev)
 
     def _owner_codes(self, step: int, lens: list[int], device: torch.device) -> torch.Tensor:
         run = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))

@@ -30,7 +30,8 @@ from kvcanary.engines.sim.radix import RadixCache
 @dataclass(frozen=True, kw_only=True)
 class Transfer:
     """One request's KV in flight. kv: uint8 ``[layers * 2, n, kv_bytes]`` (layer-major, K then V) on the
-    host; records: the canary export of the n slots (None without a canary); positions 0..n-1."""
+    host; records: the canary export of the n slots (None without a canary); positions 0..n-1; context: the
+    request's context key (travels with it)."""
 
     rid: str
     tokens: tuple[int, ...]
@@ -39,6 +40,7 @@ class Transfer:
     generated: int
     kv: torch.Tensor
     records: Optional[torch.Tensor]
+    context: int = 0
 
 
 @dataclass(kw_only=True)
@@ -70,7 +72,7 @@ class SimMoves:
         self._copy_kv(src, dst)
         child = SimRequest(rid=child_rid, tokens=list(parent.tokens), max_new=parent.max_new,
                            generated=parent.generated, num_computed=parent.num_computed, own_from=parent.own_from,
-                           state="running")
+                           state="running", context=parent.context)
         child.row = e.table.alloc_row()
         child.path = list(parent.path)
         RadixCache.lock(child.path, +1)
@@ -80,7 +82,7 @@ class SimMoves:
         self._install_row(child)
         if e.canary is not None:
             self.reports.append(e.canary.copy_slots("full", src, dst, request_ids=[child_rid], verify=True,
-                                                    label=f"fork:{rid}->{child_rid}"))
+                                                    label=f"fork:{rid}->{child_rid}", context_keys=[child.context]))
         e.running.append(child)
         return child
 
@@ -114,7 +116,7 @@ class SimMoves:
             report = e.canary.import_records(
                 "full", dst, entry.records, positions=range(req.own_from, req.own_from + n),
                 tokens=req.tokens[req.own_from : req.own_from + n], request_ids=[rid], prev_slots=seed,
-                label=f"restore:{rid}")
+                label=f"restore:{rid}", context_keys=[req.context])
             self.reports.append(report)
         req.state = "running"
         e.running.append(req)
@@ -127,7 +129,7 @@ class SimMoves:
         slots = req.full_slots[: req.num_computed]
         records = e.canary.export_records("full", slots).cpu() if e.canary is not None else None
         t = Transfer(rid=rid, tokens=tuple(req.tokens), num_computed=req.num_computed, max_new=req.max_new,
-                     generated=req.generated, kv=self._read_kv(slots).cpu(), records=records)
+                     generated=req.generated, kv=self._read_kv(slots).cpu(), records=records, context=req.context)
         e._release(req)
         req.state = "transferred"
         return t
@@ -137,7 +139,8 @@ class SimMoves:
         after the KV bytes are final: the import verifies them at once."""
         e = self.engine
         req = SimRequest(rid=t.rid, tokens=list(t.tokens), max_new=t.max_new, generated=t.generated,
-                         num_computed=t.num_computed, state="running")
+                         num_computed=t.num_computed, state="running", context=t.context)
+        e._contexts_used = e._contexts_used or t.context != 0
         req.row = e.table.alloc_row()
         dst = self._alloc(t.num_computed)
         self._write_kv(dst, t.kv)
@@ -148,7 +151,7 @@ class SimMoves:
         if e.canary is not None and t.records is not None:
             report = e.canary.import_records("full", dst, t.records, verify, positions=range(t.num_computed),
                                              tokens=list(t.tokens[: t.num_computed]), request_ids=[t.rid],
-                                             label=f"transfer:{t.rid}")
+                                             label=f"transfer:{t.rid}", context_keys=[t.context])
             self.reports.append(report)
         e.running.append(req)
         return req, report

@@ -65,7 +65,7 @@ from typing import Optional
 import torch
 
 from kvcanary.engines.transformers_cb import compat
-from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator, StaticKwargs, StepInfo, TokenOracleFn
+from kvcanary.engines.transformers_cb.forward_view import ContextFn, ForwardTranslator, StaticKwargs, StepInfo, TokenOracleFn
 from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_views
 from kvcanary.engines.transformers_cb.moves import MoveObserver
 from kvcanary.errors import (
@@ -89,7 +89,7 @@ IDLE, HOOK_STEP, WRAPPED_STEP, DEFERRED_END = "idle", "hook", "wrapped", "deferr
 # why a forward ran unchecked (`TransformersCbHandle.counters()["unchecked_by_cause"]`)
 CAUSE_CAPACITY, CAUSE_INTERNAL, CAUSE_PLAIN = "capacity", "internal", "plain_forward"
 ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation",
-                   "token_oracle", "capture_sweep")
+                   "token_oracle", "capture_sweep", "context_of")
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, TransformersCbHandle]" = weakref.WeakKeyDictionary()
 
@@ -174,6 +174,7 @@ class TransformersCbHandle:
     static_translation: Optional[bool] = None
     token_oracle: Optional[TokenOracleFn] = None
     capture_sweep: bool = True
+    context_of: Optional[ContextFn] = None
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -441,7 +442,7 @@ class TransformersCbHandle:
         translator = ForwardTranslator(
             cache=cache, processor=processor, layouts=layouts, max_requests=self.max_requests,
             max_context=self.max_context or min(max_read, DEFAULT_MAX_CONTEXT), max_rows=max_rows, device=device,
-            token_oracle=self.token_oracle,
+            token_oracle=self.token_oracle, context_of=self.context_of,
         )
         config = self.config
         if any(g.sliding_window and max_batch_tokens >= g.sliding_window for g in layouts) and (
@@ -531,7 +532,8 @@ class TransformersCbHandle:
         """Install the KV-move wrappers of a new session (moves.py); `_close_session` removes them."""
         s.moves = MoveObserver(cache=s.cache, processor=s.processor, layouts=s.translator.layouts,
                                enter=lambda: self._enter_move(s),
-                               failed=lambda exc: self._canary_failed(s, s.cache, exc))
+                               failed=lambda exc: self._canary_failed(s, s.cache, exc),
+                               context_id=s.translator.context_id if self.context_of is not None else None)
         s.moves.install()
 
     def _enter_move(self, s: _Session) -> Optional[Canary]:
@@ -776,6 +778,7 @@ def attach(
     static_translation: Optional[bool] = None,
     token_oracle: Optional[TokenOracleFn] = None,
     capture_sweep: bool = True,
+    context_of: Optional[ContextFn] = None,
     **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
@@ -797,6 +800,11 @@ def attach(
     then stages every forward's expected input tokens from it (prompt tokens from the request), so the
     write-input assert checks each written token against the oracle rather than against the forward's own
     input ids.
+    ``context_of``: ``request_id -> key`` naming the context a request's KV belongs to (LoRA adapter, tenant, cache
+    salt; any hashable, None = no context), asked once per request (a forked child ``<id>__child#<i>`` takes its
+    parent's). KV computed under one context and served to a request of another — a prefix-cache hit on identical
+    tokens across adapters — is then a ``verify_chain_hash`` violation of that request at position 0 (full
+    attention; a sliding window past position 0 does not see it). Without the hook every request is one context.
     In mode ``none`` nothing is attached.
     """
     check_transformers_version()
@@ -807,6 +815,9 @@ def attach(
     if token_oracle is not None and not callable(token_oracle):
         raise KvCanaryTypeError(f"kv-canary: token_oracle must be a callable (request_id, position) -> token, "
                                 f"got {type(token_oracle).__name__}")
+    if context_of is not None and not callable(context_of):
+        raise KvCanaryTypeError(f"kv-canary: context_of must be a callable request_id -> hashable key (or None), "
+                                f"got {type(context_of).__name__}")
     dev = check_device(device)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate_batch"):
         raise KvCanaryTypeError(
@@ -819,7 +830,7 @@ def attach(
     if not cfg.enabled:  # mode "none": nothing attached, nothing checked
         return TransformersCbHandle(model=model, config=cfg, max_requests=max_requests, max_context=max_context,
                                     device=dev, capture_canary=capture_canary, static_translation=static_translation,
-                                    token_oracle=token_oracle, capture_sweep=capture_sweep)
+                                    token_oracle=token_oracle, capture_sweep=capture_sweep, context_of=context_of)
     check_real_kv_layers(model, cfg)
     previous = _ATTACHED.get(model)
     if previous is not None and not previous._detached:
@@ -830,7 +841,7 @@ def attach(
     handle = TransformersCbHandle(
         model=model, config=cfg, max_requests=max_requests, max_context=max_context, device=dev,
         capture_canary=capture_canary, static_translation=static_translation, token_oracle=token_oracle,
-        capture_sweep=capture_sweep,
+        capture_sweep=capture_sweep, context_of=context_of,
     )
     handle._install()
     _ATTACHED[model] = handle

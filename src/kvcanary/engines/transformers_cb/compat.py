@@ -334,3 +334,12 @@ def kv_length(state) -> int:
 def request_tokens(state) -> list:
     """The request's tokens by position: ``initial_tokens`` then ``generated_tokens`` (requests.py)."""
     return list(state.initial_tokens) + list(state.generated_tokens)
+
+
+FORK_CHILD_SEPARATOR = "__child#"  # a forked child's id: f"{parent id}__child#{i}" (continuous_api's fork loop)
+
+
+def fork_parent(request_id: str) -> Optional[str]:
+    """The id of the request ``request_id`` was forked from (``num_return_sequences``), or None."""
+    parent, sep, _ = request_id.rpartition(FORK_CHILD_SEPARATOR)
+    return parent if sep else None

@@ -32,6 +32,9 @@ Per batch row with ``P`` = first position and ``E`` = query length (padding rows
   a ring (``GroupSpec.ring_window``): the runtime's TAIL verify skips exactly those positions.
 * token history: the tokens of ``[P, P + E)`` are the forward's ``input_ids`` (scattered on the device);
   positions below ``P`` the canary has not seen come from the request's prompt / generated tokens.
+* context (optional, ``context_of``): each request's context key (LoRA adapter, tenant, cache salt) goes to the
+  runtime as ``context_keys``; a keyed request's position 0 chains from its key, so KV of another context served
+  to it (a prefix-cache hit on identical tokens) fails the chain check at position 0.
 * token oracle (optional, ``token_oracle``): the write-input assert's expected tokens come from the request's
   prompt and the oracle, staged by `host_step` — not from the forward's own ``input_ids``, which would make
   the assert vacuous for the tokens this forward writes.
@@ -39,21 +42,23 @@ Per batch row with ``P`` = first position and ``E`` = query length (padding rows
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 
 from kvcanary.engines.transformers_cb import compat
 from kvcanary.engines.transformers_cb.compat import find_batch_processor  # noqa: F401  (re-exported)
 from kvcanary.engines.transformers_cb.layout import NOT_STORED, PADDING_SLOT, GroupLayout
-from kvcanary.errors import KvCanaryCapacityError
+from kvcanary.errors import KvCanaryCapacityError, KvCanaryTypeError
 from kvcanary.runtime.batch import BatchDescription, GroupBatch, ReadCheck
 
 # rows of `ForwardTranslator.meta`
-META_ROWS, META_PREFIX, META_EXTEND, META_TOKEN_LENS = range(4)
+META_ROWS, META_PREFIX, META_EXTEND, META_TOKEN_LENS, META_CONTEXT = range(5)
 
 # (request id, position) -> the token the engine's sampler emits there (past the prompt): a token oracle
 TokenOracleFn = Callable[[str, int], int]
+# request id -> the context its KV belongs to (LoRA adapter, tenant, cache salt): any hashable key, None = no context
+ContextFn = Callable[[str], Hashable]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,15 +103,19 @@ class ForwardTranslator:
 
     Tables (by reference in every `BatchDescription`; the same tensor objects for the session's life, as
     CUDA-graph capture needs): ``req_to_token[group]`` and ``token_table``, int32 ``[max_requests + 1,
-    max_context]``. ``meta``: int64 ``[4, max_rows]`` — request row, P, E, token-history length per batch
-    row (padding rows: zeros), refreshed by `host_step`. With a ``token_oracle``, ``expected``: int64
+    max_context]``. ``meta``: int64 ``[5, max_rows]`` — request row, P, E, token-history length, context key
+    per batch row (padding rows: zeros), refreshed by `host_step`. With a ``context_of`` hook, each request's
+    key (asked once, when the request gets its row; a forked child takes its parent's) becomes a non-zero int64
+    id (equal keys, equal ids, for the translator's life; None is 0, no context) handed to the runtime as
+    ``context_keys``. With a ``token_oracle``, ``expected``: int64
     ``[max_batch_tokens]`` — the token each of the forward's query tokens should be (the prompt's, then the
     oracle's; padding tokens 0), refreshed by `host_step` and handed to the runtime as
     ``expected_input_ids``.
     """
 
     def __init__(self, *, cache, processor, layouts: list[GroupLayout], max_requests: int, max_context: int,
-                 max_rows: int, device, token_oracle: Optional[TokenOracleFn] = None) -> None:
+                 max_rows: int, device, token_oracle: Optional[TokenOracleFn] = None,
+                 context_of: Optional[ContextFn] = None) -> None:
         self.cache = cache
         self.processor = processor
         self.layouts = layouts
@@ -120,9 +129,12 @@ class ForwardTranslator:
         self.filled = [0] * (max_requests + 1)  # host: history positions [0, filled) are in token_table
         self.has_window = any(g.sliding_window for g in layouts)
         self.last_extend: dict[str, int] = {}  # request id -> E of its latest forward (sliding-window sweep)
-        self.meta = torch.zeros((4, max_rows), dtype=torch.int64, device=self.device)
+        self.context_of = context_of
+        self.context_ids: dict = {}  # context key -> its int64 id (1, 2, ...)
+        self.context_of_row = [0] * (max_requests + 1)  # host: context id of each request row
+        self.meta = torch.zeros((5, max_rows), dtype=torch.int64, device=self.device)
         cuda = self.device.type == "cuda"
-        self._meta_host = torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=cuda) if cuda else self.meta
+        self._meta_host = torch.zeros((5, max_rows), dtype=torch.int64, pin_memory=cuda) if cuda else self.meta
         self._meta_copied = torch.cuda.Event() if cuda else None
         self._meta_dirty = max_rows  # host rows of _meta_host that may be non-zero
         max_tokens, max_read = compat.cache_limits(cache)
@@ -148,7 +160,7 @@ class ForwardTranslator:
             )
         if compat.is_warmup(batch):  # fake requests over never-written KV: every row is the padding row
             zeros = [0] * bs
-            self._write_meta(zeros, zeros, zeros, zeros)
+            self._write_meta(zeros, zeros, zeros, zeros, zeros)
             if self.expected is not None:
                 self._write_expected([])
             return StepInfo(request_ids=(None,) * bs, rows=tuple(zeros), forward_kind="mixed", warmup=True)
@@ -169,6 +181,8 @@ class ForwardTranslator:
             if row is None:
                 row = self.rows.assign(rid)
                 filled[row] = 0
+                if self.context_of is not None:
+                    self.context_of_row[row] = self._context_id(rid)
             if p + e > ctx:
                 raise KvCanaryCapacityError(
                     f"kv-canary: request {rid} reaches position {p + e - 1}, beyond max_context={ctx}; "
@@ -186,18 +200,41 @@ class ForwardTranslator:
             self.last_extend.update(zip(ids, extend))
         if history:
             self._stage_history(history)
-        self._write_meta(rows, prefix, extend, ends)
+        contexts = [self.context_of_row[r] for r in rows] if self.context_of is not None else [0] * len(rows)
+        self._write_meta(rows, prefix, extend, ends, contexts)
         if self.expected is not None:
             self._write_expected(self._oracle_tokens(batch))
         return StepInfo(request_ids=tuple(ids), rows=tuple(rows), forward_kind=_forward_kind(prefix, extend))
 
-    def _write_meta(self, rows: list, prefix: list, extend: list, token_lens: list) -> None:
+    def _context_id(self, request_id: str) -> int:
+        """The int64 id of ``request_id``'s context (0: none); a forked child has its parent's context."""
+        parent = compat.fork_parent(request_id)
+        row = self.rows.row_of.get(parent) if parent is not None else None
+        if row is not None:
+            return self.context_of_row[row]
+        key = self.context_of(parent if parent is not None else request_id)
+        if key is None:
+            return 0
+        try:
+            return self.context_ids.setdefault(key, len(self.context_ids) + 1)
+        except TypeError:
+            raise KvCanaryTypeError(f"kv-canary: context_of({request_id!r}) must return a hashable key or None, "
+                                    f"got {type(key).__name__}") from None
+
+    def context_id(self, request_id: str) -> int:
+        """The context id of ``request_id`` (0: none, or no ``context_of`` hook): its row's, else asked now."""
+        if self.context_of is None:
+            return 0
+        row = self.rows.row_of.get(request_id)
+        return self.context_of_row[row] if row is not None else self._context_id(request_id)
+
+    def _write_meta(self, rows: list, prefix: list, extend: list, token_lens: list, contexts: list) -> None:
         bs = len(rows)
         host = self._meta_host
         if self._meta_copied is not None:
             self._meta_copied.synchronize()  # the previous step's copy has left the pinned buffer
         if bs:
-            host[:, :bs] = torch.tensor([rows, prefix, extend, token_lens], dtype=torch.int64)
+            host[:, :bs] = torch.tensor([rows, prefix, extend, token_lens, contexts], dtype=torch.int64)
         if self._meta_dirty > bs:
             host[:, bs : self._meta_dirty].zero_()
         self._meta_dirty = bs
@@ -292,6 +329,7 @@ class ForwardTranslator:
         return BatchDescription(
             req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend, input_ids=input_ids, positions=positions,
             groups=groups, token_table=self.token_table, token_table_lens=token_lens, expected_input_ids=expected,
+            context_keys=meta[META_CONTEXT] if self.context_of is not None else None,
         )
 
     def _indexed(self, g: GroupLayout, table, kwargs, bsz, n, rows, prefix, extend, cu_q, cu_k, tok_row, tok_valid,
@@ -448,7 +486,9 @@ class StaticKwargs:
     Capacities: ``max_rows`` sequences, ``max_tokens`` query tokens, ``max_reads`` read-index entries per
     group (the engine's own static sizes). Past the forward's ``B`` sequences the cumulative lengths
     plateau (every later token / read entry belongs to no sequence); stale entries past the forward's
-    tokens or reads are never used. Decode-fast-path forwards (block table) are not loaded.
+    tokens or reads are never used. A forward without cache reads (an empty read index: attention reads the
+    new tokens' K/V) is loaded as the read index that says so. Decode-fast-path forwards (block table) are not
+    loaded.
     """
 
     def __init__(self, *, layouts: list[GroupLayout], max_rows: int, max_tokens: int, max_reads: int, device) -> None:
@@ -481,6 +521,10 @@ class StaticKwargs:
             self.write[g.index][:n].copy_(kwargs["write_index"][g.index][:n])
             if k:
                 self.read[g.index][:k].copy_(kwargs["read_index"][g.index])
+            elif g.sliding_window:  # no cache reads: attention reads the new tokens' own K/V (the window's sentinel)
+                self.read[g.index][:n].zero_()
+            else:  # ... which full attention stores first: the read index would be the write index
+                self.read[g.index][:n].copy_(self.write[g.index][:n])
             _plateau(self.cu_k[g.layer_type], kwargs["cu_seq_lens_k"][g.layer_type], bsz)
         return True
 

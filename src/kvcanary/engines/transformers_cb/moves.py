@@ -79,8 +79,9 @@ class MoveObserver:
     """The fork / offload / restore / free wrappers of one session (see the module docstring)."""
 
     def __init__(self, *, cache, processor, layouts: list[GroupLayout], enter: Callable[[], Optional[object]],
-                 failed: Callable[[Exception], None]) -> None:
+                 failed: Callable[[Exception], None], context_id: Optional[Callable[[str], int]] = None) -> None:
         self.cache = cache
+        self.context_id = context_id  # request id -> its context key (the translator's), for restores
         self.processor = processor
         self.manager = compat.offloading_manager(processor) if compat.cpu_offload_enabled(processor) else None
         self.by_type = {g.layer_type: g for g in layouts}
@@ -277,8 +278,9 @@ class MoveObserver:
                 at = p.block_index.clamp(max=max(0, restored - 1))
                 dst = torch.where(keep, blocks[at] * g.page_size + p.offset if restored else p.offset, 0)
                 want = torch.where(keep, tokens[p.positions.clamp(max=max(0, tokens.numel() - 1))], -1)
+                keys = [self.context_id(rid)] if self.context_id is not None else None
                 report = canary.import_records(g.name, dst, p.records, verify=True, positions=p.positions,
-                                               tokens=want, request_ids=[rid], label=RESTORE_LABEL)
+                                               tokens=want, request_ids=[rid], label=RESTORE_LABEL, context_keys=keys)
                 self.slots_restored += report.moved
             self.restores += 1
 
