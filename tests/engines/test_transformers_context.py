@@ -14,6 +14,7 @@ from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
 import kvcanary  # noqa: E402
+from engines.test_transformers_moves import host_pool  # noqa: E402,F401  (fixture)
 from kvcanary.engines.transformers_cb import compat  # noqa: E402
 from kvcanary.engines.transformers_cb.forward_view import find_batch_processor  # noqa: E402
 from kvcanary.errors import KvCanaryTypeError  # noqa: E402
@@ -81,3 +82,18 @@ def test_unhashable_context_key_is_a_kv_canary_error(llama):
     with pytest.raises(KvCanaryTypeError, match="must return a hashable key"):
         with kvcanary.attach(llama, mode="raise", context_of=lambda rid: ["not", "hashable"]):
             llama.generate_batch(PROMPTS[:1], generation_config=gen, continuous_batching_config=cb, progress_bar=False)
+
+
+def test_keyed_requests_restored_from_cpu_offload_and_forked_are_silent(llama, host_pool):
+    """KV that moves keeps its context: a restore verifies position 0 against the request's key, and a forked
+    child (``<id>__child#<i>``) takes its parent's key — a hook that would give children another key proves it."""
+    from engines.test_transformers_moves import _checked, _fork_run, _offload_run
+
+    _, handle, _ = _checked(llama, lambda: _offload_run(llama), context_of=lambda rid: "tenant-1")
+    c = handle.counters()
+    assert c["moves"]["restores"] >= 1 and c["moves"]["slots_restored"] > 0
+    assert c["total"] == 0, handle.violations()[:3]
+    _, handle, _ = _checked(llama, lambda: _fork_run(llama),
+                            context_of=lambda rid: "child" if compat.FORK_CHILD_SEPARATOR in rid else "tenant-1")
+    c = handle.counters()
+    assert c["moves"]["fork_copies"] >= 1 and c["total"] == 0, handle.violations()[:3]
