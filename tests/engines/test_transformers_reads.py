@@ -181,3 +181,26 @@ def test_clean_runs_report_no_read_table_mismatch(request, monkeypatch, model_na
     c = handle.counters()
     assert c["total"] == 0 and not handle.violations(), c["by_reason"]
     assert c["checked_forwards"] == c["engine_forwards"] > 0
+
+
+def test_decode_fast_path_key_length_is_checked():
+    """Block-table forwards (flash decode, GPU only): the kernel reads positions [0, key length) of a row's blocks,
+    so a key length past P + E is a surplus read, named by the slot of the first position past the row's."""
+    from kvcanary.engines.transformers_cb.forward_view import ForwardTranslator
+    from kvcanary.engines.transformers_cb.layout import GroupLayout
+
+    t = ForwardTranslator.__new__(ForwardTranslator)  # only what _paged reads
+    t._arange, t.max_context = torch.arange(256), 64
+    g = GroupLayout(name="full", layer_type="full_attention", index=0, layer_ids=(0,), page_size=4, block_stride=8,
+                    first_data_block=2, total_blocks=16, sliding_window=0, pages_stride=2)
+    table = torch.zeros(5, 64, dtype=torch.int32)
+    pages = torch.tensor([[4, 6, 8], [10, 12, -1]])  # blocks 2, 3, 4 and 5, 6
+    rows, prefix, extend = torch.tensor([1, 2]), torch.tensor([9, 5]), torch.tensor([1, 1])
+    args = (g, table, pages, rows, prefix, extend)
+    tokens = (torch.tensor([0, 1]), torch.tensor([True, True]), torch.tensor([9, 5]))
+    _, clean = t._paged(*args, torch.tensor([0, 10, 16]), 2, *tokens)
+    assert clean.mismatch.tolist() == [False, False]
+    _, check = t._paged(*args, torch.tensor([0, 14, 20]), 2, *tokens)
+    assert check.mismatch.tolist() == [True, False]
+    assert (int(check.slot[0]), int(check.position[0]), int(check.expected_slot[0])) == (4 * 4 + 2, 10, -1)
+    assert check.reads.tolist() == [14, 6] and check.owned.tolist() == [10, 6]
