@@ -67,13 +67,13 @@ def append_read_rows(*, ring: torch.Tensor, write_index: torch.Tensor, stamps: t
     dev = mask.device
     cap = int(ring.shape[0])
     ar = row_arange[:bs] if row_arange is not None else torch.arange(bs, dtype=torch.int64, device=dev)
-    order = torch.argsort((~mask).to(torch.int8), stable=True)  # disagreeing rows first, in batch order
-    count = mask.sum()
+    ranks = mask.to(torch.int64).cumsum(0)  # disagreeing rows before and at each row
+    count = ranks[-1]
     base = write_index.to(torch.int64)
     dest = (base + ar).clamp_(max=cap - 1)  # ring rows this launch may fill; past the end: the last row, rewritten as is
     rank = dest - base
     fill = (rank >= 0) & (rank < count)
-    src = order[rank.clamp(0, bs - 1)]
+    src = torch.searchsorted(ranks, rank.clamp(0, bs - 1) + 1).clamp_(max=bs - 1)  # the row of that rank
     slot = check.slot.to(torch.int64)[src]
     record = head_buf.view(torch.int64)[slot.clamp(0, num_slots - 1)]
     row = torch.stack([
