@@ -31,6 +31,7 @@ FAMILY = {
     "write_slot_out_of_range": "index",
     "write_token": "write",
     "write_position": "write",
+    "read_table_mismatch": "mapping",
 }
 FAMILY_HINT = {
     "bytes": "K/V bytes changed in place: memory corruption, a copy/offload/transfer, or another request's write",
@@ -88,16 +89,16 @@ def _reasons(row: dict) -> list[str]:
     label = row.get("fail_reason")
     if label:
         return label.split("+")
-    from kvcanary.ops import FailReason
+    from kvcanary.runtime.reads import reason_labels
 
-    return [bit.label for bit in FailReason if int(row.get("reasons", 0)) & bit]
+    return reason_labels(int(row.get("reasons", 0)))
 
 
 def _meaning() -> dict[str, str]:
-    from kvcanary.ops import FailReason
     from kvcanary.runtime.attribution import REASON_MEANING
+    from kvcanary.runtime.reads import reason_label
 
-    return {bit.label: text for bit, text in REASON_MEANING.items() if isinstance(bit, FailReason)}
+    return {reason_label(int(bit)): text for bit, text in REASON_MEANING.items()}
 
 
 class _Tally:
