@@ -105,6 +105,25 @@ def test_canary_options_extra_config_wins_over_env_and_rejects_bad_values(monkey
         canary_options(KVTransferConfig(**kv_transfer_config(mode="loud")))
 
 
+def test_options_outside_the_kvcanary_key_are_refused_never_ignored():
+    """An option placed directly in kv_connector_extra_config (not under "kvcanary") names itself and where
+    it belongs; an unknown key is refused too; under "kvcanary" the same option is taken."""
+    from vllm.config import KVTransferConfig
+
+    entry = kv_transfer_config()
+    for key, value in (("mode", "raise"), ("sweep_interval", 4), ("max_requests", 8)):
+        misplaced = dict(entry, kv_connector_extra_config={key: value})
+        with pytest.raises(TypeError, match=rf"^kv-canary: option '{key}' is directly in kv_connector_extra_config;"
+                                            r".*\['kvcanary'\]"):
+            canary_options(KVTransferConfig(**misplaced))
+    with pytest.raises(TypeError, match=r"^kv-canary: unknown key 'sweep' in the canary connector"):
+        canary_options(KVTransferConfig(**dict(entry, kv_connector_extra_config={"kvcanary": {}, "sweep": 1})))
+    with pytest.raises(TypeError, match=r"^kv-canary: kv_connector_extra_config\['kvcanary'\] must be a dict"):
+        canary_options(KVTransferConfig(**dict(entry, kv_connector_extra_config={"kvcanary": "mode=raise"})))
+    config, _ = canary_options(KVTransferConfig(**kv_transfer_config(mode="raise", sweep_interval=4)))
+    assert config.mode == "raise" and config.sweep_interval == 4
+
+
 def test_stats_aggregate_across_ranks_and_reduce_for_the_log_line():
     a = KvCanaryStats(data={"forwards": 3, "violations": 1, "by_reason": {"verify_position": 1}})
     b = KvCanaryStats(data={"forwards": 3, "slots_verified": 10, "by_reason": {"verify_position": 2, "verify_token": 1}})

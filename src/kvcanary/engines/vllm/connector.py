@@ -43,7 +43,7 @@ from kvcanary.engines.vllm.compat import check_vllm_version
 from kvcanary.engines.vllm.forward_view import WorkerView, find_model_runner
 from kvcanary.engines.vllm.layout import StripMirror, build_group_layouts, layer_kv_views, probe_cpu_layout
 from kvcanary.engines.vllm.metrics import KvCanaryPromMetrics, KvCanaryStats
-from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
+from kvcanary.errors import KvCanaryRuntimeError, KvCanaryTypeError, KvCanaryValueError
 from kvcanary.runtime import Canary, CanaryConfig, GroupSpec, Violation
 
 logger = logging.getLogger("kvcanary")
@@ -84,8 +84,32 @@ class KvCanaryWorkerMeta(KVConnectorWorkerMetadata):
 
 
 def canary_options(kv_transfer_config) -> tuple[CanaryConfig, dict[str, int]]:
-    """The `CanaryConfig` and adapter options of a connector config (extra config wins over env)."""
-    extra = dict((kv_transfer_config.kv_connector_extra_config or {}).get(OPTIONS_KEY, {}) or {})
+    """The `CanaryConfig` and adapter options of a connector config (extra config wins over env).
+
+    The canary reads only ``kv_connector_extra_config["kvcanary"]`` (a dict); any other key of the
+    connector's extra config is refused (a ``kv-canary:`` `TypeError`), never ignored.
+    """
+    raw = kv_transfer_config.kv_connector_extra_config or {}
+    for key in raw:
+        if key == OPTIONS_KEY:
+            continue
+        if key in CanaryConfig.option_names() or key in ADAPTER_OPTIONS:
+            raise KvCanaryTypeError(
+                f"kv-canary: option {key!r} is directly in kv_connector_extra_config; the canary reads its "
+                f"options from kv_connector_extra_config[{OPTIONS_KEY!r}] (e.g. {{{OPTIONS_KEY!r}: {{{key!r}: ...}}}})"
+            )
+        raise KvCanaryTypeError(
+            f"kv-canary: unknown key {key!r} in the canary connector's kv_connector_extra_config; it holds only "
+            f"{OPTIONS_KEY!r} (a dict of CanaryConfig options and {', '.join(ADAPTER_OPTIONS)})"
+        )
+    options = raw.get(OPTIONS_KEY, {})
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise KvCanaryTypeError(
+            f"kv-canary: kv_connector_extra_config[{OPTIONS_KEY!r}] must be a dict of options, got {type(options).__name__}"
+        )
+    extra = dict(options)
     adapter = {k: extra.pop(k) for k in ADAPTER_OPTIONS if k in extra}
     for key, value in adapter.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
