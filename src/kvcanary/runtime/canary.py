@@ -199,13 +199,17 @@ class Canary:
         logger.info("kv-canary: attached (%s): %s", config.mode, self.memory_report())
 
     # ---- engine-facing -------------------------------------------------------------------
-    def set_kv_cache(self, group: str, layers: KvLayers, *, page_size: int = 1) -> None:
+    def set_kv_cache(self, group: str, layers: KvLayers, *, page_size: int = 1, deep_layers: Optional[KvLayers] = None,
+                     deep_page_size: Optional[int] = None) -> None:
         """Register group ``group``'s K/V storage per layer (see the module docstring).
 
         ``layers`` maps a layer id (one of the group's ``layer_ids``) to ``(k, v)``, or is a callable
-        doing so; only the layers selected by ``config.real_kv_layers`` are read.
+        doing so; only the layers selected by ``config.real_kv_layers`` are read. ``deep_layers`` (same
+        form, every layer, paged by ``deep_page_size``, default ``page_size``): the full storage deep
+        fingerprints read, when ``layers`` holds partial copies; default ``layers``.
         """
-        self._group(group).set_kv_cache(layers, page_size=page_size)
+        self._group(group).set_kv_cache(layers, page_size=page_size, deep_layers=deep_layers,
+                                        deep_page_size=deep_page_size)
 
     def set_live_slots_provider(self, provider: Optional[LiveSlotsProvider]) -> None:
         """Callable returning ``{group name: live slots}`` for the sweep (called once per pass): int64 slot

@@ -146,8 +146,13 @@ class CanaryGroup:
     def hashing(self) -> bool:
         return self.hash_mode != RealKvHashMode.NONE and any(self.sources.values())
 
-    def set_kv_cache(self, layers: KvLayers, *, page_size: int = 1) -> None:
-        """Pick the configured layers from ``layers`` and build one RealKvSource per layer and side."""
+    def set_kv_cache(self, layers: KvLayers, *, page_size: int = 1, deep_layers: Optional[KvLayers] = None,
+                     deep_page_size: Optional[int] = None) -> None:
+        """Pick the configured layers from ``layers`` and build one RealKvSource per layer and side.
+
+        Deep fingerprints read every byte of every layer from ``deep_layers`` (paged by
+        ``deep_page_size``) when given, else from ``layers``: an adapter whose ``layers`` are partial
+        copies (e.g. the first bytes of each slot) hands the full KV storage there."""
         layer_ids = self.spec.layer_ids or (tuple(sorted(layers)) if isinstance(layers, Mapping) else ())
         if not layer_ids:
             raise KvCanaryValueError(
@@ -175,7 +180,10 @@ class CanaryGroup:
         self.sources = {side: tuple(sources[side]) for side in self.tail_sides}
         self.hashed_layers = tuple(picked)
         if self.deep:
-            self._set_deep_sources(layers, layer_ids, page_size)
+            if deep_layers is None:
+                self._set_deep_sources(layers, layer_ids, page_size)
+            else:
+                self._set_deep_sources(deep_layers, layer_ids, page_size if deep_page_size is None else deep_page_size)
         self._contexts.clear()
 
     def _set_deep_sources(self, layers: KvLayers, layer_ids: tuple[int, ...], page_size: int) -> None:

@@ -248,7 +248,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.config.enabled:
             return
         self._kv_caches = dict(kv_caches)
-        self._layouts = build_group_layouts(self._kv_cache_config, self._kv_caches)
+        static = self._vllm_config.compilation_config.static_forward_context
+        self._layouts = build_group_layouts(self._kv_cache_config, self._kv_caches, attention_layers=static)
         device = next(iter(kv_caches.values())).device
         if device.type != "cpu":
             raise KvCanaryValueError(
@@ -265,13 +266,14 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             config = config.with_options(chain_position_warmup=-1)
         self.canary = Canary(
             config,
-            groups=[GroupSpec(name=g.name, num_slots=g.num_slots, sliding_window=g.sliding_window, layer_ids=g.layer_ids)
+            # the canary verifies the prefix positions [P - sliding_window, P) of a row with prefix P: the
+            # cached positions its first query reads (layout.WINDOW_CONVENTIONS)
+            groups=[GroupSpec(name=g.name, num_slots=g.num_slots, sliding_window=g.window_left, layer_ids=g.layer_ids)
                     for g in self._layouts],
             max_requests=self.max_requests, max_context=self.max_context,
             max_batch_tokens=self.max_batch_tokens, device=device,
         )
         self.canary.ledger.add_sink(self._on_violation)
-        static = self._vllm_config.compilation_config.static_forward_context
         for g in self._layouts:
             tensor = self._kv_caches[g.layer_names[0]]
             isa = getattr(static.get(g.layer_names[0]), "isa", None)
@@ -281,8 +283,10 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("kv-canary: no KV byte layout fits vLLM's CPU cache (isa=%s) for group %s; "
                                "TAIL checks run without real-KV fingerprints", isa, g.name)
                 continue
+            views = {lid: layer_kv_views(self._kv_caches[ln], name) for lid, ln in zip(g.layer_ids, g.layer_names)}
             if config.real_kv_hash == "partial":
-                # 16 bytes per slot: hash dense mirrors refreshed from the cache before each read
+                # TAIL: 16 bytes per slot of the picked layers, hashed from dense mirrors refreshed from the
+                # cache before each read; deep fingerprints: every byte of every layer, read from the cache
                 picked = {g.layer_ids[i] for i in config.real_kv_layers if -len(g.layer_ids) <= i < len(g.layer_ids)}
                 pairs = {}
                 for lid, ln in zip(g.layer_ids, g.layer_names):
@@ -290,9 +294,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                         k, v = (StripMirror(self._kv_caches[ln], name, side, g.block_size) for side in (0, 1))
                         self._mirrors.setdefault(g.name, []).extend((k, v))
                         pairs[lid] = (k.mirror, v.mirror)
-                self.canary.set_kv_cache(g.name, pairs, page_size=1)
+                self.canary.set_kv_cache(g.name, pairs, page_size=1, deep_layers=views, deep_page_size=g.block_size)
             else:
-                views = {lid: layer_kv_views(self._kv_caches[ln], name) for lid, ln in zip(g.layer_ids, g.layer_names)}
                 self.canary.set_kv_cache(g.name, views, page_size=g.block_size)
         logger.info("kv-canary: vLLM worker rank %d attached to %s (KV layout %s)", self.rank,
                     ", ".join(f"{g.name}: {g.num_blocks} blocks x {g.block_size}" for g in self._layouts), self.hash_layout)
@@ -343,10 +346,16 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.canary.after_forward()
         meta = self._meta
         if meta is not None and meta.cached_blocks is not None:
-            live = self.view.live_slots(meta.cached_blocks)
-            self._refresh_mirrors(live)
-            self.canary.sweep(live)
+            self.sweep(meta.cached_blocks)
         self.canary_seconds += time.perf_counter() - t0
+
+    def sweep(self, cached_blocks: list[tuple[int, int, int]]):
+        """Verify every live slot now — the running requests' stored positions and the valid tokens of
+        ``cached_blocks`` (``(block id, valid tokens, group index)``, the scheduler's prefix cache) —
+        between forwards; returns the runtime's `SweepReport`."""
+        live = self.view.live_slots(cached_blocks)
+        self._refresh_mirrors(live)
+        return self.canary.sweep(live)
 
     def _refresh_mirrors(self, slots_by_group: dict[str, torch.Tensor]) -> None:
         for name, mirrors in self._mirrors.items():

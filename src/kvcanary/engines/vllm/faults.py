@@ -11,11 +11,16 @@ only that tensor-parallel rank injects, into its own KV shard):
 
 * ``flip_cached_block_byte`` — a request's first forward reuses cached prefix blocks (computed in an
   earlier forward); one bit of one token's K bytes (first hashed layer, inside the 16 bytes the
-  partial fingerprint reads) in one of those blocks flips just before the forward. Expected:
+  partial fingerprint reads; ``"layer": i`` picks the group's i-th layer instead) in one of those
+  blocks flips just before the forward. Expected:
   ``verify_real_kv_hash`` against that request (TAIL, same forward).
 * ``redirect_block_table`` — one block-table entry of a running request (a block of its verified
   prefix) points at another of its blocks for one forward: attention reads the wrong KV. Expected:
   ``verify_position`` (HEAD) against that request. The entry is restored after the forward.
+* ``overwrite_window_edge`` (``"back": k``) — at the first decode row (query at position p >= k), the K
+  and V of position ``p - k`` in every layer of the sliding-window group (else the full group) are
+  overwritten with a constant just before the forward: with ``k = W - 1`` and ``k = W`` it shows which
+  positions a backend's window reads (the experiment behind `kvcanary.engines.vllm.layout.WINDOW_CONVENTIONS`).
 """
 from __future__ import annotations
 
@@ -29,12 +34,12 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA
 
 from kvcanary.engines.vllm.forward_view import find_model_runner
-from kvcanary.engines.vllm.layout import FULL, build_group_layouts, layer_kv_views, probe_cpu_layout
+from kvcanary.engines.vllm.layout import FULL, build_group_layouts, layer_kv_views, probe_cpu_layout, slot_elements
 from kvcanary.errors import KvCanaryValueError
 
 logger = logging.getLogger("kvcanary")
 
-FAULTS = ("flip_cached_block_byte", "redirect_block_table")
+FAULTS = ("flip_cached_block_byte", "redirect_block_table", "overwrite_window_edge")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +127,13 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         if not attn or isinstance(attn, list):
             return
         full = next((g for g in self.layouts if g.name == FULL), None)
+        for k, spec in enumerate(self.specs):
+            if spec["name"] == "overwrite_window_edge" and not self.fired[k]:
+                g = next((x for x in self.layouts if x.name != FULL), full)
+                injection = self._overwrite_edge(int(spec["back"]), g, attn[g.layer_names[0]])
+                if injection is not None:
+                    self.fired[k] = True
+                    self._log(spec, injection)
         if full is None:
             return
         meta = attn[full.layer_names[0]]
@@ -137,12 +149,16 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         prefix = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(seq)]
         written = set(int(x) for x in meta.slot_mapping[: qsl[-1]].tolist() if int(x) >= 0)
         for k, spec in enumerate(self.specs):
+            if spec["name"] == "overwrite_window_edge":
+                continue
             if self.fired[k] or self.forward <= int(spec.get("after_forward", 0)):
                 continue
             if spec.get("rank") is not None and int(spec["rank"]) != self.rank:
                 continue  # another tensor-parallel rank's shard
-            fire = self._flip if spec["name"] == "flip_cached_block_byte" else self._redirect
-            injection = fire(self.rngs[k], full, meta, req_ids, prefix, written)
+            if spec["name"] == "flip_cached_block_byte":
+                injection = self._flip(self.rngs[k], full, meta, req_ids, prefix, written, spec)
+            else:
+                injection = self._redirect(self.rngs[k], full, meta, req_ids, prefix, written)
             if injection is not None:
                 self.fired[k] = True
                 self._log(spec, injection)
@@ -154,7 +170,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         self._restore = []
 
     # ---- the faults ----------------------------------------------------------------------------
-    def _flip(self, rng, g, meta, req_ids, prefix, written) -> Optional[Injection]:
+    def _flip(self, rng, g, meta, req_ids, prefix, written, spec) -> Optional[Injection]:
         B = g.block_size
         readers: dict[int, int] = {}
         blocks_of = []
@@ -172,7 +188,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
             if not cands:
                 continue
             block, offset = rng.choice(cands), rng.randrange(B)
-            layer = g.layer_names[0]
+            layer = g.layer_names[int(spec.get("layer", 0))]
             static = self._vllm_config.compilation_config.static_forward_context
             layout = probe_cpu_layout(self.kv_caches[layer], getattr(static.get(layer), "isa", "vec"))
             if layout is None:
@@ -202,6 +218,32 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
                          expected=("verify_position", "verify_chain_hash", "verify_token"),
                          detail=f"block-table entry {j} of {req_ids[i]} (block {old}, positions {j * B}-{j * B + B - 1}) "
                                 f"-> block {new} (its positions {j2 * B}-{j2 * B + B - 1})")
+
+    def _overwrite_edge(self, back: int, g, meta) -> Optional[Injection]:
+        num_reqs = int(meta.query_start_loc.shape[0]) - 1
+        qsl = meta.query_start_loc[: num_reqs + 1].to(torch.int64).tolist()
+        seq = meta.seq_lens[:num_reqs].to(torch.int64).tolist()
+        for i in range(num_reqs):
+            p = seq[i] - 1
+            if qsl[i + 1] - qsl[i] != 1 or p < back:
+                continue
+            pos = p - back
+            B = g.block_size
+            slot = int(meta.block_table[i, pos // B]) * B + pos % B
+            static = self._vllm_config.compilation_config.static_forward_context
+            for layer in g.layer_names:
+                kv = self.kv_caches[layer]
+                layout = probe_cpu_layout(kv, getattr(static.get(layer), "isa", "vec"))
+                if layout is None:
+                    return None
+                for side in (0, 1):
+                    kv.view(-1)[slot_elements(kv, layout, side, B, slot)] = 4.0
+            if self.runner is None:
+                self.runner = find_model_runner(next(iter(self.kv_caches.values())))
+            rid = self.runner.input_batch.req_ids[i]
+            return Injection(name="overwrite_window_edge", forward=self.forward, rank=self.rank, request_id=rid, slot=slot,
+                             expected=(), detail=f"query position {p}: K/V of position {pos} ({back} back) in group {g.name}")
+        return None
 
     def _log(self, spec: dict, injection: Injection) -> None:
         logger.warning("kv-canary fault injected: %s", injection)

@@ -330,7 +330,7 @@ class WorkerView:
                 row = self.rows.row_of.get(rid)
                 if row is None or n <= 0:
                     continue
-                lo = max(0, n - g.sliding_window + 1) if g.sliding_window else 0
+                lo = max(0, n - g.window_left) if g.sliding_window else 0  # what its next query reads
                 parts.append(table[row, lo:n].to(torch.int64))
             mine = [(b, n) for b, n, gi in cached_blocks if gi == g.index and not g.sliding_window]
             if mine:

@@ -45,7 +45,9 @@ class GroupLayout:
     block tables). block_size: tokens per *kernel* block (the unit of ``block_table`` and
     ``slot_mapping``). manager_block_size: tokens per scheduler block (a multiple of it).
     num_blocks: kernel blocks per layer tensor. layer_ids: canary layer ids (the model's layer
-    numbers), aligned with ``layer_names``.
+    numbers), aligned with ``layer_names``. sliding_window: the model's window W (0: full attention).
+    window_left: cached positions before its own a query reads in this group's attention (`window_left`;
+    0 when unknown or full attention): a query at position p reads ``[p - window_left, p]``.
     """
 
     name: str
@@ -56,6 +58,7 @@ class GroupLayout:
     manager_block_size: int
     num_blocks: int
     sliding_window: int
+    window_left: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -76,6 +79,38 @@ class GroupLayout:
         return slots[offs[None, :] < counts[:, None]]
 
 
+# How each vLLM attention backend applies a sliding window W, in one place: the cached positions before
+# its own that a query at position p reads (it reads [p - left, p]). Taken from each backend's attention
+# code and, for the CPU, proved by experiment (tests/engines/vllm/test_window.py: corrupting position
+# p - W + 1 changes the next token's logits, corrupting p - W changes nothing).
+WINDOW_CONVENTIONS: dict[str, str] = {
+    "CPU_ATTN": "impl.sliding_window = W; cpu_attention_with_kv_cache reads [p - W + 1, p]: left = W - 1",
+    "FLASH_ATTN": "impl.sliding_window = (W - 1, 0) (FlashAttention 2/3 window_size): left = W - 1",
+    "TRITON_ATTN": "impl.sliding_window = (W - 1, 0): left = W - 1",
+    "FLASHINFER": "impl.sliding_window = (W - 1, 0) -> window_left = W - 1: left = W - 1",
+}
+
+
+def window_left(layer, window: int) -> int:
+    """Cached positions before its own that a query reads in ``layer`` (a vLLM ``Attention`` layer with
+    sliding window ``window``), from its backend's convention (`WINDOW_CONVENTIONS`); refuses a backend
+    whose convention is not recorded there."""
+    backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()
+    stored = getattr(getattr(layer, "impl", None), "sliding_window", None)
+    if backend not in WINDOW_CONVENTIONS:
+        raise KvCanaryValueError(
+            f"kv-canary: sliding-window attention on vLLM backend {backend!r} is not supported (its window "
+            f"convention is not recorded; known: {', '.join(WINDOW_CONVENTIONS)})"
+        )
+    left = int(stored) - 1 if backend == "CPU_ATTN" else int(stored[0])
+    if left != window - 1 or left < 1:
+        raise KvCanaryValueError(
+            f"kv-canary: backend {backend} stores sliding window {stored!r} for a window of {window}; expected "
+            f"{WINDOW_CONVENTIONS[backend]} with W >= 2"
+        )
+    return left
+
+
 _LAYER_NUMBER = re.compile(r"\.(\d+)\.")
 
 
@@ -85,8 +120,11 @@ def layer_number(name: str, fallback: int) -> int:
     return int(found[-1]) if found else fallback
 
 
-def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], kernel_block_sizes=None) -> list[GroupLayout]:
-    """Canary groups of a vLLM ``KVCacheConfig`` (read only): one ``full`` and at most one ``swa``."""
+def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], kernel_block_sizes=None,
+                        attention_layers=None) -> list[GroupLayout]:
+    """Canary groups of a vLLM ``KVCacheConfig`` (read only): one ``full`` and at most one ``swa``.
+    ``attention_layers`` (layer name -> ``Attention`` layer, vLLM's static forward context): gives each
+    sliding-window group its ``window_left``."""
     layouts = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -113,11 +151,17 @@ def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], ker
                 f"kv-canary: unexpected vLLM KV cache tensor {tuple(tensor.shape)} for layer {names[0]}; the canary "
                 f"expects the CPU layout [num_blocks, num_kv_heads, {kernel_bs}, 2 * head_size]"
             )
+        left = 0
+        if window and attention_layers is not None:
+            lefts = {window_left(attention_layers[n], window) for n in names}
+            if len(lefts) != 1:
+                raise KvCanaryValueError(f"kv-canary: vLLM KV cache group {index} mixes window conventions {sorted(lefts)}")
+            left = lefts.pop()
         layouts.append(GroupLayout(
             name=name, index=index, layer_names=names,
             layer_ids=tuple(layer_number(n, i) for i, n in enumerate(names)),
             block_size=kernel_bs, manager_block_size=manager_bs, num_blocks=int(tensor.shape[0]),
-            sliding_window=window,
+            sliding_window=window, window_left=left,
         ))
     names = [g.name for g in layouts]
     if len(set(names)) != len(names):
@@ -221,6 +265,20 @@ def layer_kv_views(kv: torch.Tensor, layout_name: str) -> tuple[torch.Tensor, to
     return CANDIDATES[layout_name](kv)
 
 
+def token_element_offsets(kv: torch.Tensor, layout_name: str, side: int, block_size: int) -> torch.Tensor:
+    """int64 ``[block_size, elements per token]``: element offsets, from the start of a block of ``kv``
+    (one layer's CPU cache tensor), of each token's K (side 0) or V (side 1) elements in logical
+    (token-major view) order."""
+    one = torch.arange(int(kv.stride(0)), dtype=torch.int64).view(1, *kv.shape[1:])
+    return token_rows(CANDIDATES[layout_name](one)[side], block_size).contiguous()
+
+
+def slot_elements(kv: torch.Tensor, layout_name: str, side: int, block_size: int, slot: int) -> torch.Tensor:
+    """Flat element indices into ``kv`` of slot ``slot``'s K or V elements, in logical order."""
+    offsets = token_element_offsets(kv, layout_name, side, block_size)
+    return (slot // block_size) * int(kv.stride(0)) + offsets[slot % block_size]
+
+
 class StripMirror:
     """Dense copy of the first ``nbytes`` of each slot's token-major strip, for one layer and side.
 
@@ -241,9 +299,7 @@ class StripMirror:
         self.block_size = block_size
         self.block_stride = int(kv.stride(0))
         n_el = nbytes // es
-        one = torch.arange(self.block_stride, dtype=torch.int64).view(1, *kv.shape[1:])
-        view = CANDIDATES[layout_name](one)[side]
-        self.offsets = token_rows(view, block_size)[:, :n_el].contiguous()  # [block_size, n_el] element offsets
+        self.offsets = token_element_offsets(kv, layout_name, side, block_size)[:, :n_el].contiguous()  # [block_size, n_el]
         self.mirror = torch.zeros(int(kv.shape[0]) * block_size, n_el, dtype=kv.dtype, device=kv.device)
 
     def refresh(self, slots: torch.Tensor) -> None:

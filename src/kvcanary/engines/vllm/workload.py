@@ -39,13 +39,33 @@ MODELS = {
 BLOCK_SIZE = 32
 
 
-def write_tiny_model(directory: str, kind: str = "llama") -> str:
-    """Write ``config.json`` of the tiny ``kind`` model into ``directory``; returns the directory."""
+def model_config(kind: str = "llama", *, layers: Optional[int] = None, sliding_window: Optional[int] = None,
+                 sliding_layers: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
+    """The ``config.json`` of tiny model ``kind`` with ``layers`` layers and, for ``sliding_window``, a
+    window; ``sliding_layers`` (llama only): the layers that slide, the others full attention (a
+    hybrid model: one full and one sliding-window KV cache group)."""
     if kind not in MODELS:
         raise KvCanaryValueError(f"kv-canary: unknown tiny vLLM model {kind!r}; have {sorted(MODELS)}")
+    cfg = dict(MODELS[kind])
+    if layers is not None:
+        cfg["num_hidden_layers"] = int(layers)
+    if sliding_window is not None:
+        cfg["sliding_window"] = int(sliding_window)
+    if sliding_layers is not None:
+        if kind != "llama" or "sliding_window" not in cfg:
+            raise KvCanaryValueError("kv-canary: sliding_layers needs kind='llama' and a sliding_window")
+        cfg["layer_types"] = ["sliding_attention" if i in sliding_layers else "full_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
+def write_tiny_model(directory: str, kind: str = "llama", **shape: Any) -> str:
+    """Write ``config.json`` of the tiny ``kind`` model (`model_config` ``shape`` options) into
+    ``directory``; returns the directory."""
+    cfg = model_config(kind, **shape)
     Path(directory).mkdir(parents=True, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(MODELS[kind], fh)
+        json.dump(cfg, fh)
     return directory
 
 
@@ -152,10 +172,11 @@ FAULT_PLAN = (
 
 def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
                faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1,
-               model_kind: str = "llama") -> dict[str, Any]:
+               model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log") -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
-    verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger."""
+    verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger.
+    ``shape``: `model_config` options (layers, sliding window); ``mode_option``: the canary's mode."""
     import time
 
     from vllm import LLM
@@ -164,7 +185,7 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
 
     if mode not in ("ref", "clean", "faults"):
         raise KvCanaryValueError(f"kv-canary: run_engine mode must be ref, clean or faults, got {mode!r}")
-    model = write_tiny_model(os.path.join(workdir, f"tiny-{model_kind}"), model_kind)
+    model = write_tiny_model(os.path.join(workdir, f"tiny-{model_kind}"), model_kind, **(shape or {}))
     vpath, lpath = os.path.join(workdir, f"{mode}.violations.{{rank}}.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
     vpaths = [vpath.replace("{rank}", str(r)) for r in range(tensor_parallel)]
     for p in vpaths + [lpath]:
@@ -173,7 +194,7 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     ktc = None
     if mode != "ref":
         plan = [dict(f, ledger_path=lpath) for f in faults] if mode == "faults" else None
-        ktc = kv_transfer_config(mode="log", jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
+        ktc = kv_transfer_config(mode=mode_option, jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
                                  faults=plan)
     # processes=False: engine core and worker run in this process and step only when LLM.generate
     # steps them, so every run batches the same requests together (identical forwards with and
@@ -213,11 +234,16 @@ def main(argv=None) -> int:
     parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel ranks (worker processes)")
     parser.add_argument("--fault-rank", type=int, default=None, help="faults: inject on this rank only")
     parser.add_argument("--model", default="llama", choices=sorted(MODELS), help="tiny model")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the tiny model")
+    parser.add_argument("--window", type=int, default=None, help="sliding window of the tiny model")
+    parser.add_argument("--canary-mode", default="log", choices=("log", "raise"), help="the canary's mode")
     args = parser.parse_args(argv)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
     faults = tuple(dict(f, rank=args.fault_rank) for f in FAULT_PLAN) if args.fault_rank is not None else FAULT_PLAN
     result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes,
-                        tensor_parallel=args.tensor_parallel, faults=faults, model_kind=args.model)
+                        tensor_parallel=args.tensor_parallel, faults=faults, model_kind=args.model,
+                        shape={k: v for k, v in (("layers", args.layers), ("sliding_window", args.window)) if v is not None},
+                        mode_option=args.canary_mode)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0

@@ -1,0 +1,1 @@
+"""Clean-workload fuzzing (the common framework lives here; engine modules: ``vllm``)."""

