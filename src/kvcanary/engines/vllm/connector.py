@@ -25,6 +25,7 @@ and no ``{rank}``, ``.rank<N>`` is appended.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -58,11 +59,14 @@ class KvCanaryMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step.
 
     tokens: request id -> (first position, token ids) newly recorded by the scheduler.
+    contexts: request id -> context key (`context_key` of its LoRA adapter and cache salt), sent once
+    with a request's first tokens, for requests that have one.
     finished / preempted: request ids since the last step. cached_blocks: ``(block id, valid tokens,
     KV cache group index)`` of every block in the prefix cache, on sweep steps only (else None).
     """
 
     tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    contexts: dict[str, int] = field(default_factory=dict)
     finished: tuple[str, ...] = ()
     preempted: tuple[str, ...] = ()
     cached_blocks: Optional[list[tuple[int, int, int]]] = None
@@ -181,10 +185,15 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KvCanaryMetadata:
         tokens: dict[str, tuple[int, list[int]]] = {}
+        contexts: dict[str, int] = {}
         for rid in scheduler_output.num_scheduled_tokens:
             req = self._requests.get(rid)
             if req is None:
                 continue
+            if rid not in self._sent:
+                key = request_context_key(req)
+                if key:
+                    contexts[rid] = key
             sent = self._sent.get(rid, 0)
             known = req.num_tokens
             if known > sent:
@@ -197,6 +206,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             cached = self._cached_blocks()
         return KvCanaryMetadata(
             tokens=tokens,
+            contexts=contexts,
             finished=tuple(scheduler_output.finished_req_ids or ()),
             preempted=tuple(scheduler_output.preempted_req_ids or ()),
             cached_blocks=cached,
@@ -311,7 +321,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self.view = WorkerView(runner=runner, layouts=self._layouts, max_requests=self.max_requests,
                                    max_context=self.max_context, device=self.canary.device)
         self.view.apply(tokens=connector_metadata.tokens, finished=connector_metadata.finished,
-                        preempted=connector_metadata.preempted)
+                        preempted=connector_metadata.preempted, contexts=connector_metadata.contexts)
         attn = _attn_metadata()
         if not attn:
             return
@@ -418,6 +428,25 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.canary is not None:
             self.canary.close()
+
+
+def context_key(lora_id: Optional[int] = None, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
+    """The canary's context key of a vLLM request: 0 without a LoRA adapter and a cache salt, else a
+    non-zero 63-bit hash of both (stable across processes). Requests whose KV must not be shared —
+    another adapter, another salt — get different keys, so a prefix-cache hit across them is a
+    ``verify_chain_hash`` violation against the request that was served the other context's KV."""
+    if not lora_id and not lora_name and not cache_salt:
+        return 0
+    text = f"lora={lora_id or 0}:{lora_name or ''}\0salt={cache_salt or ''}"
+    key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return key or 1
+
+
+def request_context_key(request) -> int:
+    """`context_key` of a scheduler-side vLLM ``Request`` (its ``lora_request`` and ``cache_salt``)."""
+    lora = getattr(request, "lora_request", None)
+    return context_key(getattr(lora, "lora_int_id", None) if lora else None,
+                       getattr(lora, "lora_name", None) if lora else None, getattr(request, "cache_salt", None))
 
 
 def _attn_metadata():

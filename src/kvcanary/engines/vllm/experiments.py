@@ -169,6 +169,55 @@ __all__ = ["Handles", "handles", "close", "flip_bit", "bitflip_trials", "FlipTri
 
 
 
+def context_runs(workdir: str) -> dict[str, Any]:
+    """Prefix-cache hits across cache salts. One engine (canary, mode ``log``) whose prefix cache is made
+    to ignore ``cache_salt`` — the bug of a cache that shares KV across contexts (LoRA adapters, tenants),
+    emulated by dropping the salt from vLLM's block-hash extra keys in this process — serves one prompt
+    three times, one request at a time: under salt ``a``, again under ``a`` (a legitimate hit), then
+    under ``b`` (the other context's KV). Then, with vLLM's own hashing, ``a`` then ``b``: no hit at all."""
+    import os
+
+    from vllm import LLM, SamplingParams
+    from vllm.v1.core import block_pool, kv_cache_utils
+
+    from kvcanary.engines.vllm import kv_transfer_config
+    from kvcanary.engines.vllm.workload import engine_kwargs, write_tiny_model
+
+    model = write_tiny_model(os.path.join(workdir, "llama"), "llama")
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 512) for _ in range(80)]
+    out: dict[str, Any] = {}
+    original = kv_cache_utils.generate_block_hash_extra_keys
+
+    def salt_blind(request, *args, **kwargs):
+        salt, request.cache_salt = request.cache_salt, None
+        try:
+            return original(request, *args, **kwargs)
+        finally:
+            request.cache_salt = salt
+
+    for name, blind, salts in (("salt_blind", True, ("a", "a", "b")), ("vllm_hashing", False, ("a", "b"))):
+        kv_cache_utils.generate_block_hash_extra_keys = block_pool.generate_block_hash_extra_keys = \
+            salt_blind if blind else original
+        llm = LLM(**engine_kwargs(model, kv_transfer_config=kv_transfer_config(mode="log", readable_per_step=0)))
+        try:
+            rows = []
+            for salt in salts:
+                seen = len(handles(llm).worker.canary.violations())
+                res = llm.generate([{"prompt_token_ids": prompt, "cache_salt": salt}],
+                                   SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+                new = handles(llm).worker.canary.violations()[seen:]
+                rows.append({"salt": salt, "request_id": res.request_id, "cached_tokens": res.num_cached_tokens,
+                             "verdict": (res.kv_transfer_params or {}).get("kv_canary"),
+                             "violations": [{"request_id": v.request_id, "reason": v.reason_label,
+                                             "position": v.stored_position} for v in new]})
+            out[name] = rows
+        finally:
+            kv_cache_utils.generate_block_hash_extra_keys = block_pool.generate_block_hash_extra_keys = original
+            close(llm)
+    return out
+
+
 DEFAULT_SHAPES = {
     "llama4": ("llama", {"layers": 4}),
     "llama6": ("llama", {"layers": 6}),
@@ -216,7 +265,7 @@ def main(argv=None) -> int:
     window-edge: the window convention experiment on a Mistral with every layer sliding (``--window W``):
     no fault, and the K/V of ``p - (W - 1)`` / ``p - W`` overwritten (`window_edge_run`), the latter two
     with the canary (and without it too with ``--no-canary-runs``), each in a fresh in-process engine.
-    defaults: `defaults_runs`."""
+    defaults: `defaults_runs`. context: `context_runs`."""
     import argparse
     import json
     import logging
@@ -224,7 +273,7 @@ def main(argv=None) -> int:
     import sys
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("what", choices=("window-edge", "defaults"))
+    parser.add_argument("what", choices=("window-edge", "defaults", "context"))
     parser.add_argument("workdir")
     parser.add_argument("out")
     parser.add_argument("--window", type=int, default=40)
@@ -247,6 +296,8 @@ def main(argv=None) -> int:
                 "canary_outside": window_edge_run(model, prompt, back=w, canary=True)}
         if args.no_canary_runs:
             runs.update(inside=window_edge_run(model, prompt, back=w - 1), outside=window_edge_run(model, prompt, back=w))
+    elif args.what == "context":
+        runs = context_runs(args.workdir)
     else:
         runs = defaults_runs(args.workdir, flips=args.flips)
     with open(args.out, "w", encoding="utf-8") as fh:

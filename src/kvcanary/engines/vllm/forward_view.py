@@ -9,7 +9,9 @@ Sources, per forward (all read, nothing written):
   the attention metadata's row order), ``input_ids`` and ``positions`` (what the model is fed);
 * the token oracle: the scheduler's own record of each request's tokens (prompt + sampled so far),
   shipped in the connector metadata (`TokenHistory`); positions the scheduler has not seen yet
-  (async scheduling's in-flight token) are left unknown, not guessed.
+  (async scheduling's in-flight token) are left unknown, not guessed;
+* each request's context key (LoRA adapter, cache salt), from the same metadata: a batch row's
+  ``context_keys`` entry, so KV computed under one context and served to another fails its chain.
 
 Position -> slot table (``req_to_token``) of a row: ``block_table[row, p // B] * B + p % B`` for
 ``p < seq_len`` — built from what attention reads, so a stale or redirected block table entry makes
@@ -136,13 +138,15 @@ class WorkerView:
         self.history = TokenHistory()
         self.computed: dict[str, int] = {}  # request id -> positions stored as of its latest forward
         self.preempted: set[str] = set()
+        self.contexts: dict[str, int] = {}  # request id -> context key (LoRA adapter / cache salt), when not 0
+        self.keyed = False  # a request with a context key was seen: every batch carries context keys from then on
         self.events = ForwardEvents()
         self.read_slots: dict[str, torch.Tensor] = {}  # per group: slots of positions < seq_len of the last forward
         full = next((g for g in layouts if g.name == "full"), None)
         self._ever_written = torch.zeros(full.num_slots if full else 0, dtype=torch.bool, device=self.device)
 
     # ---- scheduler events ----------------------------------------------------------------------
-    def apply(self, *, tokens: dict, finished, preempted) -> None:
+    def apply(self, *, tokens: dict, finished, preempted, contexts: Optional[dict] = None) -> None:
         for rid in preempted:
             self.computed.pop(rid, None)
             self.preempted.add(rid)
@@ -151,7 +155,9 @@ class WorkerView:
             self.computed.pop(rid, None)
             self.filled.pop(rid, None)
             self.preempted.discard(rid)
+            self.contexts.pop(rid, None)
             self.rows.release(rid)
+        self.contexts.update(contexts or {})
         for rid, (start, new) in tokens.items():
             self.history.extend(rid, int(start), list(new))
 
@@ -206,6 +212,8 @@ class WorkerView:
         for name, w in written.items():  # TAIL re-hashes the slots actually written, too
             self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
         groups = {g.name: GroupBatch(req_to_token=tables[g.name], out_cache_loc=written[g.name]) for g in self.layouts}
+        keys = [self.contexts.get(rid, 0) for rid in req_ids]
+        self.keyed = self.keyed or any(keys)
         self.events.same_step_shared += sum(1 for k in shared if k)
         return BatchDescription(
             req_pool_indices=torch.tensor(rows, dtype=torch.int64),
@@ -218,6 +226,7 @@ class WorkerView:
             token_table=self.token_table,
             token_table_lens=torch.tensor(lens, dtype=torch.int64, device=dev),
             forward_kind=_forward_kind(prefix, query),
+            context_keys=torch.tensor(keys, dtype=torch.int64) if self.keyed else None,
         )
 
     def _fill_table(self, g: GroupLayout, meta, rows_t, seq, num_reqs: int) -> torch.Tensor:

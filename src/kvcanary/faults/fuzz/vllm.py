@@ -54,11 +54,11 @@ def sample_config(rng: random.Random) -> dict:
     blocks = need + rng.choice((0, 1, 2, 4, 8, 16))
     n_sys = rng.randint(0, 2)
     requests = []
-    for _ in range(rng.randint(3, 8)):
+    for _ in range(rng.randint(3, 6)):
         requests.append({
             "system": rng.randrange(n_sys) if n_sys and rng.random() < 0.7 else None,
             "user": rng.randint(1, 90),
-            "max_tokens": rng.randint(2, 24),
+            "max_tokens": rng.randint(2, 16),
             "n": rng.choice((1, 1, 1, 2, 3)),
         })
     aborts = []
@@ -66,7 +66,7 @@ def sample_config(rng: random.Random) -> dict:
         aborts = [[rng.randrange(len(requests)), rng.randint(1, 12)]]  # (request index, after step)
     real_kv_hash = rng.choice(("partial", "partial", "all", "none"))
     layer_picks = sorted(set(rng.randint(-layers, layers - 1) for _ in range(rng.randint(1, 4))))
-    canary = {"sweep_interval": rng.choice((2, 4, 8, 16, 64)), "real_kv_hash": real_kv_hash,
+    canary = {"sweep_interval": rng.choice((4, 8, 16, 64)), "real_kv_hash": real_kv_hash,
               "deep_fingerprints": rng.random() < 0.75}
     if rng.random() < 0.4:
         canary["real_kv_layers"] = layer_picks
@@ -301,6 +301,51 @@ def _serve() -> int:
     return 0
 
 
+def campaign(*, seed: int, configs: int, first: int = 0, out: Optional[str] = None, fault_rate: float = 1 / 3) -> dict:
+    """Configurations ``first .. first + configs - 1`` of campaign ``seed``, drawn as the common fuzz
+    driver (``bench/fuzz_clean.py --engine vllm``) draws them — configuration ``k`` from
+    ``random.Random(f"vllm:{seed}:{k}")``, faulted when that generator's next draw is below
+    ``fault_rate``, run with seed ``seed * 100000 + k`` — with a JSON summary rewritten to ``out`` after
+    each configuration."""
+    outcomes = []
+    t0 = time.perf_counter()
+    summary: dict = {}
+    for k in range(first, first + configs):
+        rng = random.Random(f"{ENGINE}:{seed}:{k}")
+        config = sample_config(rng)
+        faulted = rng.random() < fault_rate
+        o = run_config(config, seed=seed * 100_000 + k, faulted=faulted)
+        o["index"] = k
+        o["reproducer"] = (f"PYTHONPATH=src python bench/fuzz_clean.py --engine vllm --seed {seed} --first-seed {k} "
+                           f"--configs 1   # or: {o['reproducer']}")
+        outcomes.append(o)
+        fired = [x["fault"] for x in outcomes if x["fault"] and x["fault"]["fired"]]
+        bad = [x for x in outcomes if x["error"] or x["violations"] or not x["tokens_identical"]
+               or x["engine_forwards"] != x["checked_forwards"]
+               or (x["fault"] and x["fault"]["fired"] and not x["fault"]["right_request"])]
+        summary = {
+            "engine": ENGINE, "seed": seed, "first_seed": first, "configs": len(outcomes),
+            "seconds": round(time.perf_counter() - t0, 1),
+            "false_positives": sum(bool(x["violations"]) for x in outcomes),
+            "tokens_differ": sum(not x["tokens_identical"] for x in outcomes),
+            "forwards_unchecked": sum(x["engine_forwards"] != x["checked_forwards"] for x in outcomes),
+            "errors": sum(bool(x["error"]) for x in outcomes),
+            "engine_forwards": sum(x["engine_forwards"] for x in outcomes),
+            "faulted": {"twins": sum(bool(x["fault"]) for x in outcomes), "fired": len(fired),
+                        "caught": sum(bool(f["caught"]) for f in fired),
+                        "right_request": sum(bool(f["right_request"]) for f in fired)},
+            "failed": len(bad), "failures": [{"index": x["index"], "reproducer": x["reproducer"],
+                                              "error": (x["error"] or "")[:300] or None,
+                                              "first_violations": x.get("first_violations", [])[:3]} for x in bad],
+            "outcomes": outcomes,
+        }
+        if out:
+            with open(out + ".tmp", "w", encoding="utf-8") as fh:
+                json.dump(summary, fh, indent=1)
+            os.replace(out + ".tmp", out)
+    return summary
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -309,9 +354,16 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=None, help="JSON configuration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--faulted", action="store_true")
+    parser.add_argument("--campaign", type=int, default=0, help="run this many configurations of campaign --seed")
+    parser.add_argument("--first", type=int, default=0, help="campaign: first configuration index")
+    parser.add_argument("--out", default=None, help="campaign: JSON summary path")
     args = parser.parse_args(argv)
     if args.serve:
         return _serve()
+    if args.campaign:
+        s = campaign(seed=args.seed, configs=args.campaign, first=args.first, out=args.out)
+        print(json.dumps({k: v for k, v in s.items() if k != "outcomes"}, indent=1))
+        return 0 if not s["failed"] else 1
     config = json.loads(args.config) if args.config else sample_config(random.Random(args.seed))
     o = run_config(config, seed=args.seed, faulted=args.faulted)
     print(json.dumps({k: v for k, v in o.items() if k != "config"}, indent=1))

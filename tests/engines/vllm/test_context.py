@@ -1,0 +1,60 @@
+"""Context keys on vLLM: KV computed under one cache salt (or LoRA adapter) and served under another is
+caught against the request that was served it; equal contexts, and vLLM's own (salt-aware) prefix cache,
+stay silent. One subprocess, two engine starts (~1 min on 2 cores)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm-context")
+    out = work / "context.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run([sys.executable, "-m", "kvcanary.engines.vllm.experiments", "context", str(work), str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"context runs failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def test_a_prefix_served_across_cache_salts_is_caught_against_the_served_request(runs):
+    first, same, other = runs["salt_blind"]
+    assert first["violations"] == [] and first["cached_tokens"] == 0
+    assert same["cached_tokens"] > 0 and same["violations"] == []  # a hit within one context is legitimate
+    assert same["verdict"] == {"violations": 0, "reasons": []}
+    assert other["cached_tokens"] > 0  # the (emulated) bug: salt b served salt a's blocks
+    assert other["violations"] and {v["request_id"] for v in other["violations"]} == {other["request_id"]}
+    assert {v["reason"] for v in other["violations"]} >= {"verify_chain_hash"}
+    assert other["verdict"]["violations"] > 0
+
+
+def test_vllms_own_salted_prefix_cache_shares_nothing_and_is_silent(runs):
+    a, b = runs["vllm_hashing"]
+    assert b["cached_tokens"] == 0 and a["violations"] == b["violations"] == []
+
+
+def test_context_keys_from_lora_and_salt():
+    from kvcanary.engines.vllm.connector import context_key, request_context_key
+
+    assert context_key() == 0 and context_key(None, None, "") == 0
+    keys = {context_key(cache_salt="a"), context_key(cache_salt="b"), context_key(1, "sql"), context_key(2, "chat"),
+            context_key(1, "sql", "a")}
+    assert len(keys) == 5 and 0 not in keys and all(0 < k < 2**63 for k in keys)
+    assert context_key(cache_salt="a") == context_key(cache_salt="a")
+
+    class Lora:
+        lora_int_id, lora_name = 3, "adapter"
+
+    class Req:
+        lora_request, cache_salt = Lora(), None
+
+    assert request_context_key(Req()) == context_key(3, "adapter")

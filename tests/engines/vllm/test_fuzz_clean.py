@@ -1,0 +1,45 @@
+"""CI slice of the vLLM clean-workload fuzzer (`kvcanary.faults.fuzz.vllm`): fixed seeds, each drawn
+configuration trimmed to four requests of at most 8 new tokens (CI time; `bench/fuzz_clean.py --engine vllm`
+runs them whole), run without the canary and then with it in ``raise`` mode; every third one also runs
+a faulted twin (fixed seeds chosen so the slice covers every architecture, block size, prefix caching
+on and off, aborts, n > 1 and hash mode). All configurations share one worker process (engines start in seconds there).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvcanary.faults.fuzz import vllm as fuzz  # noqa: E402
+
+SEEDS = (0, 3, 4, 5, 7, 12, 16, 19, 24)  # chosen to cover every feature the slice asserts below
+
+
+def _trimmed(seed: int) -> dict:
+    config = fuzz.sample_config(random.Random(f"vllm-ci:{seed}"))
+    config["requests"] = [dict(r, max_tokens=min(r["max_tokens"], 8)) for r in config["requests"][:4]]
+    config["aborts"] = [a for a in config["aborts"] if a[0] < 4]
+    return config
+
+
+def test_the_slice_covers_the_engine_features():
+    configs = [_trimmed(s) for s in SEEDS]
+    assert {c["arch"] for c in configs} == {"llama", "mistral_swa", "hybrid"}
+    assert {c["block_size"] for c in configs} == set(fuzz.BLOCK_SIZES)
+    assert {c["prefix_caching"] for c in configs} == {True, False}
+    assert {c["canary"]["real_kv_hash"] for c in configs} >= {"partial", "all"}
+    assert any(c["aborts"] for c in configs) and any(r["n"] > 1 for c in configs for r in c["requests"])
+    assert min(c["layers"] for c in configs) <= 3 and max(c["layers"] for c in configs) >= 6
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_clean_configuration_is_silent_identical_and_fully_checked(seed):
+    o = fuzz.run_config(_trimmed(seed), seed=seed, faulted=SEEDS.index(seed) % 3 == 0)
+    assert o["error"] is None, f"{o['error']}\n{o['reproducer']}"
+    assert o["violations"] == 0 and not o["false_positive"], f"{o['first_violations']}\n{o['reproducer']}"
+    assert o["tokens_identical"], o["reproducer"]
+    assert o["engine_forwards"] == o["checked_forwards"] > 0, o["reproducer"]
+    if o["fault"] and o["fault"]["fired"]:
+        assert o["fault"]["caught"] and o["fault"]["right_request"], f"{o['fault']}\n{o['reproducer']}"
