@@ -50,7 +50,7 @@ def sample_config(rng: random.Random) -> dict:
     # the smallest pool vLLM accepts serves one max-length request; above it, a pool that preempts or not
     swa_need = -(-min((window or 0) - 1 + budget, max_len) // block) + 2
     need = {"llama": -(-max_len // block) + 1, "mistral_swa": swa_need,
-            "hybrid": -(-max_len // block) + 1 + swa_need}[arch]
+            "hybrid": 2 * (-(-max_len // block) + 1 + swa_need)}[arch]  # the hybrid allocator splits the pool
     blocks = need + rng.choice((0, 1, 2, 4, 8, 16))
     n_sys = rng.randint(0, 2)
     requests = []
