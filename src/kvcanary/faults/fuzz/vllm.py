@@ -65,7 +65,8 @@ def sample_config(rng: random.Random) -> dict:
     if rng.random() < 0.3:
         aborts = [[rng.randrange(len(requests)), rng.randint(1, 12)]]  # (request index, after step)
     real_kv_hash = rng.choice(("partial", "partial", "all", "none"))
-    layer_picks = sorted(set(rng.randint(-layers, layers - 1) for _ in range(rng.randint(1, 4))))
+    smallest = layers // 2 if arch == "hybrid" else layers  # real_kv_layers index every group's layers
+    layer_picks = sorted(set(rng.randint(-smallest, smallest - 1) for _ in range(rng.randint(1, 4))))
     canary = {"sweep_interval": rng.choice((4, 8, 16, 64)), "real_kv_hash": real_kv_hash,
               "deep_fingerprints": rng.random() < 0.75}
     if rng.random() < 0.4:
@@ -270,6 +271,11 @@ def run_config(config: dict, *, seed: int, faulted: bool) -> dict:
         _worker.stop()
         _worker = None
         got = {"error": f"{type(exc).__name__}: {exc}"}
+    if got.get("error") and _worker is not None:
+        # an engine that failed to start or close leaves vLLM's process-wide state (the KV-transfer agent)
+        # behind, and the next engine in that process would reuse it: start the next one in a fresh worker
+        _worker.stop()
+        _worker = None
     out = {"engine": ENGINE, "seed": seed, "config": config, "violations": 0, "false_positive": False,
            "tokens_identical": False, "engine_forwards": 0, "checked_forwards": 0, "fault": None, "error": None}
     out.update(got)
