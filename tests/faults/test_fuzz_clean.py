@@ -1,0 +1,70 @@
+"""The clean-workload fuzzer's CI slice (fixed seeds): each configuration runs unchecked, then checked in
+``raise`` mode — 0 violations, identical tokens, every engine forward checked — and the drawn third with a
+faulted twin that must be caught against the right request (`kvcanary.faults.fuzz`). A failure prints the
+one-line reproducer (``bench/fuzz_clean.py``)."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from kvcanary.faults import fuzz
+from kvcanary.faults.fuzz import sim as fuzz_sim
+
+CI_SEED = 0
+SIM_CONFIGS = 30
+TF_CONFIGS = 25
+
+
+def _check(o: dict) -> None:
+    assert not o["failed"], (
+        f"fuzz config {o['index']} failed ({', '.join(o['failed'])}): {o['error'] or ''} "
+        f"{o.get('first_violations', [])[:2]} fault={o['fault']}\nreproduce: {o['reproducer']}\nconfig: {o['config']}"
+    )
+
+
+@pytest.mark.parametrize("index", range(SIM_CONFIGS))
+def test_sim_clean_config(index):
+    logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
+    _check(fuzz.run_one("sim", fuzz_sim, CI_SEED, index))
+
+
+@pytest.mark.parametrize("index", range(TF_CONFIGS))
+def test_transformers_clean_config(index):
+    pytest.importorskip("transformers")
+    from kvcanary.faults.fuzz import transformers as fuzz_tf
+
+    logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
+    _check(fuzz.run_one("transformers", fuzz_tf, CI_SEED, index))
+
+
+def test_slice_covers_the_space_and_twins():
+    """The fixed seeds reach every transformers architecture, forks, offload, tight caches and both
+    fault kinds per engine; the sim slice reaches the sliding-window group, moves and tight pools."""
+    from kvcanary.faults.fuzz import transformers as fuzz_tf
+
+    tf = [fuzz.draw("transformers", fuzz_tf, CI_SEED, i) for i in range(TF_CONFIGS)]
+    assert {c["model"]["arch"] for c, _ in tf} == set(fuzz_tf.ARCHS)
+    assert any(c["workload"]["num_return_sequences"] > 1 for c, _ in tf)
+    assert any(c["engine"]["cpu_offload_space"] > 0 for c, _ in tf)
+    assert sum(f for _, f in tf) >= 5
+    sims = [fuzz.draw("sim", fuzz_sim, CI_SEED, i) for i in range(SIM_CONFIGS)]
+    assert any(c["engine"]["sliding_window"] for c, _ in sims)
+    assert any(c["workload"]["moves"] for c, _ in sims)
+    assert {c["canary"]["real_kv_hash"] for c, _ in sims} == {"none", "partial", "all"}
+    assert sum(f for _, f in sims) >= 5
+
+
+def test_outcome_failure_reasons_and_reproducer():
+    base = fuzz.outcome("sim", 1, {}, tokens_identical=True, engine_forwards=3, checked_forwards=3)
+    assert fuzz.failure_reasons(base) == []
+    assert fuzz.failure_reasons(dict(base, violations=2, false_positive=True)) == ["false_positive"]
+    assert fuzz.failure_reasons(dict(base, checked_forwards=2)) == ["unchecked_forwards"]
+    assert fuzz.failure_reasons(dict(base, fault=fuzz.fault_result("x", fired=True, caught=False))) == ["fault_missed"]
+    assert fuzz.failure_reasons(dict(base, fault=fuzz.fault_result("x", fired=False))) == []
+    line = fuzz.reproducer("sim", 7, 12)
+    assert line.endswith("bench/fuzz_clean.py --engine sim --seed 7 --first-seed 12 --configs 1")
+    a = fuzz.draw("sim", fuzz_sim, 7, 12)
+    assert a == fuzz.draw("sim", fuzz_sim, 7, 12) and a != fuzz.draw("sim", fuzz_sim, 7, 13)
+    assert isinstance(fuzz_sim.sample_config(random.Random(0)), dict)
