@@ -4,7 +4,9 @@ with a faulted twin that must be caught against the right request (`kvcanary.fau
 
     PYTHONPATH=src python bench/fuzz_clean.py --engine sim --configs 1000 --seed 0 --out bench/fuzz_clean.sim.json
     PYTHONPATH=src python bench/fuzz_clean.py --engine transformers --configs 20 --seed 0
-    PYTHONPATH=src python bench/fuzz_clean.py --engine transformers --device cuda --cuda-graphs --configs 100
+    PYTHONPATH=src python bench/fuzz_clean.py --engine transformers --device cuda --cuda-graphs --configs 100 \
+        --max-seconds 420 --out bench/fuzz_clean.transformers.gpu.json
+    PYTHONPATH=src python bench/fuzz_clean.py --engine transformers --cuda-graphs --dry --configs 2   # CPU dry form
 
 Configuration k of seed S is re-run alone by ``--seed S --first-seed k --configs 1`` (each failing
 configuration prints that line). Exit status 1 when any configuration failed.
@@ -32,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry", action="store_true",
                     help="transformers --cuda-graphs without CUDA: pad batches and run the warmup as in graph mode, "
                          "driven from the compute_batch wrapper, everything but the capture")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no configuration after this much wall time (the summary says stopped_early)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="print the summary line only")
     ap.add_argument("--verbose", action="store_true", help="keep the engine's and the canary's logs")
@@ -49,7 +53,8 @@ def main(argv=None) -> int:
     elif args.device != "cpu" or args.cuda_graphs:
         ap.error("--device / --cuda-graphs apply to --engine transformers only")
     summary = run_campaign(args.engine, seed=args.seed, configs=args.configs, first=args.first_seed, out=args.out,
-                           fault_rate=args.fault_rate, progress=not args.no_progress, extra=extra, **run_kw)
+                           fault_rate=args.fault_rate, progress=not args.no_progress, extra=extra,
+                           max_seconds=args.max_seconds, **run_kw)
     if args.quiet:
         print(json.dumps({k: summary[k] for k in ("engine", "configs", "passed", "failed", "false_positives")}))
     else:

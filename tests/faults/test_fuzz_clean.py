@@ -48,7 +48,7 @@ def test_slice_covers_the_space_and_twins():
     assert {c["model"]["arch"] for c, _ in tf} == set(fuzz_tf.ARCHS)
     assert any(c["workload"]["num_return_sequences"] > 1 for c, _ in tf)
     assert any(c["engine"]["cpu_offload_space"] > 0 for c, _ in tf)
-    assert sum(f for _, f in tf) >= 5
+    assert sum(f for _, f in tf) >= 4
     sims = [fuzz.draw("sim", fuzz_sim, CI_SEED, i) for i in range(SIM_CONFIGS)]
     assert any(c["engine"]["sliding_window"] for c, _ in sims)
     assert any(c["workload"]["moves"] for c, _ in sims)

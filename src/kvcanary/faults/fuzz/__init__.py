@@ -178,9 +178,11 @@ def _by_kind(fired: list[dict]) -> dict:
 
 def run_campaign(engine: str, *, seed: int, configs: int, first: int = 0, out: Optional[str] = None,
                  fault_rate: float = FAULT_RATE, progress: bool = True, extra: str = "",
-                 on_outcome: Optional[Callable[[dict], None]] = None, **run_kw: object) -> dict:
+                 max_seconds: Optional[float] = None, on_outcome: Optional[Callable[[dict], None]] = None,
+                 **run_kw: object) -> dict:
     """Run configurations ``first .. first + configs - 1`` of campaign ``seed``; write the JSON summary to
-    ``out`` (rewritten after every configuration, so a cut campaign keeps what it ran)."""
+    ``out`` (rewritten after every configuration, so a cut campaign keeps what it ran). ``max_seconds``: start
+    no configuration after this much wall time (the summary says ``stopped_early``)."""
     module = engine_module(engine)
     outcomes: list[dict] = []
     t0 = time.perf_counter()
@@ -191,7 +193,11 @@ def run_campaign(engine: str, *, seed: int, configs: int, first: int = 0, out: O
 
         bar = tqdm(total=configs, desc=f"fuzz {engine}", unit="config")
     summary: dict = {}
+    stopped = False
     for index in indices:
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            stopped = True
+            break
         o = run_one(engine, module, seed, index, fault_rate=fault_rate, extra=extra, **run_kw)
         outcomes.append(o)
         if on_outcome is not None:
@@ -204,6 +210,10 @@ def run_campaign(engine: str, *, seed: int, configs: int, first: int = 0, out: O
             write_json(out, summary)
     if bar is not None:
         bar.close()
+    summary["stopped_early"] = stopped
+    summary["configs_requested"] = configs
+    if out:
+        write_json(out, summary)
     return summary
 
 
@@ -217,8 +227,9 @@ def write_json(path: str, summary: dict) -> None:
 def format_table(summary: dict) -> str:
     """A short table: totals, faulted twins, and one reproducer line per failing configuration."""
     s, f = summary, summary["faulted"]
+    cut = f" (of {s['configs_requested']}: time budget reached)" if s.get("stopped_early") else ""
     lines = [
-        f"fuzz {s['engine']} seed {s['seed']}: {s['configs']} configs in {s['seconds']} s on {s['machine']['node']}",
+        f"fuzz {s['engine']} seed {s['seed']}: {s['configs']} configs{cut} in {s['seconds']} s on {s['machine']['node']}",
         f"{'passed':>8} {'failed':>7} {'false+':>7} {'tokens!=':>9} {'unchecked':>10} {'errors':>7} {'forwards':>9}",
         f"{s['passed']:>8} {s['failed']:>7} {s['false_positives']:>7} {s['tokens_differ']:>9} "
         f"{s['forwards_unchecked']:>10} {s['errors']:>7} {s['engine_forwards']:>9}",

@@ -139,8 +139,8 @@ class _Run:
                 if child is not None:
                     self.requests[child.rid] = child
                     self.moved["forks"] += 1
-                    if self.oracle is not None:
-                        self.oracle.prompts[child.rid] = self.oracle.prompts[parent.rid]
+                    if self.oracle is not None:  # the child's history so far is its parent's: its "prompt"
+                        self.oracle.register(child.rid, child.tokens)
         if self.rng.random() < self.move_odds.get("offload", 0.0):
             cands = [r for r in running if r.num_computed > r.own_from]
             if cands:

@@ -308,7 +308,7 @@ def run_config(config: dict, *, seed: int, faulted: bool, device: str = "cpu", c
         try:
             with engine_patches(offload=offload, dry_graphs=dry_graphs):
                 if mode is None:
-                    tokens = generate(model, prompts, config, seed, cuda_graphs=cuda_graphs)
+                    tokens = generate(model, prompts, config, seed, cuda_graphs=graphs)
                 else:
                     handle = attach(model, mode=mode, token_oracle=sampler.token if sampler else None,
                                     **_canary_options(config))
@@ -320,7 +320,7 @@ def run_config(config: dict, *, seed: int, faulted: bool, device: str = "cpu", c
                             injector.install(model)
                     try:
                         with handle:
-                            tokens = generate(model, prompts, config, seed, cuda_graphs=cuda_graphs)
+                            tokens = generate(model, prompts, config, seed, cuda_graphs=graphs)
                     except CanaryViolationError:
                         pass  # counted from the handle
         except Exception as exc:  # noqa: BLE001
