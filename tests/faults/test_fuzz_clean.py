@@ -68,3 +68,16 @@ def test_outcome_failure_reasons_and_reproducer():
     a = fuzz.draw("sim", fuzz_sim, 7, 12)
     assert a == fuzz.draw("sim", fuzz_sim, 7, 12) and a != fuzz.draw("sim", fuzz_sim, 7, 13)
     assert isinstance(fuzz_sim.sample_config(random.Random(0)), dict)
+
+
+def test_graph_mode_dry_run_on_cpu():
+    """The GPU campaign's form (``--cuda-graphs``) in dry form: padded batches, the warmup and the
+    compute_batch-driven steps of graph mode, the faulted twin fired between batch preparation and forward."""
+    pytest.importorskip("transformers")
+    from kvcanary.faults.fuzz import transformers as fuzz_tf
+
+    logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
+    o = fuzz.run_one("transformers", fuzz_tf, 5, 0, faulted=True, cuda_graphs=True, dry_graphs=True,
+                     extra="--cuda-graphs --dry")
+    _check(o)
+    assert o["fault"]["fired"] and o["reproducer"].endswith("--cuda-graphs --dry")
