@@ -36,6 +36,7 @@ def main(argv=None) -> int:
                          "driven from the compute_batch wrapper, everything but the capture")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no configuration after this much wall time (the summary says stopped_early)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="print the summary line only")
     ap.add_argument("--verbose", action="store_true", help="keep the engine's and the canary's logs")
@@ -44,6 +45,10 @@ def main(argv=None) -> int:
         logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
         logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     run_kw: dict = {}
     extra = ""
     if args.engine == "transformers":
