@@ -218,9 +218,13 @@ def run_campaign(engine: str, *, seed: int, configs: int, first: int = 0, out: O
 
 
 def write_json(path: str, summary: dict) -> None:
+    """The summary indented, its ``outcomes`` one compact line each (valid JSON either way)."""
+    head = {k: v for k, v in summary.items() if k != "outcomes"}
+    text = json.dumps(head, indent=1, default=str)[:-2]
+    lines = ",\n".join(json.dumps(o, separators=(",", ":"), default=str) for o in summary.get("outcomes", []))
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(summary, f, indent=1, sort_keys=False, default=str)
+        f.write(f'{text},\n "outcomes": [\n{lines}\n ]\n}}\n')
     os.replace(tmp, path)
 
 
