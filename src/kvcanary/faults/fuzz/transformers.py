@@ -55,13 +55,18 @@ def sample_config(rng: random.Random) -> dict:
     fork = rng.random() < 0.3
     tight = rng.random() < 0.5
     offload = tight and rng.random() < 0.4  # a tight cache, more requests and longer decodes: requests get offloaded
-    n_requests = rng.randint(3, 8) if offload else rng.randint(1, 8 if not fork else 4)
+    big = rng.random() < 0.2  # a fifth: the many-request workloads real false alarms needed (10-40 requests)
+    if big:
+        n_requests = rng.randint(6, 12) if fork else rng.randint(10, 40)
+    else:
+        n_requests = rng.randint(3, 8) if offload else rng.randint(1, 8 if not fork else 4)
     max_new = rng.randint(8, 24) if offload else rng.randint(1, 12)
     systems = [rng.randint(2, 40) for _ in range(rng.randint(1, 3))]
     user = (1, rng.randint(1, 30))
     longest = max(systems) + user[1] + max_new
     need = -(-longest // page) + 1
     return {
+        "size": "big" if big else "small",
         "model": {"arch": arch, "layers": layers, "window": window, "layer_types": layer_types,
                   "model_seed": rng.randrange(4)},
         "engine": {
