@@ -73,7 +73,7 @@ def sample_config(rng: random.Random) -> dict:
             "page_size": page, "allow_block_sharing": rng.random() < 0.7,
             "num_blocks": need + (rng.randint(0, 3) if tight else rng.randint(16, 64)),
             "max_batch_tokens": rng.choice([4, 8, 16, 24, 32, 64, 128, 256]),
-            "max_requests_per_batch": rng.randint(1, 16),
+            "max_requests_per_batch": rng.choice([1, 1, 2, 2, 3, 4, 6, 8, 12, 16]),  # few per batch: more turnover
             "cpu_offload_space": 0.01 if offload else 0.0,
         },
         "workload": {
