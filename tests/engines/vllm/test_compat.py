@@ -40,3 +40,15 @@ def test_check_refuses_with_a_message_naming_the_range(monkeypatch, version):
     _fake_vllm(monkeypatch, version)
     with pytest.raises(RuntimeError, match=rf"^kv-canary: vLLM {version} is not supported; .*0\.26\.0 through 0\.32\.0"):
         check_vllm_version()
+
+
+def test_model_runner_classes_cover_the_v2_runner_which_is_not_a_v1_subclass():
+    pytest.importorskip("vllm")
+    from kvcanary.engines.vllm.compat import model_runner_classes
+
+    classes = model_runner_classes()
+    modules = [c.__module__ for c in classes]
+    assert modules[0] == "vllm.v1.worker.gpu_model_runner"
+    if "vllm.v1.worker.gpu.model_runner" in modules:
+        v2 = classes[modules.index("vllm.v1.worker.gpu.model_runner")]
+        assert classes[0] not in v2.__mro__

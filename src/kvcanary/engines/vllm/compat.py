@@ -49,3 +49,19 @@ def check_vllm_version() -> str:
             "(final releases; it reads the model runner's batch and the KV cache layout, which change between versions)"
         )
     return version
+
+
+def model_runner_classes() -> tuple:
+    """The model-runner classes a vLLM worker may run: V1 ``GPUModelRunner`` (``CPUModelRunner`` subclasses
+    it) and, where installed, the V2 runner (``vllm.v1.worker.gpu.model_runner``, vLLM's default on CUDA
+    GPUs from 0.26.0), which is a class of its own, not a V1 subclass."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    classes: list = [GPUModelRunner]
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    except ImportError:
+        V2Runner = None
+    if V2Runner is not None and V2Runner is not GPUModelRunner:
+        classes.append(V2Runner)
+    return tuple(classes)
