@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from kvcanary.engines.sim import SimWorkload
+from kvcanary.errors import KvCanaryError
 from kvcanary.faults.sim_hooks import flip_kv_bit
 
 from tests.runtime.conftest import make_sim, warm_sim
@@ -75,8 +76,9 @@ def test_raise_mode_surfaces_a_failing_sink(tmp_path):
     d.rmdir()
     warm_sim(engine, steps=30, seed=4)
     _scribble(engine)
-    with pytest.raises(OSError):
+    with pytest.raises(KvCanaryError) as err:  # the canary's own failure: one kv-canary error, the OSError its cause
         engine.run(5, SimWorkload(seed=4, arrival_prob=0.0, abort_prob=0.0))
+    assert isinstance(err.value.__cause__, OSError)
 
 
 def test_log_mode_writes_one_warning_line_per_violation_and_the_real_kv_line_shows_fingerprints(caplog):

@@ -1,4 +1,5 @@
-"""Choose the implementation for a launch: Triton on CUDA tensors when Triton imports, else the twin."""
+"""Choose the implementation for a launch: Triton on CUDA tensors when Triton imports (and has not been turned off
+for this process, `disable_triton`), else the twin."""
 from __future__ import annotations
 
 import functools
@@ -6,6 +7,21 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+
+
+_disabled: Optional[str] = None  # why Triton was turned off for this process (None: not turned off)
+
+
+def disable_triton(reason: str) -> None:
+    """Route every later launch of this process to the torch twins (a CUDA machine whose Triton cannot run,
+    where the user opted in to the eager fallback). ``reason`` is kept for `triton_disabled`. Not undone."""
+    global _disabled
+    _disabled = reason
+
+
+def triton_disabled() -> Optional[str]:
+    """Why Triton was turned off for this process, or None."""
+    return _disabled
 
 
 @functools.lru_cache(maxsize=None)
@@ -19,7 +35,7 @@ def _triton_ops() -> Optional[ModuleType]:
 
 def triton_backend(device: torch.device) -> Optional[ModuleType]:
     """The Triton op module when ``device`` is CUDA and Triton is usable, else None."""
-    if device.type != "cuda":
+    if device.type != "cuda" or _disabled is not None:
         return None
     return _triton_ops()
 

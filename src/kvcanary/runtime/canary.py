@@ -53,7 +53,17 @@ How an adapter drives it (the whole engine-facing API):
    captures the rotating sweep slice that `end_step` runs, so a replayed step launches nothing from Python.
 
 5. Optionally call ``note_engine_forward()`` from the engine's own step loop (not from the hook):
-   the health watchdog then notices forwards that ran without the canary.
+   the health watchdog then notices forwards that ran without the canary, and ``engine_forwards`` counts
+   them whatever the canary does.
+
+Fail-safe: on CUDA the device path is proved when the canary is created (`device_probe.prove_device_path`:
+refused, or the eager fallback when the config opts in). In ``log`` mode an exception of the canary itself —
+in a bracket, a sweep, a move or a drain — never reaches the engine: it is logged once, counted
+(``canary_errors``) and *suspends* the canary (``suspended`` names the cause): every later forward passes
+through unchecked and is counted (``unchecked_forwards``), so ``checked_forwards < engine_forwards`` shows it.
+Suspending rather than skipping one forward matters: a forward that ran without the canary wrote KV with no
+records, and checking those slots later would report violations that are not there. In ``raise`` mode the
+failure is raised once as a `KvCanaryError` (its cause chained) and the canary is suspended as well.
 
 Users read results with `violations`, `counters`, `stats`, `memory_bytes`; `close` sweeps every live slot
 once more (when the sweep is on), drains the last step and returns final stats.
@@ -66,7 +76,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
+from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryValueError
 from kvcanary.ops import CANARY_FIELD_REAL_KV_HASH, RealKvHashMode
 from kvcanary.ops.reference.real_kv import fingerprint_slots
 from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violation, device_rows
@@ -74,10 +84,11 @@ from kvcanary.runtime.batch import BatchDescription, GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
 from kvcanary.runtime.cuda_host import capturing
+from kvcanary.runtime.device_probe import DevicePath, prove_device_path
 from kvcanary.runtime.drain import Harvest, ViolationDrain, ViolationRings
 from kvcanary.runtime.graphs import CanaryGraphs, GraphSet, capture_sweep_slice
 from kvcanary.runtime.groups import CanaryGroup
-from kvcanary.runtime.health import HealthWatchdog
+from kvcanary.runtime.health import CanaryHealthError, HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
 from kvcanary.runtime.moves import MoveReport, SlotMoves, move_tags
 from kvcanary.runtime.polled import PolledWords
@@ -147,6 +158,8 @@ class Canary:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": tensors compare by index
             self.device = torch.device("cuda", torch.cuda.current_device())
+        # before any buffer exists: refuse (or fall back) while nothing has been allocated
+        self.device_path: DevicePath = prove_device_path(self.device, allow_eager_fallback=config.allow_eager_fallback)
         self.groups: dict[str, CanaryGroup] = {
             spec.name: CanaryGroup(spec, config=config, device=self.device, anchor_rows=max_requests) for spec in groups
         }
@@ -174,6 +187,9 @@ class Canary:
         self._sweep_graph: Optional[torch.cuda.CUDAGraph] = None  # the slice alone (engine graphs hold HEAD / TAIL)
         self.canary_errors = 0  # the canary's own failures contained in log mode
         self.unchecked_forwards = 0
+        self.suspended: Optional[str] = None  # why checking stopped for good (the canary's own failure)
+        self._bracketed = 0  # forwards the engine opened (counted before anything of the canary runs)
+        self._drain_failed = False  # a drain raised: the rings are not read again (suspended)
         self._unchecked = False
         self._errors_logged: set[tuple[str, str]] = set()
         self.sweeper = Sweeper(
@@ -256,6 +272,12 @@ class Canary:
             self._depth += 1
             return
         self._depth = 1
+        self._bracketed += 1
+        if self.suspended is not None:  # pass through, counted
+            self._unchecked = True
+            self.unchecked_forwards += 1
+            self._report_suspended()
+            return
         try:
             self._check_groups(batch)
             rows = batch.req_pool_indices
@@ -299,6 +321,7 @@ class Canary:
         the group's HEAD ring (`runtime.reads`), before the step's HEAD launches; staging one forward twice
         reports them twice."""
         if capturing():
+            self._refuse_capture_if_eager("an engine's CUDA graph capture with the canary inside")
             self.static.frozen = True  # an engine graph now reads the buffers: they must not move
         self.static.stage(batch)
         size = (self.static.max_rows, self.static.max_tokens)
@@ -350,6 +373,12 @@ class Canary:
         else:
             self.launches.tail(run_checks=run_checks)
 
+    def _refuse_capture_if_eager(self, what: str) -> None:
+        """Never capture the twins (they read device values on the host): a ``kv-canary:`` refusal on the eager
+        fallback path."""
+        if self.device_path.degraded:
+            raise KvCanaryRuntimeError(self.device_path.refusal(what))
+
     def _sweeping(self) -> bool:
         return self._live_slots is not None and self.sweeper.interval > 0
 
@@ -364,6 +393,7 @@ class Canary:
         the batch. Call it after at least one forward (the by-reference tables must be known) and outside
         any open forward; the static buffers no longer grow afterwards."""
         self._check_open()
+        self._refuse_capture_if_eager("capture_graphs()")
         if self._depth:
             raise KvCanaryRuntimeError("kv-canary: capture_graphs() inside an open forward")
         if not self.static.inputs:
@@ -378,6 +408,7 @@ class Canary:
         engine that captures HEAD / TAIL inside its own graphs, where the slice would otherwise be launched from
         Python every step. Call it between forwards, after one step has swept; False when there is no sweep."""
         self._check_open()
+        self._refuse_capture_if_eager("capture_sweep_graph()")
         if self._depth:
             raise KvCanaryRuntimeError("kv-canary: capture_sweep_graph() inside an open forward")
         if not self._sweeping():
@@ -415,6 +446,8 @@ class Canary:
     def note_engine_forward(self, count: int = 1) -> None:
         """Count forwards the engine ran, from outside the bracket (feeds the health watchdog)."""
         self._engine_forwards += count
+        if self.suspended is not None:  # the suspension is the report; the watchdog would repeat it
+            return
         self.health.observe(
             engine_forwards=self._engine_forwards, canary_forwards=self._step, launches=self._launches_seen()
         )
@@ -424,25 +457,65 @@ class Canary:
         self._check_open()
         if self._depth:
             raise KvCanaryRuntimeError("kv-canary: sweep() inside an open forward; sweeps run between forwards")
+        if self.suspended is not None:
+            return SweepReport(step=self._step)
         self._flush()
-        self.rings.mark()
-        report = self.sweeper.run(self._resolve_live(live))
+        if self.suspended is not None:
+            return SweepReport(step=self._step)
+        try:
+            self.rings.mark()
+            report = self.sweeper.run(self._resolve_live(live))
+        except KvCanaryError:
+            raise  # misuse or bad input, raised on purpose
+        except Exception as exc:
+            self._fail_between("sweep", exc)
+            return SweepReport(step=self._step)
         self._flush()
         self._raise_if_needed(self._step)
         return report
 
     # ---- KV moves (runtime/moves.py: copy-on-write, offload / restore, transfer) -----------
     def copy_slots(self, group: str, src, dst, **kwargs: object) -> MoveReport:
-        """The engine copied the KV of ``src[i]`` to ``dst[i]``: move the canary state with it (`SlotMoves.copy_slots`)."""
-        return self.moves.copy_slots(group, src, dst, **kwargs)  # type: ignore[arg-type]
+        """The engine copied the KV of ``src[i]`` to ``dst[i]``: move the canary state with it (`SlotMoves.copy_slots`).
+        Suspended (or failing, ``log`` mode): nothing moves and the report is empty."""
+        return self._move("copy", lambda: self.moves.copy_slots(group, src, dst, **kwargs))  # type: ignore[arg-type]
 
     def export_records(self, group: str, slots) -> torch.Tensor:
-        """The records of ``slots`` as an int64 export to carry beside the KV (`SlotMoves.export_records`)."""
-        return self.moves.export_records(group, slots)
+        """The records of ``slots`` as an int64 export to carry beside the KV (`SlotMoves.export_records`).
+        Suspended (or failing, ``log`` mode): a well-formed export of zero records (the canary checks nothing more)."""
+        try:
+            if self.suspended is None:
+                return self.moves.export_records(group, slots)
+        except KvCanaryError:
+            raise  # misuse or bad input: raised on purpose, before anything changed
+        except Exception as exc:
+            self._fail_between("export_records", exc)
+        return self._empty_export(group, slots)
 
     def import_records(self, group: str, slots, records: torch.Tensor, verify: bool = True, **kwargs: object) -> MoveReport:
-        """Install an export into ``slots`` and verify the KV there at once (`SlotMoves.import_records`)."""
-        return self.moves.import_records(group, slots, records, verify, **kwargs)  # type: ignore[arg-type]
+        """Install an export into ``slots`` and verify the KV there at once (`SlotMoves.import_records`).
+        Suspended (or failing, ``log`` mode): nothing is installed and the report is empty."""
+        return self._move("import", lambda: self.moves.import_records(group, slots, records, verify, **kwargs))  # type: ignore[arg-type]
+
+    def _move(self, kind: str, run: Callable[[], MoveReport]) -> MoveReport:
+        try:
+            if self.suspended is None:
+                return run()
+        except KvCanaryError:
+            raise  # misuse or bad input (raised on purpose, before anything changed), or a violation in raise mode
+        except Exception as exc:
+            self._fail_between(f"{kind}_slots" if kind == "copy" else "import_records", exc)
+        return MoveReport(step=self._step, kind=kind, label="suspended", moved=0, verified=0, violations=())
+
+    def _empty_export(self, group: str, slots) -> torch.Tensor:
+        from kvcanary.ops.copy_format import canary_records_shape, write_canary_records_header
+        from kvcanary.runtime.moves import record_tables
+
+        n = len(slots) if not isinstance(slots, torch.Tensor) else int(slots.numel())
+        b = len(record_tables(self._group(group)))
+        out = torch.zeros(canary_records_shape(n, b), dtype=torch.int64, device=self.device)
+        write_canary_records_header(out, num_records=n, num_buffers=b)
+        return out
 
     @property
     def moves(self) -> SlotMoves:
@@ -462,8 +535,17 @@ class Canary:
         self._flush()
         out = self.ledger.counters()
         out["checked_forwards"] = self.checked_forwards()
+        out["engine_forwards"] = self.engine_forwards
         out["coverage"] = self.coverage()
+        out["suspended"] = self.suspended
+        out["device_path"] = self.device_path.path
         return out
+
+    @property
+    def engine_forwards(self) -> int:
+        """Forwards the engine ran: those it reported (`note_engine_forward`) or, if more, those it bracketed —
+        counted before any of the canary's work, so a suspended or failing canary cannot silence them."""
+        return max(self._engine_forwards, self._bracketed)
 
     def checked_forwards(self) -> int:
         """Forwards whose HEAD checks ran on the device (graph replays included; a host read)."""
@@ -514,7 +596,10 @@ class Canary:
                                  type(exc).__name__, exc)
         finally:
             self._flush()
-            self.ledger.close()
+            try:
+                self.ledger.close()
+            except Exception as exc:
+                self._fail_between("close", exc)
             self._closed = True
         if found is not None:
             raise found
@@ -550,23 +635,41 @@ class Canary:
             raise
 
     def _contain(self, where: str, exc: Exception) -> None:
-        """``log`` mode: the canary's own failure never fails the engine's forward — log the first of each
-        kind, count it, leave the forward unchecked. ``raise`` mode: re-raise.
-
-        A forward left unchecked after its KV was written may leave stale records for the slots it wrote;
-        reads of those slots can then be reported (collateral of the counted failure)."""
-        if self.config.mode == "raise":
+        """The canary failed inside a bracket: suspend it (module docstring). ``log`` mode: log once, count, the
+        forward proceeds unchecked. ``raise`` mode: raise one `KvCanaryError` (``exc`` itself when it is one)."""
+        if self.config.mode != "raise":
+            self.unchecked_forwards += 1
+            self._unchecked = where == "before_forward"
+        else:
             self._depth = 0
-            raise exc
+        self._fail_between(where, exc)
+
+    def _fail_between(self, where: str, exc: Exception) -> None:
+        """The canary failed in ``where``: count it and suspend; ``log`` mode logs it once at ERROR and returns,
+        ``raise`` mode raises it as a `KvCanaryError`."""
+        if isinstance(exc, (CanaryViolationError, CanaryHealthError)):
+            raise exc  # the canary working as configured (raise mode), not a failure of it
         self.canary_errors += 1
-        self.unchecked_forwards += 1
-        self._unchecked = where == "before_forward"
+        first = self.suspended is None
+        if first:
+            self.suspended = f"{where}: {type(exc).__name__}: {exc}"
+        if self.config.mode == "raise":
+            if isinstance(exc, KvCanaryError):
+                raise exc
+            raise KvCanaryRuntimeError(f"kv-canary: the canary failed in {where} ({type(exc).__name__}: {exc}); "
+                                       "it is suspended (checks nothing more)") from exc
         key = (where, type(exc).__name__)
         if key not in self._errors_logged:
             self._errors_logged.add(key)
-            logger.error("kv-canary: %s failed (%s: %s); the engine's forward proceeds unchecked (log mode). "
-                         "Further %s errors here are counted in coverage()['canary_errors'], not logged",
-                         where, type(exc).__name__, exc, type(exc).__name__)
+            logger.error("kv-canary: %s failed (%s: %s); the canary is suspended: the engine keeps serving, its "
+                         "forwards run unchecked (log mode; counted in unchecked_forwards, checked_forwards < "
+                         "engine_forwards)", where, type(exc).__name__, exc)
+
+    def _report_suspended(self) -> None:
+        """The periodic stats line goes on while suspended (it says so), on the engine's forwards."""
+        interval = self.stats_reporter.interval
+        if interval > 0 and self._bracketed % interval == 0:
+            logger.warning(self._gather_stats().line())
 
     def coverage(self) -> dict[str, object]:
         """What was *not* checked (all zero / empty in a healthy run); a host read of one device counter."""
@@ -621,8 +724,16 @@ class Canary:
         return [r for r in harvest.rows if id(r) not in gone], {t: n for t, n in counts.items() if n}
 
     def _flush(self) -> None:
-        for harvest in self.drain.flush():
-            self._report(harvest)
+        if self._drain_failed:
+            return  # what was drained before stands
+        try:
+            for harvest in self.drain.flush():
+                self._report(harvest)
+        except (CanaryViolationError, CanaryHealthError):
+            raise
+        except Exception as exc:
+            self._drain_failed = True
+            self._fail_between("drain", exc)
 
     def _fingerprints(self, tag, slots: list[int]) -> list[tuple[int, int, str]]:
         """(stored, recomputed, scope) real-KV fingerprints of ``slots`` for ``tag``'s side (host reads: drain
@@ -659,7 +770,15 @@ class Canary:
             capacity_growths=self.static.growths + self.launches.plan_growths, write_assert_skipped=self.launches.write_assert_skipped,
             plans_disabled=int(self.launches.plans_disabled.sum().item()),
             memory_bytes=self.memory_bytes(), health=self.health, sweep_stale=self.sweep_stale,
+            engine_forwards=self.engine_forwards, unchecked_forwards=self.unchecked_forwards,
+            state=self._state(),
         )
+
+    def _state(self) -> str:
+        """``checking``, ``eager_fallback`` (checking on the slow twins path) or ``suspended: <cause>``."""
+        if self.suspended is not None:
+            return f"suspended: {self.suspended}"
+        return "eager_fallback" if self.device_path.degraded else "checking"
 
     def _raise_if_needed(self, step: int) -> None:
         if self.config.mode != "raise":

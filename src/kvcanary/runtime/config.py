@@ -50,6 +50,10 @@ class CanaryConfig:
         per 4 layers and side, written at TAIL) and verify them in the rotating sweep, so a flipped bit
         anywhere in cached KV is caught within one sweep pass (ignored with ``real_kv_hash="none"``). On by
         default; cost measured on an H200 in bench/NOTES.md (runs 16, 18 and 20).
+    allow_eager_fallback: on a CUDA device whose Triton cannot run (not installed, no C compiler for its
+        launcher, no graph capture), run the torch twins eagerly with the canary's CUDA graphs off instead of
+        refusing to attach (slow; an engine that captures its own CUDA graphs is still refused). See
+        docs/troubleshooting.md.
     log_lines_per_slot: log lines per (reason, group, slot) before that slot's further rows are only
         counted (and summarised per drain); every row still goes to the counters and the JSON lines.
     drain_interval: ``log`` mode on CUDA: look at the device's violation counters every N forwards (one
@@ -72,6 +76,7 @@ class CanaryConfig:
     log_lines_per_slot: int = 3
     deep_fingerprints: bool = True
     drain_interval: int = 4
+    allow_eager_fallback: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -101,7 +106,7 @@ class CanaryConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise KvCanaryValueError(f"kv-canary: {name} must be an integer >= {low}, got {value!r}")
-        for name in ("verify_token", "write_input_assert", "deep_fingerprints"):
+        for name in ("verify_token", "write_input_assert", "deep_fingerprints", "allow_eager_fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise KvCanaryValueError(f"kv-canary: {name} must be True or False, got {getattr(self, name)!r}")
         if self.jsonl_path is not None:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from kvcanary.ops import WritePlan
+from kvcanary.ops import WritePlan, dispatch
 from kvcanary.ops.constants import (
     CANARY_FIELD_POSITION, CANARY_FIELD_PREV_HASH, CANARY_FIELD_REAL_KV_HASH, CANARY_FIELD_TOKEN, RealKvHashMode,
 )
@@ -73,7 +73,7 @@ def store_deep_fingerprints(*, targets: Sequence[DeepTarget], out_loc: torch.Ten
     source, else the twin."""
     if not targets or out_loc.shape[0] == 0:
         return
-    if AVAILABLE and out_loc.is_cuda:
+    if AVAILABLE and out_loc.is_cuda and dispatch.triton_disabled() is None:
         launches = [(tail, buf, source_args(sources, RealKvHashMode.ALL, tail)) for tail, buf, sources in targets]
         if all(srcs is not None for *_, srcs in launches):
             for tail, buf, srcs in launches:

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
+from kvcanary.runtime.capture import capture_graph
 from kvcanary.runtime.launch import ForwardLaunches
 from kvcanary.runtime.staging import StaticBatch
 from kvcanary.runtime.sweep import Sweeper
@@ -115,10 +116,7 @@ class CanaryGraphs:
 
     @staticmethod
     def _capture(fn, pool) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            fn()
-        return graph
+        return capture_graph(fn, pool=pool)  # a failed capture leaves the thread's stream as it was
 
 
 class _SweepBranch:
@@ -158,9 +156,6 @@ def capture_sweep_slice(sweeper: Sweeper, device: torch.device) -> torch.cuda.CU
     if sweeper.slices_run < 1:
         raise KvCanaryRuntimeError("kv-canary: capture the sweep slice after one eager slice (its kernels compile there)")
     require_cuda(device)
-    graph = torch.cuda.CUDAGraph()
     # thread-local: an engine serving from a background thread (transformers' generate_batch) may make CUDA calls
     # on another thread meanwhile, which a global-mode capture would turn into errors there
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        sweeper.slice_device()
-    return graph
+    return capture_graph(sweeper.slice_device, error_mode="thread_local")

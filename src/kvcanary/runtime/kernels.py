@@ -43,6 +43,7 @@ import torch
 
 from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops import TOKEN_TO_KV_SLOT_PADDING, VerifyPlan
+from kvcanary.ops import dispatch
 from kvcanary.runtime.groups import NEVER_WRITTEN, SlotRecords
 
 try:  # Triton is optional: CPU-only installs use the twins.
@@ -62,8 +63,9 @@ _WARPS = 4
 
 
 def use_kernels(t: torch.Tensor) -> bool:
-    """True when the Triton launchers serve ``t``'s device (CUDA with Triton installed)."""
-    return AVAILABLE and t.is_cuda
+    """True when the Triton launchers serve ``t``'s device (CUDA with Triton installed and not turned off,
+    `kvcanary.ops.dispatch.disable_triton`)."""
+    return AVAILABLE and t.is_cuda and dispatch.triton_disabled() is None
 
 
 @dataclass(frozen=True, kw_only=True)

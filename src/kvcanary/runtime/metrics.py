@@ -23,6 +23,11 @@ Metrics (counters end in ``_total``; a source's counters only grow, so they are 
 * ``kvcanary_slots_verified_total{phase}``, ``kvcanary_slots_written_total{phase}`` (head / tail / sweep),
   ``kvcanary_unchecked_slots_total{kind}`` (the runtime's coverage account, when it has one: every integer
   entry of ``counters()["coverage"]``), ``kvcanary_plans_disabled_total``, ``kvcanary_canary_errors_total``.
+* ``kvcanary_suspended{reason}`` — 1 while the source's canary is suspended after its own failure (``reason``:
+  the cause; checking stopped, the engine serves on, ``forwards_total{state="engine"}`` keeps growing past
+  ``checked``), else 0 with an empty reason; ``kvcanary_device_path{path}`` — 1 for the path the launches take
+  (``kernels``, ``twins`` on the CPU, ``eager_fallback`` on a CUDA machine without a working Triton), when the
+  source says.
 * gauges: ``kvcanary_memory_bytes`` (device bytes of the newest canary), ``kvcanary_sweep_passes_total``
   (counter), ``kvcanary_sweep_pass_slots{group, kind}`` (``live`` / ``verified`` slots of the last rotating
   pass).
@@ -93,6 +98,9 @@ class CanaryCollector:
             "errors": Counter(f"{PREFIX}_canary_errors", "Canary errors that degraded checking (log mode)",
                               labels=["canary"]),
             "memory": Gauge(f"{PREFIX}_memory_bytes", "Device bytes of the canary", labels=["canary"]),
+            "suspended": Gauge(f"{PREFIX}_suspended", "1 while the canary is suspended after its own failure",
+                               labels=["canary", "reason"]),
+            "path": Gauge(f"{PREFIX}_device_path", "The path the canary's launches take", labels=["canary", "path"]),
             "passes": Counter(f"{PREFIX}_sweep_passes", "Rotating sweep passes completed", labels=["canary"]),
             "pass_slots": Gauge(f"{PREFIX}_sweep_pass_slots", "Live / verified slots of the last rotating pass",
                                 labels=["canary", "group", "kind"]),
@@ -127,12 +135,17 @@ class CanaryCollector:
         fam["forwards"].add_metric([name, "checked"], c.get("checked_forwards", 0))
         if "engine_forwards" in c:
             fam["forwards"].add_metric([name, "engine"], c["engine_forwards"])
-        fam["forwards"].add_metric([name, "unchecked"], c.get("unchecked_forwards", 0))
+        coverage = c.get("coverage") if isinstance(c.get("coverage"), dict) else {}
+        fam["forwards"].add_metric([name, "unchecked"], c.get("unchecked_forwards", coverage.get("unchecked_forwards", 0)))
         for cause, n in sorted(dict(c.get("unchecked_by_cause", {})).items()):
             fam["unchecked"].add_metric([name, cause], n)
         for kind, n in sorted(_integers(c.get("coverage", {}))):
             fam["skipped"].add_metric([name, kind], n)
-        fam["errors"].add_metric([name], c.get("canary_errors", 0))
+        fam["errors"].add_metric([name], c.get("canary_errors", coverage.get("canary_errors", 0)))
+        reason = c.get("suspended")
+        fam["suspended"].add_metric([name, str(reason)[:200] if reason else ""], 1 if reason else 0)
+        if c.get("device_path"):
+            fam["path"].add_metric([name, str(c["device_path"])], 1)
         verified: dict[str, int] = {}
         written: dict[str, int] = {}
         for s in stats:

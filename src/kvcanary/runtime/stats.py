@@ -20,7 +20,9 @@ class CanaryStats:
     the last pass per group in ``last_pass``). capacity_growths: static buffers grown for batches beyond
     the configured limits. plans_disabled: verify plans that exceeded their capacity (those verifies did not
     run). sweep_stale: sweep rows discarded because their slot left the live set during the pass.
-    write_assert_skipped: forwards whose write-input assert had no oracle."""
+    write_assert_skipped: forwards whose write-input assert had no oracle. engine_forwards: forwards the engine
+    ran (`Canary.engine_forwards`); unchecked_forwards: of those, forwards that ran without the canary; state:
+    ``checking``, ``eager_fallback`` or ``suspended: <cause>``."""
 
     forwards: int
     slots_verified: dict[str, int]
@@ -41,11 +43,15 @@ class CanaryStats:
     write_assert_skipped: int = 0
     health_stalls: int = 0
     memory_bytes: int = 0
+    engine_forwards: int = 0
+    unchecked_forwards: int = 0
+    state: str = "checking"
 
     @classmethod
     def gather(cls, *, forwards, counters: LaunchCounters, ledger, sweeper, capacity_growths: int,
                write_assert_skipped: int, plans_disabled: int, memory_bytes: int, health=None,
-               sweep_stale: int = 0) -> "CanaryStats":
+               sweep_stale: int = 0, engine_forwards: int = 0, unchecked_forwards: int = 0,
+               state: str = "checking") -> "CanaryStats":
         snap = counters.snapshot()
         last = sweeper.last
         passes = sweeper.pass_report() if sweeper.passes else {}
@@ -75,6 +81,9 @@ class CanaryStats:
             write_assert_skipped=write_assert_skipped,
             health_stalls=health.stalls if health is not None else 0,
             memory_bytes=memory_bytes,
+            engine_forwards=engine_forwards,
+            unchecked_forwards=unchecked_forwards,
+            state=state,
         )
 
     def line(self) -> str:
@@ -82,7 +91,8 @@ class CanaryStats:
         return (
             f"kv_canary stats: forwards={self.forwards} verified={sum(self.slots_verified.values())} "
             f"written={sum(self.slots_written.values())} launches={self.kernel_launches} sweeps={self.sweeps} "
-            f"violations={self.violations} by_reason={reasons} ring_overflow={self.ring_overflow}"
+            f"violations={self.violations} by_reason={reasons} ring_overflow={self.ring_overflow} "
+            f"engine_forwards={self.engine_forwards} unchecked_forwards={self.unchecked_forwards} state={self.state}"
         )
 
 

@@ -48,6 +48,16 @@ mode these errors are raised in the engine thread (the engine fails that step's 
 the ``with``. Forwards while attached that are not continuous batching (a plain ``model(...)``,
 ``model.generate``) are counted as unchecked (``plain_forwards``) and warned about once.
 
+A canary failure inside the engine's own CUDA-graph capture (``log`` mode) is not handled there: closing the
+canary would read the device and break the engine's capture. The session is marked, the hooks do nothing more,
+and once the capture ended the ``compute_batch`` wrapper suspends the session and drops the graphs it made (they
+hold part of the canary's work). ``engine_forwards`` is counted by the hooks and the wrapper before any canary
+work, so a suspended session shows ``checked_forwards < engine_forwards``.
+
+On CUDA the device path is proved at `attach` and when a session opens (`kvcanary.runtime.device_probe`): a
+machine without a working Triton is refused, or with ``allow_eager_fallback=True`` runs the twins eagerly, where
+the canary's own graphs stay off and an engine with CUDA graphs is refused (docs/troubleshooting.md).
+
 Checked at `attach` (not at the first forward): option names, ``max_requests`` / ``max_context``, the
 device, ``real_kv_layers`` against the model's layers per attention type, one canary per model. A detached
 handle keeps its results readable (`counters`, `violations`, `stats`) and refuses to be used again.
@@ -70,12 +80,15 @@ from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_view
 from kvcanary.engines.transformers_cb.moves import MoveObserver
 from kvcanary.errors import (
     KvCanaryCapacityError,
+    KvCanaryError,
     KvCanaryRuntimeError,
     KvCanaryTypeError,
     KvCanaryValueError,
 )
 from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
+from kvcanary.runtime.capture import capture_graph
 from kvcanary.runtime.cuda_host import capturing as _capturing
+from kvcanary.runtime.device_probe import prove_device_path
 
 logger = logging.getLogger("kvcanary")
 
@@ -132,6 +145,7 @@ class _Session:
     warmup_forwards: int = 0  # of which the runner's warmup (fake requests over never-written KV: padding rows)
     graphs_captured: int = 0
     graphs_dropped: int = 0
+    failed_in_capture: Optional[tuple[str, str]] = None  # (cause, reason): suspend once the engine's capture ends
     moves: Optional[MoveObserver] = None  # fork / CPU offload / restore wrappers (moves.py), removed at close
     manager: Optional[object] = None  # the ContinuousBatchingManager whose ``stop`` is shadowed (removed at close)
     final_swept_at: int = -1  # canary step of the full sweep run when the engine stopped (-1: none)
@@ -145,6 +159,7 @@ class _Suspended:
     processor: object
     graphs: bool  # graph mode: a counting wrapper around compute_batch counts the forwards (replays run no hooks)
     cause: str
+    reason: str = ""  # the error that suspended the session
 
 
 @dataclass(frozen=True)
@@ -188,6 +203,11 @@ class TransformersCbHandle:
         self._unchecked: dict[str, int] = {}  # cause -> forwards that ran unchecked
         self._canary_errors = 0
         self._logged_causes: set[str] = set()
+        # continuous-batching forwards the engine ran while attached, counted before any canary work (an eager
+        # forward's pre-hook, or one compute_batch call in graph mode): a failing canary cannot silence it
+        self._engine_forwards = 0
+        self._in_compute = False  # inside a wrapped compute_batch (graph mode): the wrapper counted this forward
+        self._last_suspension: Optional[str] = None  # cause of the latest suspension (kept after it ends)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -206,6 +226,8 @@ class TransformersCbHandle:
                                    "model.generate) while the canary is attached; such forwards are not checked, "
                                    "counted in plain_forwards / unchecked_forwards", type(module).__name__)
             return None
+        if not self._in_compute and not _capturing():
+            self._engine_forwards += 1
         sus = self._suspended
         if sus is not None and sus.cache is cache:
             if not sus.graphs and not _capturing():  # graph mode: the counting wrapper counts
@@ -214,6 +236,8 @@ class TransformersCbHandle:
         s: Optional[_Session] = None
         try:
             s = self._session_for(cache)
+            if s.failed_in_capture is not None:  # failed inside the engine's capture: nothing more until it ends
+                return None
             if not _capturing():
                 if s.phase in (IDLE, DEFERRED_END):  # not inside a wrapped step: this hook drives it
                     self._end_deferred(s)
@@ -265,22 +289,38 @@ class TransformersCbHandle:
         ``log`` mode: log once per cause, count, suspend the session (see the module docstring) and return,
         so the engine's forward proceeds unchecked."""
         if self.config.mode == "raise" or isinstance(exc, (CanaryViolationError, CanaryHealthError)):
+            if not isinstance(exc, KvCanaryError):  # the canary's own failure: one clear kv-canary error, cause chained
+                wrapped = KvCanaryRuntimeError(f"kv-canary: the canary failed ({type(exc).__name__}: {exc})")
+                wrapped.__cause__ = exc
+                exc = wrapped
             self.errors.append(exc)
             raise exc
         cause = CAUSE_CAPACITY if isinstance(exc, KvCanaryCapacityError) else CAUSE_INTERNAL
+        if s is not None and s.graphs and _capturing():
+            # inside the engine's capture: closing the canary now would read the device and break the engine's
+            # capture; the compute_batch wrapper suspends once the capture ended and drops the graph it made
+            self._canary_errors += 1
+            s.head_open = False
+            if s.failed_in_capture is None:
+                s.failed_in_capture = (cause, f"{type(exc).__name__}: {exc}")
+                logger.error("kv-canary: %s (%s) inside the engine's CUDA graph capture; log mode: that graph is "
+                             "dropped and the rest of this engine session runs unchecked (counted in "
+                             "unchecked_forwards), serving goes on", exc, type(exc).__name__)
+            return
         self._canary_errors += 1
         if cause not in self._logged_causes:
             self._logged_causes.add(cause)
             logger.error("kv-canary: %s (%s); log mode: the rest of this engine session runs unchecked "
-                         "(counted in unchecked_forwards), serving goes on", exc, type(exc).__name__)
+                         "(counted in unchecked_forwards), serving goes on", str(exc).removeprefix("kv-canary: "),
+                         type(exc).__name__)
         else:
             logger.debug("kv-canary: again (%s): %s", cause, exc)
-        self._suspend(s, cache, cause)
+        self._suspend(s, cache, cause, reason=f"{type(exc).__name__}: {exc}")
         self._count_unchecked(cause)
 
-    def _suspend(self, s: Optional[_Session], cache, cause: str) -> None:
-        processor = s.processor if s is not None else None
-        graphs = bool(s is not None and s.graphs)
+    def _suspend(self, s: Optional[_Session], cache, cause: str, *, reason: str = "") -> None:
+        processor = s.processor if s is not None else _processor_of(cache)
+        graphs = bool(s.graphs) if s is not None else processor is not None and any(compat.graph_flags(processor))
         if s is not None and s in self._sessions:
             try:
                 self._close_session(s, final_sweep=False)  # its records no longer match what the engine wrote
@@ -292,19 +332,26 @@ class TransformersCbHandle:
         if self._current is s:
             self._current = None
         self._end_suspension()
-        self._suspended = _Suspended(cache=cache, processor=processor, graphs=graphs, cause=cause)
+        self._suspended = _Suspended(cache=cache, processor=processor, graphs=graphs, cause=cause, reason=reason)
+        self._last_suspension = f"{cause}: {reason}"
         if graphs:
             try:
                 compat.install_compute_wrapper(processor, lambda original: self._count_wrapper(cache, original))
             except Exception:  # noqa: BLE001 — without the wrapper, replays cannot be counted
-                self._suspended = _Suspended(cache=cache, processor=processor, graphs=False, cause=cause)
+                self._suspended = _Suspended(cache=cache, processor=processor, graphs=False, cause=cause,
+                                             reason=reason)
 
     def _count_wrapper(self, cache, original):
         def compute_batch(model, batch_data):
+            self._engine_forwards += 1
             sus = self._suspended
             if sus is not None and sus.cache is cache:
                 self._count_unchecked(sus.cause)
-            return original(model, batch_data)
+            self._in_compute = True
+            try:
+                return original(model, batch_data)
+            finally:
+                self._in_compute = False
 
         return compute_batch
 
@@ -315,6 +362,14 @@ class TransformersCbHandle:
 
     def _count_unchecked(self, cause: str) -> None:
         self._unchecked[cause] = self._unchecked.get(cause, 0) + 1
+        interval = self.config.stats_interval
+        sus = self._suspended
+        if interval > 0 and sus is not None and sus.cause != CAUSE_PLAIN and self._engine_forwards % interval == 0:
+            # the periodic stats line goes on while suspended (the session's canary, which logged it, is closed)
+            checked = sum(int(r.counters.get("checked_forwards", 0)) for r in self._closed)
+            logger.warning("kv_canary stats: engine_forwards=%d checked_forwards=%d unchecked_forwards=%d "
+                           "state=suspended: %s: %s", self._engine_forwards, checked, sum(self._unchecked.values()),
+                           sus.cause, sus.reason)
 
     def _require_attached(self) -> None:
         if self._detached:
@@ -344,10 +399,7 @@ class TransformersCbHandle:
             with torch.cuda.stream(side):  # warm-up: re-stages the forward just done (idempotent)
                 s.canary.stage(s.translator.describe(s.statics.kwargs))
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                s.canary.stage(s.translator.describe(s.statics.kwargs))
-            s.translation = graph
+            s.translation = capture_graph(lambda: s.canary.stage(s.translator.describe(s.statics.kwargs)))
         except Exception as exc:  # noqa: BLE001 — the eager path is always correct
             logger.warning("kv-canary: could not capture the translation graph (%s); translating eagerly", exc)
 
@@ -371,6 +423,16 @@ class TransformersCbHandle:
         stream = compat.compute_stream(s.processor)
 
         def compute_batch(model, batch_data):
+            self._engine_forwards += 1
+            self._in_compute = True
+            try:
+                return run(model, batch_data)
+            finally:
+                self._in_compute = False
+                if s.failed_in_capture is not None and self._current is s:
+                    self._suspend_after_capture(s)
+
+        def run(model, batch_data):
             if self._current is not s:  # a stale session (detached or superseded): pass through
                 return original(model, batch_data)
             on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -393,7 +455,7 @@ class TransformersCbHandle:
             try:
                 with on_stream:
                     phase, s.phase = s.phase, IDLE
-                    if phase == WRAPPED_STEP:
+                    if phase == WRAPPED_STEP and s.failed_in_capture is None:
                         s.canary.end_step()
                         if s.sweep_graph_due and s.canary.sweeper.slices_run:
                             self._capture_sweep(s)
@@ -402,6 +464,18 @@ class TransformersCbHandle:
             return result
 
         return compute_batch
+
+    def _suspend_after_capture(self, s: _Session) -> None:
+        """A canary failure inside the engine's capture (log mode), now that the capture has ended: the graph it
+        made holds part of the canary's work, so every graph of the session is dropped (the engine recaptures,
+        without the canary) and the session is suspended."""
+        cause, reason = s.failed_in_capture
+        s.phase = IDLE
+        try:
+            self._suspend(s, s.cache, cause, reason=reason)
+        finally:
+            s.graphs_dropped += compat.drop_graphs(s.processor, list(compat.graph_store(s.processor)))
+        self._count_unchecked(cause)
 
     def _abandon(self, s: _Session) -> None:
         """Close a step whose forward raised before the post-hook could (TAIL checks skipped)."""
@@ -445,6 +519,10 @@ class TransformersCbHandle:
             token_oracle=self.token_oracle, context_of=self.context_of,
         )
         config = self.config
+        graphs = any(compat.graph_flags(processor))
+        path = prove_device_path(device, allow_eager_fallback=config.allow_eager_fallback)  # refuses, or falls back
+        if path.degraded and graphs:
+            raise KvCanaryRuntimeError(path.refusal("continuous batching with the engine's CUDA graphs (use_cuda_graph)"))
         if any(g.sliding_window and max_batch_tokens >= g.sliding_window for g in layouts) and (
             config.chain_position_warmup >= 0
         ):
@@ -469,9 +547,9 @@ class TransformersCbHandle:
         for g in layouts:
             canary.set_kv_cache(g.name, lambda layer, g=g: layer_kv_views(cache, g, layer)[:2], page_size=g.page_size)
         canary.set_live_slots_provider(translator.live_slots)
-        graphs = any(compat.graph_flags(processor))
         cuda = torch.device(device).type == "cuda"
-        own_graphs = (self.capture_canary if self.capture_canary is not None else cuda) and cuda and not graphs
+        own_graphs = ((self.capture_canary if self.capture_canary is not None else cuda) and cuda and not graphs
+                      and path.graphs)
         session = _Session(cache=cache, processor=processor, canary=canary, translator=translator, graphs=graphs,
                            canary_graphs_due=own_graphs, sweep_graph_due=graphs and cuda and self.capture_sweep)
         if not graphs and (self.static_translation if self.static_translation is not None else own_graphs):
@@ -603,6 +681,14 @@ class TransformersCbHandle:
         out["unchecked_by_cause"] = dict(self._unchecked)
         out["plain_forwards"] = self._unchecked.get(CAUSE_PLAIN, 0)
         out["canary_errors"] = self._canary_errors
+        out["engine_forwards"] = self._engine_forwards
+        out.setdefault("checked_forwards", 0)  # no session opened (e.g. refused when it would have): none checked
+        out.setdefault("total", 0)
+        if self._current is not None:
+            out["device_path"] = self._current.canary.device_path.path
+        sus = self._suspended
+        out["suspended"] = f"{sus.cause}: {sus.reason}" if sus is not None and sus.cause != CAUSE_PLAIN else None
+        out["last_suspension"] = self._last_suspension
         return out
 
     def stats(self) -> list:
@@ -721,6 +807,21 @@ def check_device(device: object) -> Optional[torch.device]:
     return dev
 
 
+def _processor_of(cache) -> Optional[object]:
+    """The batch processor of ``cache`` (None when it cannot be found): a session that failed to open."""
+    try:
+        return compat.find_batch_processor(cache)
+    except Exception:  # noqa: BLE001 — only used to count the forwards of a suspended cache
+        return None
+
+
+def _model_device(model: torch.nn.Module) -> Optional[torch.device]:
+    """The device of the model's first parameter (None without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return None
+
+
 def model_layer_types(model: torch.nn.Module) -> dict[str, int]:
     """Layers per attention type of a transformers model, from its config (``layer_types`` when present,
     else every layer full attention); empty when the config does not say."""
@@ -832,6 +933,9 @@ def attach(
                                     device=dev, capture_canary=capture_canary, static_translation=static_translation,
                                     token_oracle=token_oracle, capture_sweep=capture_sweep, context_of=context_of)
     check_real_kv_layers(model, cfg)
+    target = dev if dev is not None else _model_device(model)
+    if target is not None and target.type == "cuda":  # prove the device path now, not at the first forward
+        prove_device_path(target, allow_eager_fallback=cfg.allow_eager_fallback)
     previous = _ATTACHED.get(model)
     if previous is not None and not previous._detached:
         raise KvCanaryRuntimeError(

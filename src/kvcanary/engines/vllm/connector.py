@@ -22,6 +22,12 @@ Options (``kv_connector_extra_config = {"kvcanary": {...}}``, else ``KVCANARY_*`
 variables): every `CanaryConfig` field, plus ``max_requests`` (default 2 x max_num_seqs) and
 ``max_context`` (default max_model_len). ``jsonl_path`` may contain ``{rank}``; with several ranks
 and no ``{rank}``, ``.rank<N>`` is appended.
+
+Fail-safe (``log`` mode): an exception of the canary's side of a step — building the batch, the bracket, the
+mirrors, the sweep, the stats — never reaches vLLM. It is logged once, counted (``canary_errors``) and suspends
+the worker's canary for the rest of the process: later forwards run unchecked and are counted
+(``unchecked_forwards``; ``forwards`` keeps counting, ``checked_forwards`` stops). ``raise`` mode raises it once as
+a `KvCanaryError`.
 """
 from __future__ import annotations
 
@@ -44,8 +50,8 @@ from kvcanary.engines.vllm.compat import check_vllm_version
 from kvcanary.engines.vllm.forward_view import WorkerView, find_model_runner
 from kvcanary.engines.vllm.layout import StripMirror, build_group_layouts, layer_kv_views, probe_cpu_layout
 from kvcanary.engines.vllm.metrics import KvCanaryPromMetrics, KvCanaryStats
-from kvcanary.errors import KvCanaryRuntimeError, KvCanaryTypeError, KvCanaryValueError
-from kvcanary.runtime import Canary, CanaryConfig, GroupSpec, Violation
+from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryTypeError, KvCanaryValueError
+from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
 
 logger = logging.getLogger("kvcanary")
 
@@ -151,6 +157,9 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending: dict[str, list] = {}
         self._last: dict[str, Any] = {}
         self.engine_forwards = 0
+        self.unchecked_forwards = 0
+        self.canary_errors = 0
+        self._suspended: Optional[str] = None  # why this worker's canary stopped checking (its own failure)
         self.canary_seconds = 0.0
         self.rank = 0
         self.hash_layout: dict[str, Optional[str]] = {}
@@ -316,6 +325,49 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self._meta = connector_metadata
         t0 = time.perf_counter()
+        counted = [False]
+        try:
+            if self.suspended is not None:
+                if _attn_metadata():
+                    self.engine_forwards += 1
+                    self.unchecked_forwards += 1
+                return
+            self._open_forward(connector_metadata, counted)
+        except Exception as exc:
+            self._open = False
+            if _attn_metadata():
+                if not counted[0]:
+                    self.engine_forwards += 1
+                self.unchecked_forwards += 1
+            self._failed("bind_connector_metadata", exc)
+        finally:
+            self.canary_seconds += time.perf_counter() - t0
+
+    @property
+    def suspended(self) -> Optional[str]:
+        """Why this worker's canary stopped checking (None while it checks)."""
+        if self._suspended is None and self.canary is not None and self.canary.suspended is not None:
+            return self.canary.suspended
+        return self._suspended
+
+    def _failed(self, where: str, exc: Exception) -> None:
+        """The canary's side of a step failed: ``log`` mode logs once and suspends; ``raise`` mode raises once."""
+        if isinstance(exc, (CanaryViolationError, CanaryHealthError)):
+            raise exc
+        self.canary_errors += 1
+        first = self._suspended is None
+        if first:
+            self._suspended = f"{where}: {type(exc).__name__}: {exc}"
+        if self.config.mode == "raise":
+            if isinstance(exc, KvCanaryError):
+                raise exc
+            raise KvCanaryRuntimeError(f"kv-canary: the canary failed in {where} ({type(exc).__name__}: {exc}); "
+                                       "it is suspended (checks nothing more)") from exc
+        if first:
+            logger.error("kv-canary: %s failed (%s: %s); the canary is suspended: vLLM keeps serving, later forwards "
+                         "run unchecked (counted in unchecked_forwards)", where, type(exc).__name__, exc)
+
+    def _open_forward(self, connector_metadata: KvCanaryMetadata, counted: list) -> None:
         if self.view is None:
             runner = find_model_runner(next(iter(self._kv_caches.values())))
             self.view = WorkerView(runner=runner, layouts=self._layouts, max_requests=self.max_requests,
@@ -331,12 +383,14 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if batch is None:
             return
         self.engine_forwards += 1
+        counted[0] = True
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("kv-canary: forward %d rows %s prefix %s extend %s", self.engine_forwards, batch.request_ids,
                          batch.prefix_lens.tolist(), batch.extend_lens.tolist())
         self.canary.before_forward(batch)
         self._open = True
-        self.canary_seconds += time.perf_counter() - t0
+        if self.canary.suspended is not None:
+            self.unchecked_forwards += 1  # the bracket passed through: suspended (by this forward or before)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None  # nothing to load: the canary only reads
@@ -352,12 +406,17 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             return
         t0 = time.perf_counter()
         self._open = False
-        self._refresh_mirrors(self.view.read_slots)
-        self.canary.after_forward()
-        meta = self._meta
-        if meta is not None and meta.cached_blocks is not None:
-            self.sweep(meta.cached_blocks)
-        self.canary_seconds += time.perf_counter() - t0
+        try:
+            if self.suspended is None:
+                self._refresh_mirrors(self.view.read_slots)
+            self.canary.after_forward()  # closes the bracket (a pass-through when suspended)
+            meta = self._meta
+            if self.suspended is None and meta is not None and meta.cached_blocks is not None:
+                self.sweep(meta.cached_blocks)
+        except Exception as exc:
+            self._failed("wait_for_save", exc)
+        finally:
+            self.canary_seconds += time.perf_counter() - t0
 
     def sweep(self, cached_blocks: list[tuple[int, int, int]]):
         """Verify every live slot now — the running requests' stored positions and the valid tokens of
@@ -391,8 +450,13 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if self.canary is None:
             return None
         t0 = time.perf_counter()
-        now = self.totals()
-        self.canary_seconds += time.perf_counter() - t0
+        try:
+            now = self.totals()
+        except Exception as exc:
+            self._failed("get_kv_connector_stats", exc)
+            return None
+        finally:
+            self.canary_seconds += time.perf_counter() - t0
         delta: dict[str, Any] = {}
         for key, value in now.items():
             if key == "by_reason":
@@ -412,6 +476,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         return {
             "forwards": self.engine_forwards,
             "checked_forwards": int(self.canary.checked_forwards()),
+            "unchecked_forwards": self.unchecked_forwards,
+            "canary_errors": self.canary_errors + self.canary.canary_errors,
             "slots_verified": int(sum(stats.slots_verified.values())),
             "slots_written": int(sum(stats.slots_written.values())),
             "violations": int(stats.violations),
@@ -427,7 +493,10 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         if self.canary is not None:
-            self.canary.close()
+            try:
+                self.canary.close()
+            except Exception as exc:  # noqa: BLE001 — shutting down: say it, never fail vLLM's shutdown
+                logger.error("kv-canary: closing the canary failed (%s: %s)", type(exc).__name__, exc)
 
 
 def context_key(lora_id: Optional[int] = None, lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> int:

@@ -17,6 +17,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTS = (
     "forwards",  # engine forwards the adapter bracketed
     "checked_forwards",  # forwards whose HEAD checks ran (counted by the canary)
+    "unchecked_forwards",  # forwards that ran while the worker's canary was suspended (its own failure)
+    "canary_errors",  # failures of the canary itself (log mode: each suspends the worker's canary)
     "slots_verified",  # HEAD + TAIL + sweep slot verifications
     "slots_written",  # HEAD + TAIL record writes
     "violations",
