@@ -240,8 +240,13 @@ class Canary:
         groups) must call it, or the pass may check a slot that is free, or reallocated and not yet written."""
         self._check_open()
         g = self._group(group)
-        if self._sweeping():
-            self.sweeper.release(g.name, torch.as_tensor(slots, dtype=torch.int64).flatten())
+        if self._sweeping() and self.suspended is None:
+            try:
+                self.sweeper.release(g.name, torch.as_tensor(slots, dtype=torch.int64).flatten())
+            except KvCanaryError:
+                raise  # misuse or bad input, raised on purpose
+            except Exception as exc:
+                self._fail_between("release_slots", exc)
 
     @contextlib.contextmanager
     def forward(self, batch: BatchDescription) -> Iterator[None]:
