@@ -591,12 +591,13 @@ class Canary:
         found: Optional[CanaryViolationError] = None
         try:
             if final_sweep and self._sweeping() and self._depth == 0:
+                counted = self.canary_errors
                 try:
                     self.sweep()
                 except CanaryViolationError as exc:
                     found = exc
                 except Exception as exc:  # noqa: BLE001 — closing must not fail on a provider gone with its engine
-                    self.canary_errors += 1
+                    self.canary_errors = counted + 1  # once, whether or not sweep() counted it (raise mode)
                     logger.error("kv-canary: the final sweep at close failed (%s: %s); closed without it",
                                  type(exc).__name__, exc)
         finally:

@@ -289,11 +289,22 @@ class TransformersCbHandle:
         ``log`` mode: log once per cause, count, suspend the session (see the module docstring) and return,
         so the engine's forward proceeds unchecked."""
         if self.config.mode == "raise" or isinstance(exc, (CanaryViolationError, CanaryHealthError)):
+            own_failure = not isinstance(exc, (CanaryViolationError, CanaryHealthError))
             if not isinstance(exc, KvCanaryError):  # the canary's own failure: one clear kv-canary error, cause chained
                 wrapped = KvCanaryRuntimeError(f"kv-canary: the canary failed ({type(exc).__name__}: {exc})")
                 wrapped.__cause__ = exc
                 exc = wrapped
             self.errors.append(exc)
+            if own_failure:  # raised once: the session is suspended, later forwards and moves pass through
+                cause = CAUSE_CAPACITY if isinstance(exc, KvCanaryCapacityError) else CAUSE_INTERNAL
+                if s is not None and s.graphs and _capturing():
+                    s.head_open = False
+                    s.failed_in_capture = s.failed_in_capture or (cause, f"{type(exc).__name__}: {exc}")
+                else:
+                    try:
+                        self._suspend(s, cache, cause, reason=f"{type(exc).__name__}: {exc}")
+                    except Exception as again:  # noqa: BLE001 — the first error is the one to raise
+                        logger.debug("kv-canary: suspending after the error failed: %s", again)
             raise exc
         cause = CAUSE_CAPACITY if isinstance(exc, KvCanaryCapacityError) else CAUSE_INTERNAL
         if s is not None and s.graphs and _capturing():
