@@ -1,11 +1,18 @@
-"""`capture_graph`: capture a CUDA graph and leave the thread as it found it when the capture fails.
+"""`capture_graph`: capture a CUDA graph and leave the process able to serve when the capture fails;
+`recover_failed_capture`: the same repair after someone else's capture (the engine's, with the canary inside) failed.
 
-``torch.cuda.graph`` ends the capture before it restores the stream it switched to: when ending the capture
-fails (an operation the capture forbids ran inside it, e.g. a host read of a device value), the calling thread
-stays on the capture stream, and torch's CUDA generator stays marked as capturing, so the engine's next random
-draw outside a graph fails (``Offset increment outside graph capture encountered unexpectedly``). This wrapper
-restores the stream in a ``finally`` and, after a failed capture, ends the generator's capture state with one
-tiny capture that succeeds.
+When ending a capture fails (an operation the capture forbids ran inside it, e.g. a host read of a device value),
+``torch.cuda.graph`` raises from ``capture_end`` and skips everything after it, which leaves three things behind:
+
+- the calling thread on the capture stream (the stream context is never exited);
+- the caching allocator still routing the capture stream's allocations to the graph's memory pool: its next
+  ``empty_cache`` (transformers calls one when a ``generate_batch`` ends) fails an internal assert
+  (``captures_underway.empty()``) and the process aborts;
+- with torch <= 2.12, the CUDA generator marked as capturing (one flag per generator): the next random draw
+  outside a graph fails (``Offset increment outside graph capture encountered unexpectedly``).
+
+`recover_failed_capture` undoes all three (best effort: each step that does not apply is skipped). Checked on an
+H200 with torch 2.11 by ``tests/gpu/test_device_probe_gpu.py`` and ``bench/chaos_gpu.py``.
 """
 from __future__ import annotations
 
@@ -20,16 +27,17 @@ logger = logging.getLogger("kvcanary")
 def capture_graph(fn: Callable[[], None], *, pool=None, error_mode: str = "global",
                   stream: Optional[torch.cuda.Stream] = None) -> torch.cuda.CUDAGraph:
     """``fn`` captured into a new ``CUDAGraph`` (``pool``, ``error_mode`` and ``stream`` as ``torch.cuda.graph``'s
-    ``pool``, ``capture_error_mode`` and ``stream``). On any failure the thread's current stream is the one it
-    had before, the generator's capture state is reset (`reset_generator_capture`), and the error propagates."""
+    ``pool``, ``capture_error_mode`` and ``stream``; without ``pool`` the graph gets a private one). On any failure
+    the process is repaired (`recover_failed_capture`) and the error propagates."""
     before = torch.cuda.current_stream()
+    if pool is None:
+        pool = torch.cuda.graph_pool_handle()  # known here, so a failed capture's pool routing can be ended
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode, stream=stream):
             fn()
     except BaseException:
-        torch.cuda.set_stream(before)
-        reset_generator_capture()
+        recover_failed_capture(before, pool=pool)
         raise
     finally:
         if torch.cuda.current_stream() != before:
@@ -37,22 +45,49 @@ def capture_graph(fn: Callable[[], None], *, pool=None, error_mode: str = "globa
     return graph
 
 
+def recover_failed_capture(stream: torch.cuda.Stream, *, pool=None) -> list[str]:
+    """After a capture that failed: the thread back on ``stream``, the allocator's routing to ``pool`` (the failed
+    capture's memory pool id, when known) ended, the CUDA generator out of capture mode. Returns the steps that
+    applied (``stream``, ``pool``, ``generator``); never raises."""
+    done = []
+    try:
+        if torch.cuda.current_stream() != stream:
+            torch.cuda.set_stream(stream)
+            done.append("stream")
+    except Exception as exc:  # noqa: BLE001 — best effort: the caller is already handling a failure
+        logger.debug("kv-canary: restoring the stream after a failed capture failed: %s", exc)
+    if pool is not None:
+        try:
+            torch._C._cuda_endAllocateToPool(stream.device_index, tuple(pool))
+            done.append("pool")
+        except Exception as exc:  # noqa: BLE001 — not routing to that pool (the capture ended it): nothing to do
+            logger.debug("kv-canary: no allocator routing to end after the failed capture: %s", exc)
+    if reset_generator_capture():
+        done.append("generator")
+    return done
+
+
 def reset_generator_capture() -> bool:
-    """After a failed capture: run one tiny capture that succeeds, so the CUDA generator of the current device
-    leaves capture mode (its capture end is skipped when a capture fails). Best effort: False if it failed."""
+    """Run one tiny capture that succeeds, so the CUDA generator of the current device leaves capture mode (a
+    failed capture skips its capture end). Best effort: False if it failed."""
     before = torch.cuda.current_stream()
+    pool = torch.cuda.graph_pool_handle()
     try:
         side = torch.cuda.Stream()
         side.wait_stream(before)
         scratch = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
             scratch.add_(1)
         before.wait_stream(side)
         graph.reset()
         return True
     except Exception as exc:  # noqa: BLE001 — the caller is already handling a failure; do not mask it
         logger.debug("kv-canary: resetting the generator's capture state failed: %s", exc)
+        try:
+            torch._C._cuda_endAllocateToPool(before.device_index, tuple(pool))
+        except Exception:  # noqa: BLE001
+            pass
         return False
     finally:
         if torch.cuda.current_stream() != before:

@@ -51,8 +51,11 @@ the ``with``. Forwards while attached that are not continuous batching (a plain 
 A canary failure inside the engine's own CUDA-graph capture (``log`` mode) is not handled there: closing the
 canary would read the device and break the engine's capture. The session is marked, the hooks do nothing more,
 and once the capture ended the ``compute_batch`` wrapper suspends the session and drops the graphs it made (they
-hold part of the canary's work). ``engine_forwards`` is counted by the hooks and the wrapper before any canary
-work, so a suspended session shows ``checked_forwards < engine_forwards``.
+hold part of the canary's work). When the engine's capture itself fails with the canary's work inside (a launch
+that the capture forbids invalidates it), the wrapper repairs what a failed capture leaves behind
+(`kvcanary.runtime.capture.recover_failed_capture`), suspends the session and, in ``log`` mode, runs the forward
+again without the canary (a failed capture ran nothing). ``engine_forwards`` is counted by the hooks and the
+wrapper before any canary work, so a suspended session shows ``checked_forwards < engine_forwards``.
 
 On CUDA the device path is proved at `attach` and when a session opens (`kvcanary.runtime.device_probe`): a
 machine without a working Triton is refused, or with ``allow_eager_fallback=True`` runs the twins eagerly, where
@@ -86,7 +89,7 @@ from kvcanary.errors import (
     KvCanaryValueError,
 )
 from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
-from kvcanary.runtime.capture import capture_graph
+from kvcanary.runtime.capture import capture_graph, recover_failed_capture
 from kvcanary.runtime.cuda_host import capturing as _capturing
 from kvcanary.runtime.device_probe import prove_device_path
 
@@ -146,6 +149,7 @@ class _Session:
     graphs_captured: int = 0
     graphs_dropped: int = 0
     failed_in_capture: Optional[tuple[str, str]] = None  # (cause, reason): suspend once the engine's capture ends
+    capture_seen: bool = False  # the hooks ran inside the engine's capture during the current compute_batch call
     moves: Optional[MoveObserver] = None  # fork / CPU offload / restore wrappers (moves.py), removed at close
     manager: Optional[object] = None  # the ContinuousBatchingManager whose ``stop`` is shadowed (removed at close)
     final_swept_at: int = -1  # canary step of the full sweep run when the engine stopped (-1: none)
@@ -236,6 +240,8 @@ class TransformersCbHandle:
         s: Optional[_Session] = None
         try:
             s = self._session_for(cache)
+            if _capturing():
+                s.capture_seen = True
             if s.failed_in_capture is not None:  # failed inside the engine's capture: nothing more until it ends
                 return None
             if not _capturing():
@@ -447,6 +453,8 @@ class TransformersCbHandle:
             if self._current is not s:  # a stale session (detached or superseded): pass through
                 return original(model, batch_data)
             on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            entry = torch.cuda.current_stream() if stream is not None else None
+            s.capture_seen = False
             try:
                 with on_stream:
                     self._end_deferred(s)
@@ -459,7 +467,11 @@ class TransformersCbHandle:
                 return original(model, batch_data)
             try:
                 result = original(model, batch_data)
-            except BaseException:
+            except BaseException as exc:
+                if entry is not None and s.capture_seen and isinstance(exc, Exception):
+                    if self._recover_capture(s, entry, exc):
+                        return original(model, batch_data)  # suspended: the engine captures again, without the canary
+                    raise
                 with on_stream:
                     self._abandon(s)
                 raise
@@ -475,6 +487,27 @@ class TransformersCbHandle:
             return result
 
         return compute_batch
+
+    def _recover_capture(self, s: _Session, entry, exc: Exception) -> bool:
+        """The engine's CUDA-graph capture failed with the canary's work inside it (whichever side caused it): repair
+        the process (`recover_failed_capture`: the thread's stream, the allocator's pool routing, the generator),
+        suspend the session and drop its graphs. Returns True in ``log`` mode: run the forward again, unchecked (a
+        failed capture ran nothing, so the engine captures that graph again, without the canary)."""
+        fixed = recover_failed_capture(entry, pool=compat.graph_pool(s.processor))
+        s.head_open = False
+        s.phase = IDLE
+        if s.failed_in_capture is None:
+            s.failed_in_capture = (CAUSE_INTERNAL, f"the engine's CUDA graph capture failed with the canary inside "
+                                                   f"({type(exc).__name__}: {exc})")
+            self._canary_errors += 1
+        logger.error("kv-canary: the engine's CUDA graph capture failed with the canary inside (%s: %s); repaired %s; "
+                     "%s", type(exc).__name__, str(exc)[:200], ", ".join(fixed) or "nothing",
+                     "raise mode: the step fails" if self.config.mode == "raise" else
+                     "log mode: the rest of this engine session runs unchecked and the forward runs again without "
+                     "the canary")
+        if self._current is s:
+            self._suspend_after_capture(s)
+        return self.config.mode != "raise"
 
     def _suspend_after_capture(self, s: _Session) -> None:
         """A canary failure inside the engine's capture (log mode), now that the capture has ended: the graph it

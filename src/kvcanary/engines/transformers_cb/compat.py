@@ -109,6 +109,11 @@ def uses_async_batching(processor) -> bool:
     return bool(getattr(processor, "use_async_batching", False))
 
 
+def graph_pool(processor):
+    """The memory pool id the runner captures its graphs into (``ModelRunner.graph_pool_id``; None without graphs)."""
+    return getattr(processor.model_runner, "graph_pool_id", None)
+
+
 def graph_store(processor) -> dict:
     """The captured graphs, key -> graph (``io.graphs._storage`` of the ``CudaGraphBuffer``, utils.py)."""
     return processor.inputs_and_outputs.graphs._storage

@@ -14,6 +14,7 @@ import torch
 
 from kvcanary.engines.vllm.layout import GroupLayout, slot_elements
 from kvcanary.errors import KvCanaryRuntimeError
+from kvcanary.runtime import CanaryViolationError
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ def bitflip_trials(llm, n: int, *, seed: int = 0, full_only: bool = False) -> li
     """``n`` single-bit flips, one at a time, each in a random cached block's valid token (random group,
     layer, K or V, byte of the token's strip, bit), each followed by one sweep pass (the adapter's own,
     `KvCanaryConnector.sweep`) and undone. A trial is caught when the pass reports that slot.
-    ``full_only``: flip in full-attention groups' blocks only.
+    ``full_only``: flip in full-attention groups' blocks only. In mode ``raise`` a catch raises inside the
+    sweep; that error is the catch and is swallowed here (the violations are read from the canary's list).
 
     Raises if a sweep before the first flip reports anything (a catch must not be a false alarm)."""
     h = handles(llm)
@@ -112,6 +114,8 @@ def bitflip_trials(llm, n: int, *, seed: int = 0, full_only: bool = False) -> li
         flip_bit(kv, layout, side, g.block_size, slot, byte, bit)
         try:
             worker.sweep(cached)
+        except CanaryViolationError:
+            pass  # mode "raise": the catch raises; the violations are read from the canary's list below
         finally:
             flip_bit(kv, layout, side, g.block_size, slot, byte, bit)
         new = [v for v in canary.violations()[seen:] if v.group == g.name]
