@@ -149,7 +149,6 @@ class _Session:
     graphs_captured: int = 0
     graphs_dropped: int = 0
     failed_in_capture: Optional[tuple[str, str]] = None  # (cause, reason): suspend once the engine's capture ends
-    capture_seen: bool = False  # the hooks ran inside the engine's capture during the current compute_batch call
     moves: Optional[MoveObserver] = None  # fork / CPU offload / restore wrappers (moves.py), removed at close
     manager: Optional[object] = None  # the ContinuousBatchingManager whose ``stop`` is shadowed (removed at close)
     final_swept_at: int = -1  # canary step of the full sweep run when the engine stopped (-1: none)
@@ -211,6 +210,7 @@ class TransformersCbHandle:
         # forward's pre-hook, or one compute_batch call in graph mode): a failing canary cannot silence it
         self._engine_forwards = 0
         self._in_compute = False  # inside a wrapped compute_batch (graph mode): the wrapper counted this forward
+        self._capture_hooks = 0  # pre-hooks run inside the engine's CUDA-graph captures (see _recover_capture)
         self._last_suspension: Optional[str] = None  # cause of the latest suspension (kept after it ends)
 
     # ---- hooks ---------------------------------------------------------------------------------
@@ -218,6 +218,10 @@ class TransformersCbHandle:
         pre = self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         post = self.model.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         self._hooks = [pre, post]
+        try:
+            compat.shadow_method(self.model, compat.INIT_CB_METHOD, self._wrap_init_cb)
+        except Exception as exc:  # noqa: BLE001 — without it only the very first capture's failure goes unrepaired
+            logger.debug("kv-canary: could not wrap %s: %s", compat.INIT_CB_METHOD, exc)
 
     def _pre_forward(self, module, args, kwargs):
         cache = kwargs.get("cache")
@@ -230,6 +234,8 @@ class TransformersCbHandle:
                                    "model.generate) while the canary is attached; such forwards are not checked, "
                                    "counted in plain_forwards / unchecked_forwards", type(module).__name__)
             return None
+        if _capturing():
+            self._capture_hooks += 1  # the engine is capturing with the canary inside (see _recover_capture)
         if not self._in_compute and not _capturing():
             self._engine_forwards += 1
         sus = self._suspended
@@ -240,8 +246,6 @@ class TransformersCbHandle:
         s: Optional[_Session] = None
         try:
             s = self._session_for(cache)
-            if _capturing():
-                s.capture_seen = True
             if s.failed_in_capture is not None:  # failed inside the engine's capture: nothing more until it ends
                 return None
             if not _capturing():
@@ -454,7 +458,7 @@ class TransformersCbHandle:
                 return original(model, batch_data)
             on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             entry = torch.cuda.current_stream() if stream is not None else None
-            s.capture_seen = False
+            hooks_before = self._capture_hooks
             try:
                 with on_stream:
                     self._end_deferred(s)
@@ -468,8 +472,8 @@ class TransformersCbHandle:
             try:
                 result = original(model, batch_data)
             except BaseException as exc:
-                if entry is not None and s.capture_seen and isinstance(exc, Exception):
-                    if self._recover_capture(s, entry, exc):
+                if entry is not None and self._capture_hooks > hooks_before and isinstance(exc, Exception):
+                    if self._recover_capture(s, s.processor, entry, exc):
                         return original(model, batch_data)  # suspended: the engine captures again, without the canary
                     raise
                 with on_stream:
@@ -488,26 +492,58 @@ class TransformersCbHandle:
 
         return compute_batch
 
-    def _recover_capture(self, s: _Session, entry, exc: Exception) -> bool:
+    def _recover_capture(self, s: Optional[_Session], processor, entry, exc: Exception) -> bool:
         """The engine's CUDA-graph capture failed with the canary's work inside it (whichever side caused it): repair
         the process (`recover_failed_capture`: the thread's stream, the allocator's pool routing, the generator),
         suspend the session and drop its graphs. Returns True in ``log`` mode: run the forward again, unchecked (a
         failed capture ran nothing, so the engine captures that graph again, without the canary)."""
-        fixed = recover_failed_capture(entry, pool=compat.graph_pool(s.processor))
-        s.head_open = False
-        s.phase = IDLE
-        if s.failed_in_capture is None:
-            s.failed_in_capture = (CAUSE_INTERNAL, f"the engine's CUDA graph capture failed with the canary inside "
-                                                   f"({type(exc).__name__}: {exc})")
-            self._canary_errors += 1
+        fixed = recover_failed_capture(entry, pool=compat.graph_pool(processor) if processor is not None else None)
+        if s is not None:
+            s.head_open = False
+            s.phase = IDLE
+            if s.failed_in_capture is None:
+                s.failed_in_capture = (CAUSE_INTERNAL, f"the engine's CUDA graph capture failed with the canary "
+                                                       f"inside ({type(exc).__name__}: {exc})")
+                self._canary_errors += 1
         logger.error("kv-canary: the engine's CUDA graph capture failed with the canary inside (%s: %s); repaired %s; "
                      "%s", type(exc).__name__, str(exc)[:200], ", ".join(fixed) or "nothing",
                      "raise mode: the step fails" if self.config.mode == "raise" else
                      "log mode: the rest of this engine session runs unchecked and the forward runs again without "
                      "the canary")
-        if self._current is s:
+        if s is not None and self._current is s:
             self._suspend_after_capture(s)
         return self.config.mode != "raise"
+
+    def _wrap_init_cb(self, original):
+        """``model.init_continuous_batching`` (which ``generate_batch`` calls too): shadow the new manager's ``warmup``,
+        whose first ``compute_batch`` runs before the graph-mode wrapper exists (the first forward installs it), so
+        a failed first capture is repaired there (`_recover_capture`)."""
+        def init_continuous_batching(*args, **kwargs):
+            manager = original(*args, **kwargs)
+            if not self._detached and compat.MANAGER_WARMUP_METHOD not in vars(manager):
+                compat.shadow_method(manager, compat.MANAGER_WARMUP_METHOD,
+                                     lambda warmup: self._wrap_warmup(manager, warmup))
+            return manager
+
+        return init_continuous_batching
+
+    def _wrap_warmup(self, manager, original):
+        def warmup(*args, **kwargs):
+            if self._detached or not torch.cuda.is_available():
+                return original(*args, **kwargs)
+            entry, hooks_before = torch.cuda.current_stream(), self._capture_hooks
+            try:
+                return original(*args, **kwargs)
+            except Exception as exc:
+                if self._capture_hooks == hooks_before:
+                    raise  # the canary was never inside a capture: not ours to repair
+                processor = getattr(manager, "batch_processor", None)
+                s = self._current if self._current is not None and self._current.processor is processor else None
+                if not self._recover_capture(s, processor, entry, exc):
+                    raise
+            return original(*args, **kwargs)  # the warmup again, the canary suspended
+
+        return warmup
 
     def _suspend_after_capture(self, s: _Session) -> None:
         """A canary failure inside the engine's capture (log mode), now that the capture has ended: the graph it
@@ -760,6 +796,8 @@ class TransformersCbHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if compat.INIT_CB_METHOD in vars(self.model):
+            compat.unshadow_method(self.model, compat.INIT_CB_METHOD)
         self._detached = True
         if _ATTACHED.get(self.model) is self:
             del _ATTACHED[self.model]

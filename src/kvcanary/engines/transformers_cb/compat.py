@@ -39,6 +39,8 @@ def find_batch_processor(cache):
 
 
 MANAGER_STOP_METHOD = "stop"
+MANAGER_WARMUP_METHOD = "warmup"  # ContinuousBatchingManager.warmup(): creates the processor, captures the graphs
+INIT_CB_METHOD = "init_continuous_batching"  # the model method generate_batch and users call for a manager
 
 
 def find_manager(processor):
