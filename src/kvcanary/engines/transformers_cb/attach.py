@@ -52,7 +52,8 @@ A canary failure inside the engine's own CUDA-graph capture (``log`` mode) is no
 canary would read the device and break the engine's capture. The session is marked, the hooks do nothing more,
 and once the capture ended the ``compute_batch`` wrapper suspends the session and drops the graphs it made (they
 hold part of the canary's work). When the engine's capture itself fails with the canary's work inside (a launch
-that the capture forbids invalidates it), the wrapper repairs what a failed capture leaves behind
+that the capture forbids invalidates it), the wrapper (for a processor's first ``compute_batch``, which runs
+before the wrapper exists: a guard installed when the manager builds the processor) repairs what a failed capture leaves behind
 (`kvcanary.runtime.capture.recover_failed_capture`), suspends the session and, in ``log`` mode, runs the forward
 again without the canary (a failed capture ran nothing). ``engine_forwards`` is counted by the hooks and the
 wrapper before any canary work, so a suspended session shows ``checked_forwards < engine_forwards``.
@@ -515,35 +516,45 @@ class TransformersCbHandle:
         return self.config.mode != "raise"
 
     def _wrap_init_cb(self, original):
-        """``model.init_continuous_batching`` (which ``generate_batch`` calls too): shadow the new manager's ``warmup``,
-        whose first ``compute_batch`` runs before the graph-mode wrapper exists (the first forward installs it), so
-        a failed first capture is repaired there (`_recover_capture`)."""
+        """``model.init_continuous_batching`` (``generate_batch`` calls it too): shadow the new manager's
+        ``_create_batch_processor``, so each new processor gets `_capture_guard` before its first ``compute_batch``
+        (the graph-mode wrapper only exists from the first forward on, inside that first call)."""
         def init_continuous_batching(*args, **kwargs):
             manager = original(*args, **kwargs)
-            if not self._detached and compat.MANAGER_WARMUP_METHOD not in vars(manager):
-                compat.shadow_method(manager, compat.MANAGER_WARMUP_METHOD,
-                                     lambda warmup: self._wrap_warmup(manager, warmup))
+            if not self._detached and compat.MANAGER_CREATE_PROCESSOR_METHOD not in vars(manager):
+                compat.shadow_method(manager, compat.MANAGER_CREATE_PROCESSOR_METHOD, self._wrap_create_processor)
             return manager
 
         return init_continuous_batching
 
-    def _wrap_warmup(self, manager, original):
-        def warmup(*args, **kwargs):
-            if self._detached or not torch.cuda.is_available():
-                return original(*args, **kwargs)
+    def _wrap_create_processor(self, original):
+        def create_batch_processor(*args, **kwargs):
+            processor = original(*args, **kwargs)
+            try:
+                if not self._detached and torch.cuda.is_available() and any(compat.graph_flags(processor)):
+                    compat.install_compute_guard(processor, lambda compute: self._capture_guard(processor, compute))
+            except Exception as exc:  # noqa: BLE001 — without the guard only a failed first capture goes unrepaired
+                logger.debug("kv-canary: could not guard the first compute_batch: %s", exc)
+            return processor
+
+        return create_batch_processor
+
+    def _capture_guard(self, processor, original):
+        """Until the graph-mode wrapper replaces it: a failed capture with the canary inside is repaired
+        (`_recover_capture`) and, in ``log`` mode, the step runs again without the canary."""
+        def compute_batch(model, batch_data):
             entry, hooks_before = torch.cuda.current_stream(), self._capture_hooks
             try:
-                return original(*args, **kwargs)
+                return original(model, batch_data)
             except Exception as exc:
-                if self._capture_hooks == hooks_before:
-                    raise  # the canary was never inside a capture: not ours to repair
-                processor = getattr(manager, "batch_processor", None)
+                if self._detached or self._capture_hooks == hooks_before:
+                    raise  # the canary was not inside a capture: not ours to repair
                 s = self._current if self._current is not None and self._current.processor is processor else None
                 if not self._recover_capture(s, processor, entry, exc):
                     raise
-            return original(*args, **kwargs)  # the warmup again, the canary suspended
+            return original(model, batch_data)  # suspended: the engine captures again, without the canary
 
-        return warmup
+        return compute_batch
 
     def _suspend_after_capture(self, s: _Session) -> None:
         """A canary failure inside the engine's capture (log mode), now that the capture has ended: the graph it

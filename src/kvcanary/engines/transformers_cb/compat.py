@@ -39,7 +39,7 @@ def find_batch_processor(cache):
 
 
 MANAGER_STOP_METHOD = "stop"
-MANAGER_WARMUP_METHOD = "warmup"  # ContinuousBatchingManager.warmup(): creates the processor, captures the graphs
+MANAGER_CREATE_PROCESSOR_METHOD = "_create_batch_processor"  # the manager builds its ContinuousBatchProcessor
 INIT_CB_METHOD = "init_continuous_batching"  # the model method generate_batch and users call for a manager
 
 
@@ -143,11 +143,23 @@ def install_compute_wrapper(processor, make: Callable[[Callable], Callable]) -> 
     replays the step's CUDA graph, or captures it. Returns the original bound method.
     """
     runner = processor.model_runner
+    if getattr(vars(runner).get("compute_batch"), "_kvcanary_guard", False):
+        del runner.compute_batch  # the first-call guard (install_compute_guard) gives way to the wrapper
     if "compute_batch" in vars(runner):
         raise KvCanaryRuntimeError("kv-canary: ModelRunner.compute_batch is already wrapped on this runner (attached twice?)")
     original = runner.compute_batch
     runner.compute_batch = make(original)
     return original
+
+
+def install_compute_guard(processor, make: Callable[[Callable], Callable]) -> None:
+    """Like `install_compute_wrapper`, for a guard that `install_compute_wrapper` replaces without complaint."""
+    runner = processor.model_runner
+    if "compute_batch" in vars(runner):
+        return
+    guard = make(runner.compute_batch)
+    guard._kvcanary_guard = True
+    runner.compute_batch = guard
 
 
 def restore_compute_batch(processor) -> None:
