@@ -120,3 +120,24 @@ def test_token_oracle_option_is_checked_and_a_sampler_installs_once(llama):
             sampler.install(llama)
     finally:
         sampler.remove()
+
+
+@pytest.mark.parametrize("canary_first", [False, True])
+def test_sampler_and_canary_both_wrap_init_and_each_removal_restores_what_it_found(llama, prompts, canary_first):
+    """Both wrap ``init_continuous_batching``: either order works, and a detach never removes the sampler's wrapper
+    (nor the sampler's removal the canary's) — the one on top is unstacked, the other passes through once removed."""
+    sampler = OracleSampler(VOCAB)
+    handle = attach(llama, **OPTS) if canary_first else None
+    sampler.install(llama)
+    if handle is None:
+        handle = attach(llama, **OPTS)
+    with pytest.raises(KvCanaryRuntimeError, match="another OracleSampler"):
+        OracleSampler(VOCAB).install(llama)
+    handle.detach()  # first out: under the sampler's wrapper when the canary came first
+    assert INIT_METHOD in vars(llama)
+    out = generate(llama, prompts, max_new_tokens=MAX_NEW)
+    assert out == oracle_outputs(prompts)  # the sampler still samples after the canary left
+    assert handle.violations() == []
+    sampler.remove()
+    assert INIT_METHOD not in vars(llama)  # nothing left behind by either
+    assert generate(llama, prompts, max_new_tokens=MAX_NEW) != out

@@ -72,6 +72,7 @@ class OracleSampler:
         self.vocab = vocab
         self.managers = 0  # managers whose sampling was replaced
         self._model: Optional[torch.nn.Module] = None
+        self._wrapper = None
 
     def token(self, request_id: str, position: int) -> int:
         """The token this sampler emits for ``request_id`` at sequence ``position`` (the adapter's oracle)."""
@@ -80,30 +81,32 @@ class OracleSampler:
     def install(self, model: torch.nn.Module) -> "OracleSampler":
         if self._model is not None:
             raise KvCanaryRuntimeError("kv-canary: this OracleSampler is already installed")
-        if INIT_METHOD in vars(model):
-            raise KvCanaryRuntimeError(f"kv-canary: {type(model).__name__}.{INIT_METHOD} is already shadowed "
-                                       "(another OracleSampler installed?)")
+        if any(getattr(fn, "_kvcanary_oracle", False) for fn in compat.stacked_methods(model, INIT_METHOD)):
+            raise KvCanaryRuntimeError(f"kv-canary: another OracleSampler is installed on this "
+                                       f"{type(model).__name__}")
         if compat.persistent_manager(model) is not None:
             raise KvCanaryRuntimeError("kv-canary: the model holds a persistent continuous-batching manager built "
                                        "without the oracle; destroy it first (destroy_cached_continuous_batching_manager)")
-        original = getattr(model, INIT_METHOD)
         cls = _processor_class()
+        self._wrapper = compat.stack_method(model, INIT_METHOD, lambda original: self._wrap_init(original, cls))
+        self._wrapper._kvcanary_oracle = True
+        self._model = model
+        return self
 
+    def _wrap_init(self, original, cls):
         def init_continuous_batching(*args, **kwargs):
             manager = original(*args, **kwargs)
-            if not any(isinstance(p, cls) for p in manager.logit_processor.logits_processor):
+            if self._model is not None and not any(isinstance(p, cls) for p in manager.logit_processor.logits_processor):
                 compat.append_cb_logits_processor(manager, cls(self.vocab))
                 self.managers += 1
             return manager
 
-        object.__setattr__(model, INIT_METHOD, init_continuous_batching)
-        self._model = model
-        return self
+        return init_continuous_batching
 
     def remove(self) -> None:
         """Remove the shadowing attribute (managers already created keep sampling the oracle)."""
         if self._model is not None:
-            vars(self._model).pop(INIT_METHOD, None)
+            compat.unstack_method(self._model, INIT_METHOD, self._wrapper)  # else it passes through from now on
             self._model = None
 
     def __enter__(self) -> "OracleSampler":

@@ -211,6 +211,7 @@ class TransformersCbHandle:
         # forward's pre-hook, or one compute_batch call in graph mode): a failing canary cannot silence it
         self._engine_forwards = 0
         self._in_compute = False  # inside a wrapped compute_batch (graph mode): the wrapper counted this forward
+        self._init_cb_wrapper = None  # compat.stack_method's wrapper of model.init_continuous_batching
         self._capture_hooks = 0  # pre-hooks run inside the engine's CUDA-graph captures (see _recover_capture)
         self._last_suspension: Optional[str] = None  # cause of the latest suspension (kept after it ends)
 
@@ -220,7 +221,7 @@ class TransformersCbHandle:
         post = self.model.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         self._hooks = [pre, post]
         try:
-            compat.shadow_method(self.model, compat.INIT_CB_METHOD, self._wrap_init_cb)
+            self._init_cb_wrapper = compat.stack_method(self.model, compat.INIT_CB_METHOD, self._wrap_init_cb)
         except Exception as exc:  # noqa: BLE001 — without it only the very first capture's failure goes unrepaired
             logger.debug("kv-canary: could not wrap %s: %s", compat.INIT_CB_METHOD, exc)
 
@@ -807,8 +808,9 @@ class TransformersCbHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if compat.INIT_CB_METHOD in vars(self.model):
-            compat.unshadow_method(self.model, compat.INIT_CB_METHOD)
+        if self._init_cb_wrapper is not None:  # left in place (passing through) when another wrapper sits on top
+            compat.unstack_method(self.model, compat.INIT_CB_METHOD, self._init_cb_wrapper)
+            self._init_cb_wrapper = None
         self._detached = True
         if _ATTACHED.get(self.model) is self:
             del _ATTACHED[self.model]

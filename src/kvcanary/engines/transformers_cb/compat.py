@@ -22,6 +22,18 @@ VERSION_READ = "5.24.0"
 WARMUP_PREFIX = "__warmup_"
 
 
+def _holders(target) -> list:
+    """The objects that refer to ``target``. An instance whose ``__dict__`` has been materialised (``vars(obj)``, an
+    instance attribute set on it) refers to ``target`` through that dict: the dict's owner is returned instead."""
+    found = []
+    for ref in gc.get_referrers(target):
+        if type(ref) is dict:
+            found.extend(o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref)
+        else:
+            found.append(ref)
+    return found
+
+
 # ---- the processor that owns a cache ---------------------------------------------------------------
 def find_batch_processor(cache):
     """The ``ContinuousBatchProcessor`` (continuous_api.py) that owns ``cache`` — found once per cache.
@@ -29,9 +41,9 @@ def find_batch_processor(cache):
     The forward's kwargs carry the cache but not the request states; the processor holds them. It has
     ``cache``, ``inputs_and_outputs`` and ``scheduler`` attributes (5.24.0 ``__init__``).
     """
-    for ref in gc.get_referrers(cache):
-        if getattr(ref, "cache", None) is cache and hasattr(ref, "inputs_and_outputs") and hasattr(ref, "scheduler"):
-            return ref
+    for obj in _holders(cache):
+        if getattr(obj, "cache", None) is cache and hasattr(obj, "inputs_and_outputs") and hasattr(obj, "scheduler"):
+            return obj
     raise KvCanaryRuntimeError(
         "kv-canary: could not find the continuous-batching processor that owns this PagedAttentionCache; "
         "kvcanary supports model.generate_batch / init_continuous_batching of transformers==5.24.0"
@@ -51,11 +63,9 @@ def find_manager(processor):
     direct call): it joins the thread when ``block`` (``is_running()`` is False once joined), then keeps the
     processor and its cache for the next session (``keep_for_next_session``) or drops them.
     """
-    for ref in gc.get_referrers(processor):
-        if getattr(ref, "batch_processor", None) is processor and callable(getattr(ref, "is_running", None)) and \
-                callable(getattr(ref, MANAGER_STOP_METHOD, None)):
-            return ref
-    return None
+    return next((obj for obj in _holders(processor) if getattr(obj, "batch_processor", None) is processor
+                 and callable(getattr(obj, "is_running", None)) and callable(getattr(obj, MANAGER_STOP_METHOD, None))),
+                None)
 
 
 def batch_io(processor):
@@ -304,6 +314,44 @@ def shadow_method(obj, name: str, make: Callable[[Callable], Callable]) -> Calla
 def unshadow_method(obj, name: str) -> None:
     """Remove the instance attribute: the class method is visible again, exactly as before."""
     vars(obj).pop(name, None)
+
+
+_NOT_SHADOWED = object()
+
+
+def stack_method(obj, name: str, make: Callable[[Callable], Callable]) -> Callable:
+    """Shadow ``obj.name`` with ``make(current)`` even where another wrapper already shadows it (the canary and a
+    fault's sampler both wrap ``init_continuous_batching``). Returns the wrapper, for `unstack_method`."""
+    previous = vars(obj).get(name, _NOT_SHADOWED)
+    wrapper = make(getattr(obj, name))
+    wrapper._kvcanary_previous = previous
+    object.__setattr__(obj, name, wrapper)
+    return wrapper
+
+
+def unstack_method(obj, name: str, wrapper: Callable) -> None:
+    """Undo `stack_method`. With ``wrapper`` on top, what it shadowed is visible again (and so on down, past wrappers
+    already removed). Under a later wrapper it stays in place, marked removed, until that one goes: meanwhile its
+    owner must make it pass calls through."""
+    wrapper._kvcanary_removed = True
+    top = vars(obj).get(name, _NOT_SHADOWED)
+    if top is not wrapper:
+        return
+    while top is not _NOT_SHADOWED and getattr(top, "_kvcanary_removed", False):
+        top = top._kvcanary_previous
+    if top is _NOT_SHADOWED:
+        del vars(obj)[name]
+    else:
+        object.__setattr__(obj, name, top)
+
+
+def stacked_methods(obj, name: str) -> list:
+    """The wrappers `stack_method` put on ``obj.name``, top first."""
+    found, fn = [], vars(obj).get(name, _NOT_SHADOWED)
+    while fn is not _NOT_SHADOWED and hasattr(fn, "_kvcanary_previous"):
+        found.append(fn)
+        fn = fn._kvcanary_previous
+    return found
 
 
 def cache_pool(cache):
