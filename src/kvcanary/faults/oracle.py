@@ -49,14 +49,21 @@ class TokenOracle:
         return prompt[position] if position < len(prompt) else self.sample(rid, position)
 
     def expected_ids(self, request_ids: Sequence[Optional[str]], prefix_lens: torch.Tensor,
-                     extend_lens: torch.Tensor) -> torch.Tensor:
+                     extend_lens: torch.Tensor, *, committed_lens: Optional[torch.Tensor] = None,
+                     input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """int64 [sum(extend_lens)]: the oracle's token for each row's positions ``prefix + i`` (the
-        positions the engine should be writing, whatever it wrote); padding rows keep -1."""
+        positions the engine should be writing, whatever it wrote); padding rows keep -1. With ``committed_lens``
+        (a verify forward), positions at or past a row's committed length are drafts the oracle cannot judge: they
+        expect what the engine wrote (``input_ids``)."""
         out = torch.full((int(extend_lens.sum()),), -1, dtype=torch.int64)
+        committed = committed_lens.tolist() if committed_lens is not None else [None] * len(request_ids)
         start = 0
-        for rid, p, n in zip(request_ids, prefix_lens.tolist(), extend_lens.tolist()):
+        for rid, p, n, c in zip(request_ids, prefix_lens.tolist(), extend_lens.tolist(), committed):
             if rid is not None:
                 out[start : start + n] = torch.tensor([self.expected(rid, p + i) for i in range(n)], dtype=torch.int64)
+                if c is not None and p + n > c:
+                    first = start + max(0, c - p)
+                    out[first : start + n] = input_ids[first : start + n].cpu().to(torch.int64)
             start += n
         return out
 
@@ -64,7 +71,8 @@ class TokenOracle:
         """A sim-engine batch hook that sets ``expected_input_ids`` from the oracle (install it last)."""
 
         def hook(batch):
-            exp = self.expected_ids(batch.request_ids, batch.prefix_lens, batch.extend_lens)
+            exp = self.expected_ids(batch.request_ids, batch.prefix_lens, batch.extend_lens,
+                                    committed_lens=batch.committed_lens, input_ids=batch.input_ids)
             return dataclasses.replace(batch, expected_input_ids=exp.to(batch.input_ids.device))
 
         return hook

@@ -7,12 +7,35 @@ the canary runs on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 from kvcanary.errors import KvCanaryValueError
 
-FORWARD_KINDS = ("prefill", "decode", "mixed", "idle")
+FORWARD_KINDS = ("prefill", "decode", "verify", "mixed", "idle")
+
+
+def classify_forward(prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                 verify_rows: Optional[Sequence[bool]] = None) -> str:
+    """The one rule every adapter names a forward by (host ints, one per batch row):
+
+    ``idle`` no rows; ``verify`` every row is a speculative verify (its last committed token and its drafts, flagged in
+    ``verify_rows``) or a plain decode, and at least one is a verify; ``decode`` every row computes one token after a
+    cached context; ``prefill`` every row computes prompt tokens — from position 0 or continuing a chunked prefill
+    (``extend > 1``; the one-token tail chunk of a prompt cannot be told from a decode); ``mixed`` anything else.
+    """
+    rows = list(zip(prefix_lens, extend_lens))
+    if not rows:
+        return "idle"
+    verify = list(verify_rows) if verify_rows is not None else [False] * len(rows)
+    decode = [p > 0 and e == 1 for p, e in rows]
+    if any(verify) and all(v or d for v, d in zip(verify, decode)):
+        return "verify"
+    if all(decode):
+        return "decode"
+    if not any(verify) and all(p == 0 or e > 1 for p, e in rows):
+        return "prefill"
+    return "mixed"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +118,7 @@ class BatchDescription:
     request_ids: one id per batch row (None for padding rows) for attribution. token_table /
     token_table_lens: optional token history per request row (int32 [max_reqs, max_ctx], token at
     position p in column p) and its valid length per batch row; enables the verify-token check.
-    forward_kind: one of ``prefill | decode | mixed | idle``.
+    forward_kind: one of ``prefill | decode | verify | mixed | idle`` (`classify_forward` names it from the rows).
     expected_input_ids: optional token oracle, [num_tokens] — the tokens the engine *should* be
     writing (for the write-input assert); without it the assert reads them from token_table.
     context_keys: optional int64 [bs], who produced each row's KV (LoRA adapter, tenant, cache salt; 0 =
@@ -104,6 +127,11 @@ class BatchDescription:
     attention; a window that no longer holds position 0 does not see the key). Give them on every forward
     once given (a row without a key is context 0); the sweep does not judge position 0's link, so it never
     reports a keyed slot for its key.
+
+    committed_lens: optional int64 [bs] (host), tokens each row has committed — what the user receives. Positions at
+    or past it that this forward writes are speculative drafts (a ``verify`` forward): the token oracle has no say
+    on them, and the engine rolls back the rejected ones (`Canary.release_slots`). None: every written position is
+    committed (or will be, as the forward's own sample).
 
     Host syncs: the runtime reads prefix_lens, extend_lens and req_pool_indices on the host once
     per forward (to size and attribute); pass CPU copies of those three if the engine has them.
@@ -121,6 +149,7 @@ class BatchDescription:
     forward_kind: str = "mixed"
     expected_input_ids: Optional[torch.Tensor] = None
     context_keys: Optional[torch.Tensor] = None
+    committed_lens: Optional[torch.Tensor] = None
     extra: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -150,6 +179,9 @@ class BatchDescription:
             )
         if self.context_keys is not None and int(self.context_keys.shape[0]) != bs:
             raise KvCanaryValueError(f"kv-canary: BatchDescription.context_keys has {self.context_keys.shape[0]} rows for {bs}")
+        if self.committed_lens is not None and int(self.committed_lens.shape[0]) != bs:
+            raise KvCanaryValueError(f"kv-canary: BatchDescription.committed_lens has {self.committed_lens.shape[0]} rows "
+                                     f"for {bs}")
         if (self.token_table is None) != (self.token_table_lens is None):
             raise KvCanaryValueError("kv-canary: BatchDescription token_table and token_table_lens go together")
 

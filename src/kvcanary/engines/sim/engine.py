@@ -8,6 +8,13 @@ One `step()`:
     with canary.forward(batch):         -> the "model": KV bytes of every layer into out_cache_loc
     advance: sample, finish (insert into the prefix cache), abort, drop out-of-window SWA slots
 
+Speculative decoding (``spec_tokens = k > 0``): a decoding request's forward is a *verify* of ``k + 1`` tokens — its
+last committed token and ``k`` seeded drafts at the next positions. Each draft is accepted with ``spec_accept``, in
+order, up to the first rejection; the accepted drafts and a bonus token (the target's own sample at the first rejected
+position) are committed, and the rejected positions are rolled back: their slots freed (`Canary.release_slots`), the
+request's computed length reset to its committed tokens. The token table holds the committed tokens (what the user
+receives) and, during a verify forward, the drafts past them; ``committed_lens`` says where the drafts start.
+
 Layers: with ``sliding_window == 0`` every layer is full attention (group ``full``); otherwise even
 layers are full and odd layers sliding-window (group ``swa``, own slot space, full->swa LUT).
 """
@@ -24,7 +31,7 @@ from kvcanary.engines.sim.pool import PADDING_SLOT, RequestTable, SlotAllocator
 from kvcanary.engines.sim.radix import RadixCache, RadixNode
 from kvcanary.engines.sim.workload import SimWorkload
 from kvcanary.ops.hashing import splitmix64_mix3_tensor, splitmix64_tensor
-from kvcanary.runtime import BatchDescription, GroupBatch, GroupSpec
+from kvcanary.runtime import BatchDescription, GroupBatch, GroupSpec, classify_forward
 
 BatchHook = Callable[[BatchDescription], BatchDescription]
 
@@ -32,7 +39,9 @@ BatchHook = Callable[[BatchDescription], BatchDescription]
 @dataclass(frozen=True, kw_only=True)
 class SimConfig:
     """Pool sizes and scheduling limits. kv_bytes: bytes per token per layer and side. device: where the
-    KV pools and tables live (the scheduler is host Python; per-forward index arrays are built on the host)."""
+    KV pools and tables live (the scheduler is host Python; per-forward index arrays are built on the host).
+    spec_tokens: drafts proposed per decode step (speculative decoding; 0 = off); spec_accept: the chance each
+    draft is accepted, in order (the first rejection ends the accepted run)."""
 
     num_slots: int = 2048
     swa_num_slots: int = 512
@@ -45,6 +54,8 @@ class SimConfig:
     chunk_size: int = 48
     max_batch_tokens: int = 192
     max_running: int = 12
+    spec_tokens: int = 0
+    spec_accept: float = 0.7
     seed: int = 0
     device: str = "cpu"
 
@@ -53,6 +64,9 @@ class SimConfig:
             raise KvCanaryValueError(f"kv-canary: SimConfig.kv_bytes must be a positive multiple of 16, got {self.kv_bytes}")
         if self.sliding_window and self.num_layers < 2:
             raise KvCanaryValueError("kv-canary: SimConfig with sliding_window needs num_layers >= 2")
+        if self.spec_tokens < 0 or not 0.0 <= self.spec_accept <= 1.0:
+            raise KvCanaryValueError(f"kv-canary: SimConfig needs spec_tokens >= 0 and 0 <= spec_accept <= 1, got "
+                                     f"{self.spec_tokens} / {self.spec_accept}")
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -85,6 +99,9 @@ class SimRequest:
     path: list[RadixNode] = field(default_factory=list)
     state: str = "waiting"
     context: int = 0  # who produces this request's KV (adapter / tenant / salt); 0 = none
+    drafts: list[int] = field(default_factory=list)  # this forward's speculative drafts (verify forward), else []
+    accepted: int = 0  # how many of ``drafts`` the target accepts (drawn with them)
+    bonus: int = 0  # the target's token at the first rejected position (or after the last draft)
 
 
 def kv_bytes(tokens: torch.Tensor, positions: torch.Tensor, layer: int, side: int, nbytes: int) -> torch.Tensor:
@@ -262,6 +279,8 @@ class SimEngine:
             if req.state != "running" or budget <= 0:
                 continue
             e = min(c.chunk_size, len(req.tokens) - req.num_computed, budget)
+            self._draft(req, budget)
+            e += len(req.drafts)
             got = self._alloc(e)
             while got is None:
                 victims = [r for r in self.running if r is not req and r not in [p[0] for p in plan]]
@@ -270,6 +289,7 @@ class SimEngine:
                 self.retract(victims[-1])
                 got = self._alloc(e)
             if got is None:
+                req.drafts = []
                 self.retract(req)
                 continue
             full, swa = got
@@ -295,6 +315,33 @@ class SimEngine:
         self._advance(plan)
         return batch
 
+    def _decoding(self, req: SimRequest) -> bool:
+        """The request's next forward computes its newest token only (it has generated, and its prompt is cached)."""
+        return req.generated > 0 and req.num_computed == len(req.tokens) - 1
+
+    def _draft(self, req: SimRequest, budget: int) -> None:
+        """Speculative decoding: draw this step's drafts, how many the target accepts, and the bonus token. The first
+        rejected draft differs from the target's token there; the bonus is that token. Nothing when off, or when the
+        request has no room (``max_new``, the batch budget)."""
+        req.drafts, req.accepted = [], 0
+        k = min(self.config.spec_tokens, req.max_new - req.generated - 1, budget - 1)
+        if k <= 0 or not self._decoding(req):
+            return
+        accepted = 0
+        while accepted < k and self.rng.random() < self.config.spec_accept:
+            accepted += 1
+        base = len(req.tokens)
+        truth = [self._sample(req, base + j) for j in range(accepted + 1)]
+        drafts = truth[:accepted]
+        if accepted < k:
+            drafts.append(truth[accepted] % 31999 + 1)  # != truth[accepted]
+            drafts += [self.rng.randrange(1, 32000) for _ in range(k - accepted - 1)]
+        req.drafts, req.accepted, req.bonus = drafts, accepted, truth[accepted]
+        self.table.tokens[req.row, base : base + k] = torch.tensor(drafts, dtype=torch.int32)
+
+    def _sample(self, req: SimRequest, position: int) -> int:
+        return self.sampler(req.rid, position) if self.sampler is not None else self.rng.randrange(1, 32000)
+
     def _map_slots(self, plan) -> None:
         """Table rows (and the full -> swa LUT) for the plan's new slots: one host-to-device copy each."""
         rows = [r.row for r, e, _, _ in plan for _ in range(e)]
@@ -309,10 +356,10 @@ class SimEngine:
         reqs = [p[0] for p in plan]
         ext = [p[1] for p in plan]
         pre = [r.num_computed for r in reqs]
-        ids = [t for r, e in zip(reqs, ext) for t in r.tokens[r.num_computed : r.num_computed + e]]
+        ids = [t for r, e in zip(reqs, ext) for t in (r.tokens + r.drafts)[r.num_computed : r.num_computed + e]]
         pos = [q for r, e in zip(reqs, ext) for q in range(r.num_computed, r.num_computed + e)]
-        decode = [p > 0 and e == 1 and p + 1 == len(r.tokens) and r.generated > 0 for r, p, e in zip(reqs, pre, ext)]
-        kind = "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
+        kind = classify_forward(pre, ext, [bool(r.drafts) for r in reqs])
+        spec = any(r.drafts for r in reqs)
         groups = {"full": GroupBatch(req_to_token=self.table.req_to_token,
                                      out_cache_loc=torch.tensor([s for p in plan for s in p[2]], dtype=torch.int64))}
         if self.swa_alloc:
@@ -330,7 +377,8 @@ class SimEngine:
             groups=groups,
             request_ids=tuple(r.rid for r in reqs),
             token_table=self.table.tokens,
-            token_table_lens=torch.tensor([len(r.tokens) for r in reqs], dtype=torch.int64),
+            token_table_lens=torch.tensor([len(r.tokens) + len(r.drafts) for r in reqs], dtype=torch.int64),
+            committed_lens=torch.tensor([len(r.tokens) for r in reqs], dtype=torch.int64) if spec else None,
             forward_kind=kind,
             context_keys=torch.tensor([r.context for r in reqs], dtype=torch.int64) if self._contexts_used else None,
         )
@@ -356,16 +404,18 @@ class SimEngine:
         for req, e, _, _ in plan:
             if req.state != "running":
                 continue
-            req.num_computed += e
-            if req.num_computed == len(req.tokens):
-                if req.generated >= req.max_new:
-                    self._finish(req)
-                    continue
-                pos = len(req.tokens)
-                tok = self.sampler(req.rid, pos) if self.sampler is not None else self.rng.randrange(1, 32000)
-                self.table.tokens[req.row, len(req.tokens)] = tok
-                req.tokens.append(tok)
-                req.generated += 1
+            if req.drafts:
+                self._commit_verify(req)
+            else:
+                req.num_computed += e
+                if req.num_computed == len(req.tokens):
+                    if req.generated >= req.max_new:
+                        self._finish(req)
+                        continue
+                    tok = self._sample(req, len(req.tokens))
+                    self.table.tokens[req.row, len(req.tokens)] = tok
+                    req.tokens.append(tok)
+                    req.generated += 1
             if c.sliding_window:
                 upto = req.num_computed - c.sliding_window
                 if upto > req.swa_dropped_upto:
@@ -375,6 +425,26 @@ class SimEngine:
                     for i in drop:
                         req.swa_slots[i] = PADDING_SLOT
                     req.swa_dropped_upto = upto
+
+    def _commit_verify(self, req: SimRequest) -> None:
+        """After a verify forward: commit the accepted drafts and the bonus token, roll the rejected positions back
+        (their slots freed and released to the canary; the bonus token is computed by the request's next forward)."""
+        a, k = req.accepted, len(req.drafts)
+        base = len(req.tokens)
+        req.tokens += req.drafts[:a] + [req.bonus]
+        req.generated += a + 1
+        self.table.tokens[req.row, base + a] = req.bonus
+        req.num_computed = base + a  # positions base - 1 .. base + a - 1 hold the last token and the accepted drafts
+        keep = base + a
+        rejected_full, rejected_swa = req.full_slots[keep:], req.swa_slots[keep:]
+        del req.full_slots[keep:], req.swa_slots[keep:]
+        self._free(rejected_full, rejected_swa)
+        if self.canary is not None and rejected_full:
+            self.canary.release_slots("full", rejected_full)
+            if self.swa_alloc:
+                self.canary.release_slots("swa", [s for s in rejected_swa if s != PADDING_SLOT])
+        req.drafts = []
+        assert len(req.full_slots) == req.num_computed and k >= a
 
     def run(self, steps: int, workload: Optional[SimWorkload] = None, *, progress: bool = False) -> int:
         """Run ``steps`` scheduler steps feeding ``workload``; returns forwards executed."""

@@ -50,7 +50,7 @@ from kvcanary.engines.transformers_cb import compat
 from kvcanary.engines.transformers_cb.compat import find_batch_processor  # noqa: F401  (re-exported)
 from kvcanary.engines.transformers_cb.layout import NOT_STORED, PADDING_SLOT, GroupLayout
 from kvcanary.errors import KvCanaryCapacityError, KvCanaryTypeError
-from kvcanary.runtime.batch import BatchDescription, GroupBatch, ReadCheck
+from kvcanary.runtime.batch import BatchDescription, GroupBatch, classify_forward, ReadCheck
 
 # rows of `ForwardTranslator.meta`
 META_ROWS, META_PREFIX, META_EXTEND, META_TOKEN_LENS, META_CONTEXT = range(5)
@@ -204,7 +204,7 @@ class ForwardTranslator:
         self._write_meta(rows, prefix, extend, ends, contexts)
         if self.expected is not None:
             self._write_expected(self._oracle_tokens(batch))
-        return StepInfo(request_ids=tuple(ids), rows=tuple(rows), forward_kind=_forward_kind(prefix, extend))
+        return StepInfo(request_ids=tuple(ids), rows=tuple(rows), forward_kind=classify_forward(prefix, extend))
 
     def _context_id(self, request_id: str) -> int:
         """The int64 id of ``request_id``'s context (0: none); a forked child has its parent's context."""
@@ -535,11 +535,3 @@ def _plateau(dst: torch.Tensor, src: torch.Tensor, bsz: int) -> None:
     dst[bsz + 1 :].copy_(src[bsz : bsz + 1].expand(dst.shape[0] - bsz - 1))
 
 
-def _forward_kind(prefix: list[int], extend: list[int]) -> str:
-    if not extend:
-        return "idle"
-    if all(e == 1 for e in extend) and all(p > 0 for p in prefix):
-        return "decode"
-    if all(e > 1 or p == 0 for p, e in zip(prefix, extend)):
-        return "prefill"
-    return "mixed"

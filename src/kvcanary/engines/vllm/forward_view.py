@@ -28,7 +28,7 @@ import torch
 
 from kvcanary.engines.vllm.layout import GroupLayout
 from kvcanary.errors import KvCanaryRuntimeError
-from kvcanary.runtime.batch import BatchDescription, GroupBatch
+from kvcanary.runtime.batch import BatchDescription, GroupBatch, classify_forward
 
 
 def find_model_runner(kv_tensor: Optional[torch.Tensor] = None):
@@ -98,16 +98,6 @@ class TokenHistory:
 
     def drop(self, request_id: str) -> None:
         self.tokens.pop(request_id, None)
-
-
-def _forward_kind(prefix: list[int], query: list[int]) -> str:
-    if not query:
-        return "idle"
-    if all(q == 1 for q in query) and all(p > 0 for p in prefix):
-        return "decode"
-    if all(p == 0 for p in prefix):
-        return "prefill"
-    return "mixed"
 
 
 @dataclass
@@ -225,7 +215,7 @@ class WorkerView:
             request_ids=tuple(req_ids),
             token_table=self.token_table,
             token_table_lens=torch.tensor(lens, dtype=torch.int64, device=dev),
-            forward_kind=_forward_kind(prefix, query),
+            forward_kind=classify_forward(prefix, query),
             context_keys=torch.tensor(keys, dtype=torch.int64) if self.keyed else None,
         )
 

@@ -4,7 +4,7 @@ A configuration draws the engine's own knobs — layers, bytes per slot, page si
 a sliding-window group (window shorter or longer than the prompts), pool sizes small enough to evict
 cached prefixes and retract running requests, chunk size and batch budget (chunked prefill), requests
 running at once, shared system prompts, aborts, forks and host offload / restore (`SimMoves`,
-full-attention engines only), the token oracle — and the canary's options (``sweep_interval``,
+full-attention engines only), speculative decoding (drafts per step, acceptance rate), the token oracle — and the canary's options (``sweep_interval``,
 ``real_kv_hash``, ``real_kv_layers``, ``deep_fingerprints``, ``drain_interval``, ``verify_token``).
 
 `run_config` runs the workload unchecked, then checked (``raise``), then — faulted twin — checked
@@ -52,7 +52,7 @@ def sample_config(rng: random.Random) -> dict:
     group_n = min(full_n, layers - full_n) if swa else layers
     picks = rng.sample(range(-group_n, group_n), k=min(rng.randint(1, 4), 2 * group_n))
     moves = not swa and rng.random() < 0.35
-    return {
+    config = {
         "engine": {
             "num_layers": layers, "kv_bytes": rng.choice([16, 32, 48, 64]), "block_size": rng.choice([1, 2, 4, 8, 16, 32]),
             "sliding_window": window, "max_context": max_context, "chunk_size": chunk,
@@ -74,6 +74,11 @@ def sample_config(rng: random.Random) -> dict:
             "verify_token": rng.random() < 0.8, "chain_position_warmup": rng.choice([-1, 0, 2, 8]),
         },
     }
+    # drawn last, so the fields above are what earlier campaigns drew for the same index
+    spec = rng.random() < 0.5
+    config["engine"]["spec_tokens"] = rng.choice([1, 2, 3, 4, 6]) if spec else 0
+    config["engine"]["spec_accept"] = rng.choice([0.0, 0.3, 0.6, 0.8, 1.0]) if spec else 0.7
+    return config
 
 
 class _Run:
