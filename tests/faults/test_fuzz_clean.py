@@ -95,3 +95,17 @@ def test_graph_mode_dry_run_on_cpu():
                      extra="--cuda-graphs --dry")
     _check(o)
     assert o["fault"]["fired"] and o["reproducer"].endswith("--cuda-graphs --dry")
+
+
+def test_an_engine_that_fails_without_the_canary_is_told_apart_and_the_canary_survives_its_empty_forward():
+    """Campaign seed 1, configuration 43: transformers 5.24.0 runs a forward of no tokens (forks of a short prompt)
+    and fails it with or without the canary. The canary must not fail first (it indexed the forward's empty written
+    slots), the tokens (errors included) must agree, and the outcome names the engine, not the canary."""
+    pytest.importorskip("transformers")
+    from kvcanary.faults.fuzz import transformers as fuzz_tf
+
+    logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
+    o = fuzz.run_one("transformers", fuzz_tf, 1, 43)
+    assert o["failed"] == ["engine_error"], o
+    assert o["error"] is None and o["tokens_identical"] and o["violations"] == 0
+    assert o["engine_forwards"] == o["checked_forwards"]

@@ -27,7 +27,7 @@ COLUMNS = ("injected", "detected", "missed", "expected_detectable", "detected_ex
 def add_parser(sub) -> None:
     p = sub.add_parser("campaign", help="seeded fault injection, every injection accounted (report.json/md/png)")
     p.add_argument("--engine", choices=("sim", "transformers"), default="sim",
-                   help="sim: the simulated paged-KV engine (12 classes); transformers: tiny models on the CPU (6)")
+                   help=f"sim: the simulated paged-KV engine ({len(FAULT_CLASSES)} classes); transformers: tiny models on the CPU (6)")
     p.add_argument("--seed", type=int, default=0, help="seed for engines, workloads and injectors (default 0)")
     p.add_argument("--faults", default="all", help="all, or a comma list of fault classes (--faults list names them)")
     p.add_argument("--per-class", type=int, default=20, help="injections per class (default 20)")

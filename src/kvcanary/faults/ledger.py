@@ -15,6 +15,8 @@ from kvcanary.errors import KvCanaryValueError
 FAULT_CLASSES = (
     "kv_flip_used", "kv_flip_cached", "kv_flip_deep_layer", "slot_redirect", "use_after_free", "position_shift",
     "token_swap", "prefix_collision", "cross_context_hit", "double_alloc", "copy_corruption", "swa_window_stale",
+    # speculative decoding (engines that verify drafts)
+    "verify_draft_kept", "verify_rollback_off_by_one", "verify_draft_misdirected", "verify_positions_shifted",
 )
 
 CHECK_OF_REASON = {  # which check produced a reason label

@@ -20,7 +20,8 @@ import torch
 
 from kvcanary.engines.sim.engine import SimEngine
 from kvcanary.faults.ledger import FaultLedger, Injection
-from kvcanary.faults.sim_hooks import cached_idle_slots, flip_kv_bit, free_and_reuse, redirect_slot, shift_positions
+from kvcanary.faults.sim_hooks import (cached_idle_slots, flip_kv_bit, free_and_reuse, keep_rejected_slot, on_rejection,
+                                       redirect_slot, redirect_write, shift_positions)
 from kvcanary.runtime import Canary
 
 ENGINE = "sim"
@@ -104,6 +105,7 @@ class SimInjector:
     fault = ""
     fresh_engine = False
     needs_swa = False
+    needs_spec = False  # the engine runs speculative decoding (verify forwards)
 
     def __init__(self, target: SimTarget, seed: int) -> None:
         self.t = target
@@ -457,7 +459,134 @@ class SwaWindowStale(SimInjector):
         self.repair()
 
 
+class SpecInjector(SimInjector):
+    """Base of the speculative-decoding classes. The damage happens at an engine event (a verify forward, a
+    rejection), not at once: the first `fire` arms it on a request that will decode for a while, later calls return
+    None until it has happened (the runner steps on), then the `Injection`, dated at the first forward that can see
+    it. A request that ends before the event is dropped and another armed."""
+
+    needs_spec = True
+    fresh_engine = True
+    expected: tuple[str, ...] = ()
+
+    def __init__(self, target: SimTarget, seed: int) -> None:
+        super().__init__(target, seed)
+        self._req = None
+        self._hit: Optional[dict] = None  # step, slot, position, request_id, detail
+
+    def fire(self):
+        e = self.t.engine
+        if self._hit is not None:
+            hit, self._hit = self._hit, None
+            return self.t.ledger.add(Injection(fault=self.fault, engine=ENGINE, expected=self.expected, group="full",
+                                               **hit))
+        if self._req is not None and self._req.state == "running":
+            return None
+        self._disarm()
+        k = e.config.spec_tokens
+        cands = [r for r in e.running if r.state == "running" and r.generated >= 1 and r.max_new - r.generated > 2 * k + 2]
+        if cands:
+            self._req = self.rng.choice(cands)
+            self._arm(self._req)
+        return None
+
+    def _arm(self, req) -> None:
+        raise NotImplementedError
+
+    def _disarm(self) -> None:
+        self.repair()
+        self._req = None
+
+
+class VerifyDraftKept(SpecInjector):
+    """A rejection handled one iteration late: the first rejected draft's KV stays as the context of the position
+    the bonus token now holds (every later position of the request builds on it)."""
+
+    fault = "verify_draft_kept"
+    expected = ("verify_token", "verify_chain_hash")
+
+    def _arm(self, req) -> None:
+        e = self.t.engine
+
+        def kept(r, position, full, swa):
+            keep_rejected_slot(e, r, position, full, swa)
+            self._hit = dict(step=self.next_step, slot=full, position=position, request_id=r.rid,
+                             detail=f"{r.rid}: rejected draft kept at position {position} (slot {full})")
+
+        on_rejection(e, req.rid, kept)
+        self._undo.append(lambda: vars(e).pop("_commit_verify", None))
+
+
+class VerifyRollbackOffByOne(SpecInjector):
+    """After a rejection the request's position counter is one too high: its next forward writes every token one
+    position further than the rollback left it."""
+
+    fault = "verify_rollback_off_by_one"
+    expected = ("write_position", "verify_position")
+
+    def _arm(self, req) -> None:
+        e = self.t.engine
+
+        def shifted(r, position, full, swa):
+            e.batch_hooks.insert(0, shift_positions(r.rid, +1))
+            self._hit = dict(step=self.next_step, slot=-1, position=position, request_id=r.rid,
+                             detail=f"{r.rid}: positions +1 in the forward after the rejection at {position}")
+
+        on_rejection(e, req.rid, shifted)
+        self._undo.append(lambda: vars(e).pop("_commit_verify", None))
+
+
+class VerifyDraftMisdirected(SpecInjector):
+    """A verify forward writes a rejected draft's KV into a slot another running request reads (a stale slot
+    mapping for the draft positions): that request's context is overwritten."""
+
+    fault = "verify_draft_misdirected"
+    expected = STRUCTURE + ("verify_real_kv_hash",)
+
+    def _arm(self, req) -> None:
+        e = self.t.engine
+
+        def hook(batch):
+            r = req
+            if self._hit is not None or r.state != "running" or r.accepted >= len(r.drafts) \
+                    or r.rid not in (batch.request_ids or ()):
+                return batch
+            victims = [(v, p) for v, p in unique_cached_positions(e) if v is not r and v.rid in batch.request_ids]
+            if not victims:
+                return batch
+            victim, p = self.rng.choice(victims)
+            slot = victim.full_slots[p]
+            self._hit = dict(step=self.next_step, slot=slot, position=p, request_id=victim.rid,
+                             detail=f"{r.rid}'s rejected draft {r.accepted + 1} written into slot {slot} "
+                                    f"(position {p} of {victim.rid})")
+            return redirect_write(r.rid, 1 + r.accepted, slot)(batch)
+
+        e.batch_hooks.insert(0, hook)
+        self._undo.append(lambda: e.batch_hooks.remove(hook))
+
+
+class VerifyPositionsShifted(SpecInjector):
+    """A verify forward's positions are shifted by one for one request (draft and verify positions misaligned)."""
+
+    fault = "verify_positions_shifted"
+    expected = ("write_position", "verify_position")
+
+    def _arm(self, req) -> None:
+        e = self.t.engine
+
+        def hook(batch):
+            if self._hit is not None or not req.drafts or req.rid not in (batch.request_ids or ()):
+                return batch
+            self._hit = dict(step=self.next_step, slot=-1, position=req.num_computed, request_id=req.rid,
+                             detail=f"{req.rid}: verify forward of {len(req.drafts)} drafts at positions +1")
+            return shift_positions(req.rid, +1)(batch)
+
+        e.batch_hooks.insert(0, hook)
+        self._undo.append(lambda: e.batch_hooks.remove(hook))
+
+
 INJECTORS = {cls.fault: cls for cls in (
     KvFlipUsed, KvFlipCached, KvFlipDeepLayer, SlotRedirect, UseAfterFree, PositionShift, TokenSwap,
     PrefixCollision, CrossContextHit, DoubleAlloc, CopyCorruption, SwaWindowStale,
+    VerifyDraftKept, VerifyRollbackOffByOne, VerifyDraftMisdirected, VerifyPositionsShifted,
 )}

@@ -1,6 +1,7 @@
 """A seeded fault campaign on the simulated engine: per class, K injections, each accounted.
 
-Per class: an engine (4 full layers; with a sliding-window group for ``swa_window_stale``) runs a
+Per class: an engine (4 full layers; with a sliding-window group for ``swa_window_stale``; speculative decoding,
+3 drafts a step, for the ``verify_*`` classes) runs a
 seeded workload with the token oracle as its sampler; after a warm-up the class's injector fires,
 the engine runs a detection window (``2 * sweep_interval + 2`` forwards, so the rotating sweep has
 passed every slot at least once), the injector repairs, and the next injection follows on the same
@@ -48,8 +49,9 @@ class SimCampaignConfig:
 class SimDriver:
     """One engine + canary + oracle fed by a seeded workload; ``step()`` is one scheduler step."""
 
-    def __init__(self, cfg: SimCampaignConfig, seed: int, *, swa: bool) -> None:
-        sc = SimConfig(seed=seed, num_layers=4, sliding_window=16 if swa else 0)
+    def __init__(self, cfg: SimCampaignConfig, seed: int, *, swa: bool, spec: bool = False) -> None:
+        sc = SimConfig(seed=seed, num_layers=4, sliding_window=16 if swa else 0, spec_tokens=3 if spec else 0,
+                       spec_accept=0.6)
         config = CanaryConfig(mode="log", real_kv_hash=cfg.real_kv_hash, real_kv_layers=cfg.real_kv_layers,
                               deep_fingerprints=cfg.deep_fingerprints,
                               sweep_interval=cfg.sweep_interval, **QUIET)
@@ -127,7 +129,7 @@ def run_class(fault: str, cfg: SimCampaignConfig, *, clean_twin: bool = True,
         if driver is None or cls.fresh_engine:
             if driver is not None:
                 engine_forwards.append((seeds[k - 1], driver.engine.forwards))
-            driver = SimDriver(cfg, seeds[k], swa=cls.needs_swa)
+            driver = SimDriver(cfg, seeds[k], swa=cls.needs_swa, spec=cls.needs_spec)
             injector = cls(driver.target(run.ledger), seed=seeds[k])
             for _ in range(cfg.warm):
                 driver.step()
@@ -140,7 +142,7 @@ def run_class(fault: str, cfg: SimCampaignConfig, *, clean_twin: bool = True,
     run.forwards = sum(n for _, n in engine_forwards)
     if clean_twin:
         seed, n = engine_forwards[0]
-        twin = SimDriver(cfg, seed, swa=cls.needs_swa)
+        twin = SimDriver(cfg, seed, swa=cls.needs_swa, spec=cls.needs_spec)
         while twin.engine.forwards < n:
             twin.step()
         run.clean_forwards = twin.engine.forwards

@@ -64,3 +64,59 @@ def shift_positions(rid: str, delta: int) -> BatchHook:
         return dataclasses.replace(batch, positions=pos)
 
     return hook
+
+
+def on_rejection(engine: SimEngine, rid: str, then) -> None:
+    """Once: when request ``rid``'s verify forward rejects a draft, run the engine's rollback and then
+    ``then(req, first_rejected_position, first_rejected_full_slot, first_rejected_swa_slot)``."""
+    original = engine._commit_verify
+
+    def commit(req) -> None:
+        if req.rid != rid or req.accepted >= len(req.drafts):
+            return original(req)
+        pos = len(req.tokens) + req.accepted
+        full, swa = req.full_slots[pos], req.swa_slots[pos]
+        del engine._commit_verify  # the class's rollback from now on
+        original(req)
+        then(req, pos, full, swa)
+
+    engine._commit_verify = commit
+
+
+def keep_rejected_slot(engine: SimEngine, req, position: int, full: int, swa: int) -> None:
+    """A rejection handled one iteration late: the first rejected draft's slot stays the request's KV for
+    ``position`` (where the bonus token now sits) and the position counts as computed; the request samples on."""
+    engine.full_alloc.take(full)
+    req.full_slots.append(full)
+    if engine.swa_alloc:
+        engine.swa_alloc.take(swa)
+        engine.full_to_swa[full] = swa
+        req.swa_slots.append(swa)
+    req.num_computed = position + 1
+    if req.generated >= req.max_new:
+        engine._finish(req)
+        return
+    tok = engine._sample(req, len(req.tokens))
+    engine.table.tokens[req.row, len(req.tokens)] = tok
+    req.tokens.append(tok)
+    req.generated += 1
+
+
+def redirect_write(rid: str, entry: int, to_slot: int) -> BatchHook:
+    """A one-shot batch hook: request ``rid``'s ``entry``-th written token goes to ``to_slot`` (every group)."""
+    fired = []
+
+    def hook(batch: BatchDescription) -> BatchDescription:
+        if fired or rid not in (batch.request_ids or ()):
+            return batch
+        fired.append(True)
+        r = batch.request_ids.index(rid)
+        at = int(batch.extend_lens[:r].sum()) + entry
+        groups = {}
+        for name, gb in batch.groups.items():
+            loc = gb.out_cache_loc.clone()
+            loc[at] = to_slot if name == "full" else -1  # the swa copy is simply not stored
+            groups[name] = dataclasses.replace(gb, out_cache_loc=loc)
+        return dataclasses.replace(batch, groups=groups)
+
+    return hook

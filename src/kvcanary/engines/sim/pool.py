@@ -50,6 +50,12 @@ class SlotAllocator:
             self._free.remove(slot)
         self._free.append(slot)
 
+    def take(self, slot: int) -> None:
+        """Fault hook: take ``slot`` back off the free list (an engine that keeps using a slot it freed)."""
+        if slot in self._free:
+            self._free.remove(slot)
+        self.in_use[slot] = True
+
     def live(self) -> torch.Tensor:
         """int64 indices of the slots in use."""
         return self.in_use.nonzero().flatten()

@@ -371,7 +371,7 @@ class ForwardTranslator:
                              slots.to(torch.int32))
             new = (local >= c) & (local < c + extend[jb])
             token = (cu_q[jb] + local - c).clamp_(0, max(n - 1, 0))
-            want = torch.full_like(slots, PADDING_SLOT) if window else written[token]  # window: the sentinel
+            want = torch.full_like(slots, PADDING_SLOT) if window or not n else written[token]  # window: the sentinel
             bad = jvalid & (rows[jb] > 0) & ((new & (slots != want)) | (local >= c + extend[jb]))
             first = torch.full_like(prefix, k).scatter_reduce_(0, jb, torch.where(bad, j, k), "amin")
             at = first.clamp(max=k - 1)
@@ -382,7 +382,8 @@ class ForwardTranslator:
         # a row with no disagreeing entry but a wrong key length: the first owned position it does not read
         gap = prefix - cached_n + torch.minimum(klen, owned)
         gap_token = (cu_q[:bsz] + gap - prefix).clamp_(0, max(n - 1, 0))
-        gap_slot = torch.where(gap >= prefix, written[gap_token], table[rows, gap.clamp(0, ctx - 1)].to(torch.int64))
+        gap_new = written[gap_token] if n else torch.full_like(gap, PADDING_SLOT)  # a forward of no tokens writes none
+        gap_slot = torch.where(gap >= prefix, gap_new, table[rows, gap.clamp(0, ctx - 1)].to(torch.int64))
         gap_slot = torch.where(klen < owned, gap_slot, -1)
         if first is None:
             return out, _read_check(rows, klen, owned, None, torch.zeros_like(gap), gap, gap_slot)

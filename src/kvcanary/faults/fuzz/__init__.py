@@ -29,7 +29,7 @@ from kvcanary.errors import KvCanaryValueError
 ENGINES = ("transformers", "sim", "vllm")
 FAULT_RATE = 1 / 3  # share of configurations that also run a faulted twin
 OUTCOME_KEYS = ("engine", "seed", "config", "violations", "false_positive", "tokens_identical", "engine_forwards",
-                "checked_forwards", "fault", "error", "seconds", "reproducer")
+                "checked_forwards", "fault", "error", "engine_error", "seconds", "reproducer")
 BENCH = "bench/fuzz_clean.py"
 
 
@@ -38,7 +38,7 @@ def outcome(engine: str, seed: int, config: dict, **fields: object) -> dict:
     (``first_violations``, ``index``, counters) are kept."""
     out: dict = {"engine": engine, "seed": seed, "config": config, "violations": 0, "false_positive": False,
                  "tokens_identical": False, "engine_forwards": 0, "checked_forwards": 0, "fault": None,
-                 "error": None, "seconds": 0.0, "reproducer": ""}
+                 "error": None, "engine_error": None, "seconds": 0.0, "reproducer": ""}
     out.update(fields)
     return out
 
@@ -56,6 +56,8 @@ def failure_reasons(o: dict) -> list[str]:
     why = []
     if o.get("error"):
         why.append("error")
+    if o.get("engine_error"):  # the engine failed without the canary too: not the canary's finding, still not a pass
+        why.append("engine_error")
     if o.get("false_positive") or o.get("violations"):
         why.append("false_positive")
     if not o.get("tokens_identical"):

@@ -349,15 +349,16 @@ def run_config(config: dict, *, seed: int, faulted: bool, device: str = "cpu", c
     errors = [x for x in (f"unchecked run: {ref_error}" if ref_error else None,
                           f"checked run: {error}" if error else None) if x]
     ref_failed = [err for err, _ in reference.values() if err]
+    engine_error = None
     if ref_failed:  # the engine fails this configuration without the canary: an engine limit, not a canary finding
-        errors.append(f"engine: {len(ref_failed)} request(s) failed in the unchecked run too: {ref_failed[0][:300]}")
+        engine_error = f"{len(ref_failed)} request(s) failed in the unchecked run too: {ref_failed[0][:300]}"
     elif failed and not counters.get("total"):
         errors.append(f"checked run: {len(failed)} request(s) failed: {tokens[failed[0]][0][:300]}")
     out = outcome(
         ENGINE, seed, config, violations=int(counters.get("total", 0)), false_positive=bool(counters.get("total", 0)),
         tokens_identical=bool(reference) and tokens == reference,
         engine_forwards=int(counters.get("engine_forwards", 0)), checked_forwards=int(counters.get("checked_forwards", 0)),
-        error="; ".join(errors) or None, first_violations=[describe_violation(v) for v in found[:5]],
+        error="; ".join(errors) or None, engine_error=engine_error, first_violations=[describe_violation(v) for v in found[:5]],
         stats={"requests": len(reference), "unchecked_forwards": counters.get("unchecked_forwards"),
                "sessions": handle.sessions if handle is not None else 0, "moves": counters.get("moves"),
                "by_reason": counters.get("by_reason")},
