@@ -282,6 +282,10 @@ class SimEngine:
             self._draft(req, budget)
             e += len(req.drafts)
             got = self._alloc(e)
+            if got is None and req.drafts:  # speculation is best-effort: decode plainly before preempting anyone
+                e -= len(req.drafts)
+                req.drafts = []
+                got = self._alloc(e)
             while got is None:
                 victims = [r for r in self.running if r is not req and r not in [p[0] for p in plan]]
                 if not victims:

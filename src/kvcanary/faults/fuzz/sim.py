@@ -33,6 +33,7 @@ ENGINE = "sim"
 VOCAB = 32000
 QUIET = dict(health_interval=0, stats_interval=0, readable_per_step=0)
 DRAIN_STEPS = 3000  # forwards allowed to finish the queued work once arrivals stop
+DRAIN_FORK_STEPS = 60  # forks go on this many forwards into the drain, then stop (so the drain ends)
 
 
 def sample_config(rng: random.Random) -> dict:
@@ -126,14 +127,16 @@ class _Run:
             if eng.running and self.rng.random() < self.workload.abort_prob:
                 eng.abort(self.rng.choice(eng.running))
         if self.moves is not None:
-            self._move()
+            self._move(forks=self.steps_done < self._steps + DRAIN_FORK_STEPS)
         self.last_batch = eng.step()
         self.steps_done += 1
 
-    def _move(self) -> None:
+    def _move(self, forks: bool = True) -> None:
+        """Forks (until `DRAIN_FORK_STEPS` into the drain: a fork is a new request, and forks of forks can keep a
+        tight pool thrashing forever), host offloads and restores, drawn from the run's own generator."""
         eng, mv = self.engine, self.moves
         running = [r for r in eng.running if r.state == "running"]
-        if self.rng.random() < self.move_odds.get("fork", 0.0):
+        if self.rng.random() < self.move_odds.get("fork", 0.0) and forks:
             parents = [r for r in running if r.num_computed > r.own_from and r.max_new - r.generated >= 1]
             if parents and eng.table.num_free and len(eng.running) < self.sc.max_running:
                 parent = self.rng.choice(parents)
