@@ -1,4 +1,4 @@
-"""CPU throughput of the vectorised torch twins against SPEC §7 targets.
+"""CPU throughput of the vectorised torch twins against the targets of docs/design.md §7.
 
 Run alone: ``python bench/cpu_reference.py``. Prints one line per measurement (median of
 several runs after a warm-up) and a table of rate vs target last.
@@ -146,7 +146,7 @@ def bench_plan(bs: int = 64, prefix: int = 4096) -> float:
 def main() -> None:
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__} "
           f"(threads {torch.get_num_threads()}), numba scan: {chain_scan.compiled_scan() is not None}")
-    # Last column: SGLang's per-element torch reference on this machine kind, as quoted in SPEC §7
+    # Last column: SGLang's per-element torch reference on this machine kind, as quoted in docs/design.md §7
     # (verify 46 k/s NONE, 28 k/s PARTIAL 2 sources; write 62 k tokens/s; plan 218 k entries/s).
     rows = [
         ("verify NONE, 1M entries (paged)", bench_verify(RealKvHashMode.NONE, 0), 10e6, 46e3, "entries/s"),

@@ -1,4 +1,4 @@
-"""GPU benchmark of the Triton canary kernels against floors measured in the same run (SPEC §7).
+"""GPU benchmark of the Triton canary kernels against floors measured in the same run (docs/design.md §7).
 
 Floors first: device copy bandwidth; a bare gather kernel (own record + predecessor record +
 plan arrays, no hashing) on a paged layout (16-slot pages in random order) and on fully random

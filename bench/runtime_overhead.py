@@ -33,7 +33,7 @@ from kvcanary.engines.sim import SimConfig, SimEngine
 from kvcanary.runtime import Canary, CanaryConfig
 from kvcanary.runtime.staging import MIRRORS
 
-TARGET_US = 100.0  # SPEC §7 / issue 8: bs 64 x 4 k decode step, host + device, on the H200
+TARGET_US = 100.0  # docs/design.md §7 / issue 8: bs 64 x 4 k decode step, host + device, on the H200
 
 
 def _sync() -> None:

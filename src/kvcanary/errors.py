@@ -10,7 +10,7 @@ Callers (and the ``kvcanary`` CLI) catch kvcanary's own errors by type::
 Each concrete class also subclasses the builtin type the error had before this module existed
 (``ValueError`` for a bad value, ``TypeError`` for a wrong type or an unknown keyword,
 ``RuntimeError`` for a state or environment problem, ``IndexError`` for an index outside a buffer),
-so ``except ValueError`` keeps working. Messages start with ``kv-canary:`` (SPEC §3: the text of a
+so ``except ValueError`` keeps working. Messages start with ``kv-canary:`` (docs/design.md §3: the text of a
 message is part of the contract; tests assert it).
 
 This module imports nothing from kvcanary: every layer (ops, runtime, engines, cli) may use it.

@@ -63,7 +63,7 @@ class Probe:
         self._hook.remove()
 
     def expected_head_verifies(self, window: int) -> int:
-        """Plan entries per SPEC 3.5: P per row (full), min(P, W) per row (sliding window)."""
+        """Plan entries per docs/design.md §3.5: P per row (full), min(P, W) per row (sliding window)."""
         full = sum(p for fwd in self.rows for _, p, _ in fwd)
         swa = sum(min(p, window) for fwd in self.rows for _, p, _ in fwd) if window else 0
         return full + swa

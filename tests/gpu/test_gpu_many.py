@@ -36,7 +36,7 @@ def _states(ctxs):
     return [context_state(c) for c in ctxs]
 
 
-def _check(before, twin, fast):  # concurrent blocks: a ring that fills may keep other rows (SPEC 3.9)
+def _check(before, twin, fast):  # concurrent blocks: a ring that fills may keep other rows (docs/design.md §3.9)
     assert_same_states(before, twin, fast, kept_rows_may_differ=True)
 
 

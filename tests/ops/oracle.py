@@ -1,4 +1,4 @@
-"""A tiny scalar oracle of the canary ops, written straight from SPEC §3 with Python ints and loops.
+"""A tiny scalar oracle of the canary ops, written straight from docs/design.md §3 with Python ints and loops.
 
 It is deliberately slow and obvious and shares no code with ``kvcanary.ops`` except the constants
 and enums. Every function works on plain Python values (lists of ints, bytes) taken from copies of

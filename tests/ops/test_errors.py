@@ -1,4 +1,4 @@
-"""Every error message of SPEC §3 with its exact text, the side effects of a raising op, and the
+"""Every error message of docs/design.md §3 with its exact text, the side effects of a raising op, and the
 lazy-check order and work gates."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pinned vectors of SPEC §3.2, through the hash functions and through the real write/verify ops."""
+"""Pinned vectors of docs/design.md §3.2, through the hash functions and through the real write/verify ops."""
 from __future__ import annotations
 
 import pytest

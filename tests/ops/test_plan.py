@@ -1,4 +1,4 @@
-"""Hand cases for the plan op (SPEC §3.5), on the twin and on the public launcher."""
+"""Hand cases for the plan op (docs/design.md §3.5), on the twin and on the public launcher."""
 from __future__ import annotations
 
 import pytest

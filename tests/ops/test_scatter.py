@@ -1,4 +1,4 @@
-"""Hand cases for the expected-token scatter (SPEC §3.8)."""
+"""Hand cases for the expected-token scatter (docs/design.md §3.8)."""
 from __future__ import annotations
 
 import pytest

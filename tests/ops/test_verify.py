@@ -1,4 +1,4 @@
-"""Hand cases for the verify op (SPEC §3.7), on the twin and on the public launcher."""
+"""Hand cases for the verify op (docs/design.md §3.7), on the twin and on the public launcher."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Hand cases for the write op (SPEC §3.6), on the twin and on the public launcher."""
+"""Hand cases for the write op (docs/design.md §3.6), on the twin and on the public launcher."""
 from __future__ import annotations
 
 import pytest

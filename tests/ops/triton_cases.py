@@ -262,7 +262,7 @@ def many_requests_write(aliased: bool = False) -> tuple[WritePlan, dict]:
 
 def assert_same_states(before: list, twin: list, fast: list, *, kept_rows_may_differ: bool = False) -> None:
     """`assert_same_state` per context. ``kept_rows_may_differ``: a ring that filled within the launch is compared
-    only below where it stood before (which rows are kept may then differ, SPEC 3.9)."""
+    only below where it stood before (which rows are kept may then differ, docs/design.md §3.9)."""
     for b, t, f in zip(before, twin, fast):
         cap = t["ring"].shape[0]
         if kept_rows_may_differ and t["index"] > cap:

@@ -1,4 +1,4 @@
-"""Fault injection (SPEC §6): injectors that break an engine the way real bugs do, a ledger entry
+"""Fault injection (docs/design.md §6): injectors that break an engine the way real bugs do, a ledger entry
 per injection, a token oracle, and detection accounting (which injections the canary caught, how
 late, with which checks).
 

@@ -1,4 +1,4 @@
-"""kvcanary.ops — the canary record format and its plan / write / verify / scatter ops (SPEC §3).
+"""kvcanary.ops — the canary record format and its plan / write / verify / scatter ops (docs/design.md §3).
 
 Public launchers check their arguments and run the Triton kernels on CUDA tensors (when Triton
 imports) or the vectorised torch twins (``*_torch_reference``) everywhere else.

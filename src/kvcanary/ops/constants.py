@@ -1,4 +1,4 @@
-"""Op-contract constants and enums (SPEC §3.1).
+"""Op-contract constants and enums (docs/design.md §3.1).
 
 The facts about a launch tag (which phase, which buffer side, which group) live on
 `CanaryLaunchTag` itself so nobody parses member names.
@@ -43,7 +43,7 @@ STAMP_UNKNOWN = -1
 class FailReason(enum.IntFlag):
     """Bits of a violation row's FAIL_REASON_BITS field.
 
-    Bits 1..32 are SPEC §3.1. Extension (issue 10 item 5): a slot index outside
+    Bits 1..32 are the op contract's (docs/design.md §3.1). Extension (issue 10 item 5): a slot index outside
     ``[0, num_slots)`` of the canary buffer is reported, never dereferenced.
 
     * ``VERIFY_SLOT_OUT_OF_RANGE`` (64, label ``verify_slot_out_of_range``): a verify entry whose

@@ -10,7 +10,7 @@ Contract (the twins in ``ops/reference/copy.py`` implement exactly this; the Tri
 ``ops/triton/copy.py`` give the same bytes):
 
 * **Record tables.** ``canary_bufs`` is a tuple of one group's tables: canary buffers (uint8
-  ``[num_slots, stride_bytes]``, SPEC §3.3) and, if the caller likes, any other slot-indexed
+  ``[num_slots, stride_bytes]``, docs/design.md §3.3) and, if the caller likes, any other slot-indexed
   int64 ``[num_slots, >= 4]`` table (e.g. runtime slot records kept as one table; words that
   name slots, such as a predecessor slot, move unchanged: remapping them is the caller's job).
   Only the first four int64 words (32 bytes) of a row are read or written; bytes past them are

@@ -6,7 +6,7 @@ Layout (version 1), an int64 tensor ``records`` of shape ``[1 + n, 4 * B]`` for 
 
 * row 0, the header: ``[CANARY_RECORDS_MAGIC, CANARY_RECORDS_VERSION, n, B, 0, ...]``;
 * row ``1 + i``, slot ``slots[i]``: columns ``[4 * b, 4 * b + 4)`` hold table ``b``'s four record
-  fields (TOKEN, POSITION, PREV_HASH, REAL_KV_HASH, SPEC §3.1) in the order the caller passed
+  fields (TOKEN, POSITION, PREV_HASH, REAL_KV_HASH, docs/design.md §3.1) in the order the caller passed
   the tables; all zero when ``slots[i]`` is padding (``<= 0``).
 
 As bytes (a file, a socket, host memory beside the KV blocks): the same tensor as little-endian

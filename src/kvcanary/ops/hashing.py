@@ -1,4 +1,4 @@
-"""splitmix64 finaliser and the chain mix (SPEC §3.2), as Python ints and as int64 tensors.
+"""splitmix64 finaliser and the chain mix (docs/design.md §3.2), as Python ints and as int64 tensors.
 
 Tensor versions work on int64 tensors holding the 64-bit pattern (two's complement): torch's
 int64 multiply wraps mod 2^64 and the logical shifts are done with a mask, so the bytes equal
@@ -14,7 +14,7 @@ MASK64 = (1 << 64) - 1
 SPLITMIX64_GAMMA_1 = 0xBF58476D1CE4E5B9
 SPLITMIX64_GAMMA_2 = 0x94D049BB133111EB
 SPLITMIX64_SHIFTS = (30, 27, 31)
-"""The finaliser's multipliers and xor-shift distances (SPEC §3.2): the one definition that the
+"""The finaliser's multipliers and xor-shift distances (docs/design.md §3.2): the one definition that the
 tensor code here, the numba scan and the Triton kernels all use."""
 
 

@@ -1,4 +1,4 @@
-"""Plan op (SPEC §3.5): public launcher; checks arguments, then runs Triton or the twin."""
+"""Plan op (docs/design.md §3.5): public launcher; checks arguments, then runs Triton or the twin."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,4 @@
-"""The op contract's data structures (SPEC §3.3): frozen, keyword-only, checked once."""
+"""The op contract's data structures (docs/design.md §3.3): frozen, keyword-only, checked once."""
 from __future__ import annotations
 
 import math

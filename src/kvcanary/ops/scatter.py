@@ -1,4 +1,4 @@
-"""Scatter of expected token ids into the request table (SPEC §3.8): launcher with checks."""
+"""Scatter of expected token ids into the request table (docs/design.md §3.8): launcher with checks."""
 from __future__ import annotations
 
 import torch

@@ -30,7 +30,7 @@ arguments, lenient). Contract:
   Entry: the first ``i > cursor`` with ``verify_slot_indices[i] == row.SLOT_IDX`` and fits(i); else
   the first ``i > cursor`` with the slot; else the first ``i`` with the slot that fits; else the
   first with the slot. Found: cursor = i, ``batch_row`` = the row r whose verify range holds i
-  (ranges in plan entry order, SPEC §3.5: row r < len(req_pool_indices) has
+  (ranges in plan entry order, docs/design.md §3.5: row r < len(req_pool_indices) has
   ``0`` entries if ``req_pool_indices[r] == 0``, else ``max(P_r - lo_r, 0)`` with ``P_r = prefix_lens[r]``
   and ``lo_r = max(P_r - W, 0)`` if ``W = swa_window_size > 0``, else 0; -1 when no range holds i),
   ``expected_position = verify_expected_positions[i]``. Not found: ``(step, -1, -1)``.

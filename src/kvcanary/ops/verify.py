@@ -1,4 +1,4 @@
-"""Verify op (SPEC §3.7): public launcher; checks arguments, then runs Triton or the twin."""
+"""Verify op (docs/design.md §3.7): public launcher; checks arguments, then runs Triton or the twin."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -23,7 +23,7 @@ def launch_canary_verify_kernel(
 
     * argument errors (type, dtype, shape, device, > 4 sources: ``KvCanaryTypeError`` /
       ``KvCanaryValueError``) — none: raised before dispatch, nothing touched;
-    * lazy errors (canary stride, a narrow real-KV row; SPEC §3.3, only when the plan has work) —
+    * lazy errors (canary stride, a narrow real-KV row; docs/design.md §3.3, only when the plan has work) —
       ``kernel_run_counter`` +1 and ``slot_run_counter`` + the active entries, nothing else
       (ring, index, buffer unchanged); on CUDA while a graph is being captured these are raised
       before anything is launched, so no counter moves.

@@ -1,4 +1,4 @@
-"""Write op (SPEC §3.6): public launcher; checks arguments, then runs Triton or the twin."""
+"""Write op (docs/design.md §3.6): public launcher; checks arguments, then runs Triton or the twin."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -33,7 +33,7 @@ def launch_canary_write_kernel(
 
     * argument errors (type, dtype, shape, device, lengths, > 4 sources) — none: raised before
       dispatch, nothing touched;
-    * lazy errors (canary stride, the input-assert tensors rule, a narrow real-KV row; SPEC §3.6,
+    * lazy errors (canary stride, the input-assert tensors rule, a narrow real-KV row; docs/design.md §3.6,
       only when the write has work) — ``kernel_run_counter`` +1 only (``slot_run_counter``, ring,
       index and buffer unchanged); on CUDA while a graph is being captured these are raised before
       anything is launched, so no counter moves.

@@ -1,4 +1,4 @@
-"""kvcanary.runtime — the engine-neutral canary runtime (SPEC §4).
+"""kvcanary.runtime — the engine-neutral canary runtime (docs/design.md §4).
 
 An adapter builds a `BatchDescription` per forward and brackets the forward with a `Canary`
 (see `kvcanary.runtime.canary` for the step-by-step contract). The runtime never imports an engine.

@@ -30,7 +30,7 @@ class CanaryConfig:
     mode: ``none`` (attach nothing), ``log`` (report, keep serving), ``raise`` (report, then raise
         `CanaryViolationError` at the end of a step that had violations).
     real_kv_hash: ``none | partial | all`` — fingerprint no bytes, the first 16 bytes, or every
-        byte of each slot's K/V strip (SPEC §3.2).
+        byte of each slot's K/V strip (docs/design.md §3.2).
     real_kv_layers: which of a group's layers feed its TAIL fingerprints, as indices into the
         group's ``layer_ids`` (negative counts from the end). Each layer gives one K source (for
         the TAIL_K buffer) and one V source (TAIL_V); at most 4 layers. Default: first and last.

@@ -13,7 +13,7 @@ after the step's plans are overwritten). Draining then works one step or more la
 
 On the CPU (no asynchrony) and in ``raise`` mode (which may wait) a step's rows are harvested at its end.
 Counts per tag come from the write indices, exact even when a ring is full (the first ``capacity`` rows
-since the last harvest are kept, SPEC §3.4).
+since the last harvest are kept, docs/design.md §3.4).
 """
 from __future__ import annotations
 

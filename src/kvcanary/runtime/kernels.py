@@ -31,7 +31,7 @@ Three blocks, each a torch twin (the reference; what the CPU runs) and a Triton 
 
 Every launcher is device-only (no host reads; grids from host-known sizes), so it can be captured in a CUDA
 graph. ``use_kernels(t)``: Triton imports and ``t`` is on CUDA; otherwise callers use the twins. Triton
-rules (SPEC §3.9): int64 index math, large blocks; under ``TRITON_INTERPRET=1`` the launchers also run on
+rules (docs/design.md §3.9): int64 index math, large blocks; under ``TRITON_INTERPRET=1`` the launchers also run on
 CPU tensors (tests).
 """
 from __future__ import annotations

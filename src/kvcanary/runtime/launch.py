@@ -218,7 +218,7 @@ class ForwardLaunches:
         stamps keep reading ``vplan`` (HEAD rows of those entries stay attributed). Device ops only."""
         s = self.static
         rows, prefix, extend = s.rows[:bs], s.prefix[:bs], s.extend[:bs]
-        counts = torch.where(rows != 0, prefix - (prefix - g.window).clamp(min=0), 0)  # entries per row (SPEC 3.5)
+        counts = torch.where(rows != 0, prefix - (prefix - g.window).clamp(min=0), 0)  # entries per row (docs/design.md §3.5)
         entry = s.entry_arange(vplan.capacity)
         row = torch.searchsorted(counts.cumsum(0), entry, right=True).clamp_(max=bs - 1)
         gone = vplan.verify_expected_positions < (prefix + extend - g.window)[row]
@@ -245,7 +245,7 @@ class ForwardLaunches:
         keyed = (keys != 0) & (s.rows[:k] != 0)
         seeds = wplan.write_seed_slot_indices[:k]
         seeds.copy_(torch.where(keyed & (prefix <= 0), anchors, seeds))
-        # verify: the entry of position 0 of a keyed row (its row from the plan's entry order, SPEC §3.5)
+        # verify: the entry of position 0 of a keyed row (its row from the plan's entry order, docs/design.md §3.5)
         lo = (prefix - g.window).clamp(min=0) if g.window else torch.zeros_like(prefix)
         counts = torch.where(s.rows[:k] != 0, (prefix - lo).clamp(min=0), 0)
         cap = vplan.capacity

@@ -1,4 +1,4 @@
-"""A simulated paged-KV engine without a model (SPEC §5): allocator, request table, block-granular
+"""A simulated paged-KV engine without a model (docs/design.md §5): allocator, request table, block-granular
 prefix cache, chunked prefill, decode, a sliding-window group, eviction, retraction and abort.
 
 Its "KV" bytes derive from (token, position, layer, side), so any misplaced or damaged slot is

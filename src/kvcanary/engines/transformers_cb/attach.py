@@ -934,8 +934,8 @@ def model_layer_types(model: torch.nn.Module) -> dict[str, int]:
 
 
 def check_real_kv_layers(model: torch.nn.Module, config: CanaryConfig) -> None:
-    """Every ``real_kv_layers`` index in range for each attention type's layers (SPEC: indices into a
-    group's layer ids; negative counts from the end)."""
+    """Every ``real_kv_layers`` index in range for each attention type's layers (docs/design.md §4.1: indices
+    into a group's layer ids; negative counts from the end)."""
     for layer_type, n in model_layer_types(model).items():
         for pick in config.real_kv_layers:
             if not -n <= pick < n:

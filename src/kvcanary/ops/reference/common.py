@@ -54,7 +54,7 @@ def slot_hash(fields: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def append_violations(ring: torch.Tensor, write_index: torch.Tensor, rows: torch.Tensor) -> None:
-    """Fill-once append (SPEC §3.4): rows go to ``[base, min(base + k, cap))``; index += k."""
+    """Fill-once append (docs/design.md §3.4): rows go to ``[base, min(base + k, cap))``; index += k."""
     k = int(rows.shape[0])
     if k == 0:
         return

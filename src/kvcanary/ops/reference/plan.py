@@ -1,4 +1,4 @@
-"""Vectorised torch twin of the plan op (SPEC §3.5)."""
+"""Vectorised torch twin of the plan op (docs/design.md §3.5)."""
 from __future__ import annotations
 
 from typing import Optional

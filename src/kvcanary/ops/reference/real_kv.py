@@ -1,4 +1,4 @@
-"""Real-KV fingerprints of slots (SPEC §3.2, §3.3), vectorised over slots.
+"""Real-KV fingerprints of slots (docs/design.md §3.2, §3.3), vectorised over slots.
 
 Reads only the strips it hashes, on the sources' own device: no KV layer is copied.
 """

@@ -1,4 +1,4 @@
-"""Torch twin of the expected-token scatter (SPEC §3.8); does not validate."""
+"""Torch twin of the expected-token scatter (docs/design.md §3.8); does not validate."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Vectorised torch twin of the verify op (SPEC §3.7)."""
+"""Vectorised torch twin of the verify op (docs/design.md §3.7)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,4 @@
-"""Vectorised torch twin of the write op (SPEC §3.6).
+"""Vectorised torch twin of the write op (docs/design.md §3.6).
 
 The contract is sequential: requests in batch order, entries in order, on a live buffer. This
 twin gets the same bytes in bulk: fingerprints, asserts and stores are whole-tensor ops, the

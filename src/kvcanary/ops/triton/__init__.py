@@ -1,4 +1,4 @@
-"""Triton GPU kernels behind the public launchers (SPEC §3.9).
+"""Triton GPU kernels behind the public launchers (docs/design.md §3.9).
 
 ``AVAILABLE`` is True when Triton imports; ``kvcanary.ops.dispatch`` then routes CUDA tensors
 here. Each op lives in its own module (private ``@triton.jit`` kernels + one launcher):

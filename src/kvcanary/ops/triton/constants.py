@@ -1,4 +1,4 @@
-"""The op contract's facts as ``tl.constexpr`` module values, for the kernels (SPEC §3.1, §3.2).
+"""The op contract's facts as ``tl.constexpr`` module values, for the kernels (docs/design.md §3.1, §3.2).
 
 Every value comes from ``kvcanary.ops.constants`` or ``kvcanary.ops.hashing``; nothing is
 spelled twice. Kernels read module globals only when they are ``tl.constexpr`` (the compiler

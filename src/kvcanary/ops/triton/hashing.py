@@ -1,7 +1,7 @@
 """Triton device helpers shared by the kernels: splitmix64, mix3, real-KV fingerprints, and the
-host side of the real-KV sources and lazy checks (SPEC §3.2, §3.3).
+host side of the real-KV sources and lazy checks (docs/design.md §3.2, §3.3).
 
-Interpreter rules (SPEC §3.9): hash math runs on ``tl.uint64`` values bitcast from int64, never
+Interpreter rules (docs/design.md §3.9): hash math runs on ``tl.uint64`` values bitcast from int64, never
 mixes signed and unsigned operands, and never applies ``~`` to unsigned values.
 """
 from __future__ import annotations
@@ -204,7 +204,7 @@ def source_args(sources: tuple, mode: int, dummy: torch.Tensor):
 
 def static_error(context, *, check_input_assert=None) -> Exception | None:
     """The lazy-check error a launch with work would raise, judged from shapes alone (no device
-    read); None when the launch is well-formed. Order as SPEC §3.6/§3.7: stride, input-assert
+    read); None when the launch is well-formed. Order as in docs/design.md §3.6/§3.7: stride, input-assert
     rule (write), narrow rows."""
     buf = context.canary_buf
     if buf.shape[1] % 8:

@@ -1,4 +1,4 @@
-"""Triton plan (SPEC §3.5): verify entries and write metadata in one, two or three launches.
+"""Triton plan (docs/design.md §3.5): verify entries and write metadata in one, two or three launches.
 
 Batches of at most ``PlanLaunchConfig.tile_rows`` rows (no LUT check pending) take one launch,
 ``_tile_plan_kernel``: every program computes the row starts itself (exclusive sums over at most

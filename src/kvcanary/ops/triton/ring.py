@@ -1,4 +1,4 @@
-"""Appending violation rows from a kernel (SPEC §3.4): reserve with one atomic, store eight fields.
+"""Appending violation rows from a kernel (docs/design.md §3.4): reserve with one atomic, store eight fields.
 
 Rows of one block get consecutive indices in lane order; a row at or past the ring's capacity
 is counted (the write index grows by the full count) but not stored (fill-once).

@@ -1,4 +1,4 @@
-"""Triton scatter of expected token ids into the request table (SPEC §3.8).
+"""Triton scatter of expected token ids into the request table (docs/design.md §3.8).
 
 One program per batch row copies ``flat_in[offsets[r] : offsets[r] + n]`` (int64 -> int32) into
 ``pool_out[req_pool_indices[r], :n]``. Batch rows sharing a request row behave as a sequential

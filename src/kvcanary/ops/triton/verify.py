@@ -1,4 +1,4 @@
-"""Triton verify (SPEC §3.7): one persistent kernel, sized from the device.
+"""Triton verify (docs/design.md §3.7): one persistent kernel, sized from the device.
 
 Each program walks blocks of plan entries (coalesced int64 plan reads), loads the entry's and
 its predecessor's 32-byte records as [BLOCK, 4] tiles, recomputes the chain link and the real-KV

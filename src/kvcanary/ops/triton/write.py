@@ -1,4 +1,4 @@
-"""Triton write (SPEC §3.6): two launches that keep the sequential contract.
+"""Triton write (docs/design.md §3.6): two launches that keep the sequential contract.
 
 The chain recurrence is serial per request; everything else is parallel:
 
