@@ -80,11 +80,12 @@ def test_oracle_with_padded_batches_and_warmup_as_in_graph_mode(llama, prompts, 
     assert handle.violations() == []
 
 
-def _run_swap(model, prompts, *, oracle: bool, seed: int):
+def _run_swap(model, prompts, *, oracle: bool, seed: int, committed: bool = True):
     with OracleSampler(VOCAB).install(model) as sampler:
-        injector = SwapInputTokens(seed=seed, after_step=3, oracle_on=oracle).install(model)
+        injector = SwapInputTokens(seed=seed, after_step=3, oracle_on=oracle, committed_on=committed).install(model)
         try:
-            with attach(model, token_oracle=sampler.token if oracle else None, **OPTS) as handle:
+            with attach(model, token_oracle=sampler.token if oracle else None, committed_tokens=committed,
+                        **OPTS) as handle:
                 generate(model, prompts, max_new_tokens=MAX_NEW)
         finally:
             injector.remove()
@@ -105,10 +106,25 @@ def test_token_swap_in_the_input_ids_is_caught_by_the_write_assert_against_the_s
     assert len(handle.violations()) == 2  # nothing before or after the swap
 
 
-def test_without_the_oracle_the_token_swap_is_invisible(llama, prompts):
+def test_without_the_oracle_committed_tokens_catch_the_swap_against_the_swapped_request(llama, prompts):
+    """The default truth (no oracle): the tokens each request committed, read from the engine's request states."""
     inj, handle = _run_swap(llama, prompts, oracle=False, seed=1)
+    assert inj.expected_detectable
+    outcome = account(inj, handle.violations())
+    assert outcome.detected and outcome.latency_forwards == 0 and outcome.request_id == inj.request_id
+    assert {v.reason_label for v in handle.violations()} == {"write_token"}
+    assert len(handle.violations()) == 2  # the two swapped requests, nothing else
+
+
+def test_without_the_oracle_and_committed_tokens_the_token_swap_is_invisible(llama, prompts):
+    inj, handle = _run_swap(llama, prompts, oracle=False, seed=1, committed=False)
     assert not inj.expected_detectable
     assert handle.violations() == []
+
+
+def test_committed_tokens_must_be_a_bool(llama):
+    with pytest.raises(KvCanaryTypeError, match="kv-canary: committed_tokens must be a bool"):
+        attach(llama, committed_tokens="yes")
 
 
 def test_token_oracle_option_is_checked_and_a_sampler_installs_once(llama):

@@ -254,15 +254,17 @@ class StaleWindowRead(_Injector):
 
 class SwapInputTokens(_Injector):
     """Swap the input tokens of two decoding requests (one token each, different values) in one forward's
-    ``input_ids``; the engine's own request states keep the right tokens. ``oracle_on``: whether the
-    canary runs with a token oracle (without one the swap is invisible: ``expected_detectable`` False)."""
+    ``input_ids``; the engine's own request states keep the right tokens. ``oracle_on`` / ``committed_on``: whether
+    the canary runs with a token oracle / with committed-token truth (``attach(committed_tokens=True)``, the
+    default); with neither the swap is invisible (``expected_detectable`` False)."""
 
     name = "swap_input_tokens"
     fault = "token_swap"
 
-    def __init__(self, oracle_on: bool = True, **kw) -> None:
+    def __init__(self, oracle_on: bool = True, committed_on: bool = True, **kw) -> None:
         super().__init__(**kw)
         self.oracle_on = oracle_on
+        self.committed_on = committed_on
 
     def fire(self, cache, kwargs, batch) -> None:
         ids = kwargs["input_ids"][0]
@@ -277,9 +279,10 @@ class SwapInputTokens(_Injector):
         ta, tb = int(ids[cu[ia]]), int(ids[cu[ib]])
         ids[cu[ia]], ids[cu[ib]] = tb, ta
         rid, position = fa.state.request_id, fa.state.position_offset - 1
-        ok = self.oracle_on
+        ok = self.oracle_on or self.committed_on
         self.record(group="full", slot=-1, position=position, request_id=rid, expected=("write_token",),
-                    expected_detectable=ok, why_not="" if ok else "no token oracle: the swapped tokens are self-consistent",
+                    expected_detectable=ok, why_not="" if ok else "no token oracle and no committed-token truth: the "
+                                                                  "swapped tokens are self-consistent",
                     detail=f"input tokens of {rid} (position {position}: {ta} -> {tb}) and {fb.state.request_id} "
                            f"(position {fb.state.position_offset - 1}: {tb} -> {ta}) swapped")
 

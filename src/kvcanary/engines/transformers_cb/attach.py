@@ -106,7 +106,7 @@ IDLE, HOOK_STEP, WRAPPED_STEP, DEFERRED_END = "idle", "hook", "wrapped", "deferr
 # why a forward ran unchecked (`TransformersCbHandle.counters()["unchecked_by_cause"]`)
 CAUSE_CAPACITY, CAUSE_INTERNAL, CAUSE_PLAIN = "capacity", "internal", "plain_forward"
 ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation",
-                   "token_oracle", "capture_sweep", "context_of")
+                   "token_oracle", "capture_sweep", "context_of", "committed_tokens")
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, TransformersCbHandle]" = weakref.WeakKeyDictionary()
 
@@ -194,6 +194,7 @@ class TransformersCbHandle:
     token_oracle: Optional[TokenOracleFn] = None
     capture_sweep: bool = True
     context_of: Optional[ContextFn] = None
+    committed_tokens: bool = True
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -609,6 +610,7 @@ class TransformersCbHandle:
             cache=cache, processor=processor, layouts=layouts, max_requests=self.max_requests,
             max_context=self.max_context or min(max_read, DEFAULT_MAX_CONTEXT), max_rows=max_rows, device=device,
             token_oracle=self.token_oracle, context_of=self.context_of,
+            committed_tokens=self.committed_tokens and self.config.write_input_assert,
         )
         config = self.config
         graphs = any(compat.graph_flags(processor))
@@ -975,6 +977,7 @@ def attach(
     token_oracle: Optional[TokenOracleFn] = None,
     capture_sweep: bool = True,
     context_of: Optional[ContextFn] = None,
+    committed_tokens: bool = True,
     **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
@@ -996,6 +999,12 @@ def attach(
     then stages every forward's expected input tokens from it (prompt tokens from the request), so the
     write-input assert checks each written token against the oracle rather than against the forward's own
     input ids.
+    ``committed_tokens`` (default on, with the config's ``write_input_assert``): without an oracle, the expected
+    input tokens are the ones each request has committed — its prompt and its generated tokens, read from the
+    engine's request states on the host (a list slice per request per forward, one small copy to the device) — so
+    a forward fed another token than its request committed (inputs routed to the wrong row, a stale or rolled-back
+    token kept as context) is a ``write_token`` violation of that request at once. Off: the assert compares each
+    written token with the forward's own input ids (it then checks positions only).
     ``context_of``: ``request_id -> key`` naming the context a request's KV belongs to (LoRA adapter, tenant, cache
     salt; any hashable, None = no context), asked once per request (a forked child ``<id>__child#<i>`` takes its
     parent's). KV computed under one context and served to a request of another — a prefix-cache hit on identical
@@ -1011,6 +1020,8 @@ def attach(
     if token_oracle is not None and not callable(token_oracle):
         raise KvCanaryTypeError(f"kv-canary: token_oracle must be a callable (request_id, position) -> token, "
                                 f"got {type(token_oracle).__name__}")
+    if not isinstance(committed_tokens, bool):
+        raise KvCanaryTypeError(f"kv-canary: committed_tokens must be a bool, got {type(committed_tokens).__name__}")
     if context_of is not None and not callable(context_of):
         raise KvCanaryTypeError(f"kv-canary: context_of must be a callable request_id -> hashable key (or None), "
                                 f"got {type(context_of).__name__}")
@@ -1026,7 +1037,8 @@ def attach(
     if not cfg.enabled:  # mode "none": nothing attached, nothing checked
         return TransformersCbHandle(model=model, config=cfg, max_requests=max_requests, max_context=max_context,
                                     device=dev, capture_canary=capture_canary, static_translation=static_translation,
-                                    token_oracle=token_oracle, capture_sweep=capture_sweep, context_of=context_of)
+                                    token_oracle=token_oracle, capture_sweep=capture_sweep, context_of=context_of,
+                                    committed_tokens=committed_tokens)
     check_real_kv_layers(model, cfg)
     target = dev if dev is not None else _model_device(model)
     if target is not None and target.type == "cuda":  # prove the device path now, not at the first forward
@@ -1040,7 +1052,7 @@ def attach(
     handle = TransformersCbHandle(
         model=model, config=cfg, max_requests=max_requests, max_context=max_context, device=dev,
         capture_canary=capture_canary, static_translation=static_translation, token_oracle=token_oracle,
-        capture_sweep=capture_sweep, context_of=context_of,
+        capture_sweep=capture_sweep, context_of=context_of, committed_tokens=committed_tokens,
     )
     handle._install()
     _ATTACHED[model] = handle

@@ -35,9 +35,12 @@ Per batch row with ``P`` = first position and ``E`` = query length (padding rows
 * context (optional, ``context_of``): each request's context key (LoRA adapter, tenant, cache salt) goes to the
   runtime as ``context_keys``; a keyed request's position 0 chains from its key, so KV of another context served
   to it (a prefix-cache hit on identical tokens) fails the chain check at position 0.
-* token oracle (optional, ``token_oracle``): the write-input assert's expected tokens come from the request's
-  prompt and the oracle, staged by `host_step` — not from the forward's own ``input_ids``, which would make
-  the assert vacuous for the tokens this forward writes.
+* committed tokens (default, ``committed_tokens``): the write-input assert's expected tokens are what each request
+  has committed — its prompt and the tokens it has generated (``initial_tokens + generated_tokens``, what the user
+  receives), staged by `host_step` — not the forward's own ``input_ids``, which would make the assert vacuous for
+  the tokens this forward writes: a forward fed another token than the request committed (inputs routed to the
+  wrong row, a stale token) is a ``write_token`` violation of that request. A ``token_oracle`` (a deterministic
+  test sampler) replaces the generated part with the oracle's tokens.
 """
 from __future__ import annotations
 
@@ -107,15 +110,15 @@ class ForwardTranslator:
     per batch row (padding rows: zeros), refreshed by `host_step`. With a ``context_of`` hook, each request's
     key (asked once, when the request gets its row; a forked child takes its parent's) becomes a non-zero int64
     id (equal keys, equal ids, for the translator's life; None is 0, no context) handed to the runtime as
-    ``context_keys``. With a ``token_oracle``, ``expected``: int64
+    ``context_keys``. With ``committed_tokens`` or a ``token_oracle``, ``expected``: int64
     ``[max_batch_tokens]`` — the token each of the forward's query tokens should be (the prompt's, then the
-    oracle's; padding tokens 0), refreshed by `host_step` and handed to the runtime as
-    ``expected_input_ids``.
+    generated tokens the request committed or the oracle's; padding tokens 0), refreshed by `host_step` and handed
+    to the runtime as ``expected_input_ids``.
     """
 
     def __init__(self, *, cache, processor, layouts: list[GroupLayout], max_requests: int, max_context: int,
                  max_rows: int, device, token_oracle: Optional[TokenOracleFn] = None,
-                 context_of: Optional[ContextFn] = None) -> None:
+                 context_of: Optional[ContextFn] = None, committed_tokens: bool = False) -> None:
         self.cache = cache
         self.processor = processor
         self.layouts = layouts
@@ -142,7 +145,7 @@ class ForwardTranslator:
         self._arange = torch.arange(span, dtype=torch.int64, device=self.device)
         self.token_oracle = token_oracle
         self.expected: Optional[torch.Tensor] = None
-        if token_oracle is not None:
+        if token_oracle is not None or committed_tokens:
             self.expected = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
             self._expected_host = torch.zeros(max_tokens, dtype=torch.int64, pin_memory=cuda) if cuda else self.expected
             self._expected_copied = torch.cuda.Event() if cuda else None
@@ -203,7 +206,7 @@ class ForwardTranslator:
         contexts = [self.context_of_row[r] for r in rows] if self.context_of is not None else [0] * len(rows)
         self._write_meta(rows, prefix, extend, ends, contexts)
         if self.expected is not None:
-            self._write_expected(self._oracle_tokens(batch))
+            self._write_expected(self._expected_tokens(batch))
         return StepInfo(request_ids=tuple(ids), rows=tuple(rows), forward_kind=classify_forward(prefix, extend))
 
     def _context_id(self, request_id: str) -> int:
@@ -242,9 +245,11 @@ class ForwardTranslator:
             self.meta.copy_(host, non_blocking=True)
             self._meta_copied.record()
 
-    def _oracle_tokens(self, batch: list) -> list[int]:
+    def _expected_tokens(self, batch: list) -> list[int]:
         """The tokens the forward's query tokens should be, in batch order: position ``q`` of a request is its
-        prompt token while ``q`` is inside the prompt, else the token oracle's ``(request id, q)``."""
+        prompt token while ``q`` is inside the prompt (``initial_tokens``: after a soft reset it holds the tokens
+        generated before too), else the token oracle's ``(request id, q)``, else the token the request generated
+        at ``q``. A position the request has not committed (none known) expects -1: a violation, never a guess."""
         oracle, out = self.token_oracle, []
         for fs in batch:
             state = fs.state
@@ -253,7 +258,15 @@ class ForwardTranslator:
             prompt = state.initial_tokens
             inside = max(0, min(p + e, len(prompt)) - p)
             out.extend(prompt[p : p + inside])
-            out.extend(int(oracle(state.request_id, q)) for q in range(p + inside, p + e))
+            if inside == e:
+                continue
+            if oracle is not None:
+                out.extend(int(oracle(state.request_id, q)) for q in range(p + inside, p + e))
+            else:
+                lo = p + inside - len(prompt)
+                got = state.generated_tokens[lo : lo + e - inside]
+                out.extend(got)
+                out.extend([-1] * (e - inside - len(got)))
         return out
 
     def _write_expected(self, tokens: list) -> None:
