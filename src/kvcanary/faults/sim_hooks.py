@@ -49,8 +49,9 @@ def cached_idle_slots(engine: SimEngine) -> list[int]:
     return [s for n in engine.cache.nodes() for s in n.full_slots if s not in used]
 
 
-def shift_positions(rid: str, delta: int) -> BatchHook:
-    """A one-shot batch hook adding ``delta`` to request ``rid``'s positions."""
+def _one_shot(rid: str, edit) -> BatchHook:
+    """A batch hook that applies ``edit(batch, row, start)`` once, to the first batch holding request ``rid``
+    (``row``: its batch row, ``start``: its first token's index)."""
     fired = []
 
     def hook(batch: BatchDescription) -> BatchDescription:
@@ -58,12 +59,20 @@ def shift_positions(rid: str, delta: int) -> BatchHook:
             return batch
         fired.append(True)
         r = batch.request_ids.index(rid)
-        start = int(batch.extend_lens[:r].sum())
+        return edit(batch, r, int(batch.extend_lens[:r].sum()))
+
+    return hook
+
+
+def shift_positions(rid: str, delta: int) -> BatchHook:
+    """A one-shot batch hook adding ``delta`` to request ``rid``'s positions."""
+
+    def edit(batch: BatchDescription, r: int, start: int) -> BatchDescription:
         pos = batch.positions.clone()
         pos[start : start + int(batch.extend_lens[r])] += delta
         return dataclasses.replace(batch, positions=pos)
 
-    return hook
+    return _one_shot(rid, edit)
 
 
 def on_rejection(engine: SimEngine, rid: str, then) -> None:
@@ -93,30 +102,19 @@ def keep_rejected_slot(engine: SimEngine, req, position: int, full: int, swa: in
         engine.full_to_swa[full] = swa
         req.swa_slots.append(swa)
     req.num_computed = position + 1
-    if req.generated >= req.max_new:
-        engine._finish(req)
-        return
-    tok = engine._sample(req, len(req.tokens))
-    engine.table.tokens[req.row, len(req.tokens)] = tok
-    req.tokens.append(tok)
-    req.generated += 1
+    engine._sample_next(req)
 
 
 def redirect_write(rid: str, entry: int, to_slot: int) -> BatchHook:
-    """A one-shot batch hook: request ``rid``'s ``entry``-th written token goes to ``to_slot`` (every group)."""
-    fired = []
+    """A one-shot batch hook: request ``rid``'s ``entry``-th written token goes to ``to_slot`` (full group; the
+    sliding-window copy is not stored)."""
 
-    def hook(batch: BatchDescription) -> BatchDescription:
-        if fired or rid not in (batch.request_ids or ()):
-            return batch
-        fired.append(True)
-        r = batch.request_ids.index(rid)
-        at = int(batch.extend_lens[:r].sum()) + entry
+    def edit(batch: BatchDescription, r: int, start: int) -> BatchDescription:
         groups = {}
         for name, gb in batch.groups.items():
             loc = gb.out_cache_loc.clone()
-            loc[at] = to_slot if name == "full" else -1  # the swa copy is simply not stored
+            loc[start + entry] = to_slot if name == "full" else -1
             groups[name] = dataclasses.replace(gb, out_cache_loc=loc)
         return dataclasses.replace(batch, groups=groups)
 
-    return hook
+    return _one_shot(rid, edit)

@@ -343,6 +343,18 @@ class SimEngine:
         req.drafts, req.accepted, req.bonus = drafts, accepted, truth[accepted]
         self.table.tokens[req.row, base : base + k] = torch.tensor(drafts, dtype=torch.int32)
 
+    def _sample_next(self, req: SimRequest) -> bool:
+        """Every token of ``req`` is computed: finish it at ``max_new`` (False), else sample and commit its next
+        token (True)."""
+        if req.generated >= req.max_new:
+            self._finish(req)
+            return False
+        tok = self._sample(req, len(req.tokens))
+        self.table.tokens[req.row, len(req.tokens)] = tok
+        req.tokens.append(tok)
+        req.generated += 1
+        return True
+
     def _sample(self, req: SimRequest, position: int) -> int:
         return self.sampler(req.rid, position) if self.sampler is not None else self.rng.randrange(1, 32000)
 
@@ -412,14 +424,8 @@ class SimEngine:
                 self._commit_verify(req)
             else:
                 req.num_computed += e
-                if req.num_computed == len(req.tokens):
-                    if req.generated >= req.max_new:
-                        self._finish(req)
-                        continue
-                    tok = self._sample(req, len(req.tokens))
-                    self.table.tokens[req.row, len(req.tokens)] = tok
-                    req.tokens.append(tok)
-                    req.generated += 1
+                if req.num_computed == len(req.tokens) and not self._sample_next(req):
+                    continue
             if c.sliding_window:
                 upto = req.num_computed - c.sliding_window
                 if upto > req.swa_dropped_upto:
@@ -433,7 +439,7 @@ class SimEngine:
     def _commit_verify(self, req: SimRequest) -> None:
         """After a verify forward: commit the accepted drafts and the bonus token, roll the rejected positions back
         (their slots freed and released to the canary; the bonus token is computed by the request's next forward)."""
-        a, k = req.accepted, len(req.drafts)
+        a = req.accepted
         base = len(req.tokens)
         req.tokens += req.drafts[:a] + [req.bonus]
         req.generated += a + 1
@@ -448,7 +454,6 @@ class SimEngine:
             if self.swa_alloc:
                 self.canary.release_slots("swa", [s for s in rejected_swa if s != PADDING_SLOT])
         req.drafts = []
-        assert len(req.full_slots) == req.num_computed and k >= a
 
     def run(self, steps: int, workload: Optional[SimWorkload] = None, *, progress: bool = False) -> int:
         """Run ``steps`` scheduler steps feeding ``workload``; returns forwards executed."""
