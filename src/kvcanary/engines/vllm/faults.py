@@ -27,14 +27,22 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA
 
-from kvcanary.engines.vllm.forward_view import find_model_runner
-from kvcanary.engines.vllm.layout import FULL, build_group_layouts, layer_kv_views, probe_cpu_layout, slot_elements
+from kvcanary.engines.vllm.forward_view import find_model_runner, is_v2_runner, v1_step, v2_step_from_stack
+from kvcanary.engines.vllm.layout import (
+    FULL,
+    build_group_layouts,
+    gpu_kv_layout,
+    gpu_token_views,
+    layer_kv_views,
+    probe_cpu_layout,
+    slot_elements,
+)
 from kvcanary.errors import KvCanaryValueError
 
 logger = logging.getLogger("kvcanary")
@@ -53,6 +61,7 @@ class Injection:
     slot: int
     expected: tuple[str, ...]
     detail: str
+    graph_mode: str = ""  # V2 runner: the CUDA-graph mode of the forward the fault was injected into
 
 
 @dataclass
@@ -121,11 +130,20 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
-        if not is_forward_context_available():
+        if not self.kv_caches:
             return
-        attn = get_forward_context().attn_metadata
-        if not attn or isinstance(attn, list):
+        if self.runner is None:
+            self.runner = find_model_runner(next(iter(self.kv_caches.values())))
+        if is_v2_runner(self.runner):
+            step = v2_step_from_stack(self.runner)  # FULL-graph steps have no forward context
+        else:
+            attn = get_forward_context().attn_metadata if is_forward_context_available() else None
+            if not attn or isinstance(attn, list):
+                return
+            step = v1_step(self.runner, attn, self.layouts[0].layer_names[0])
+        if step is None:
             return
+        attn = step.attn_metadata
         full = next((g for g in self.layouts if g.name == FULL), None)
         for k, spec in enumerate(self.specs):
             if spec["name"] == "overwrite_window_edge" and not self.fired[k]:
@@ -137,17 +155,13 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         if full is None:
             return
         meta = attn[full.layer_names[0]]
-        num_reqs = int(meta.query_start_loc.shape[0]) - 1
-        qsl = meta.query_start_loc[: num_reqs + 1].to(torch.int64).tolist()
-        if not num_reqs or qsl[-1] == 0:
+        num_tokens = sum(step.query)
+        if num_tokens == 0:
             return
         self.forward += 1
-        if self.runner is None:
-            self.runner = find_model_runner(next(iter(self.kv_caches.values())))
-        req_ids = list(self.runner.input_batch.req_ids[:num_reqs])
-        seq = meta.seq_lens[:num_reqs].to(torch.int64).tolist()
-        prefix = [s - (qsl[i + 1] - qsl[i]) for i, s in enumerate(seq)]
-        written = set(int(x) for x in meta.slot_mapping[: qsl[-1]].tolist() if int(x) >= 0)
+        req_ids = list(step.req_ids)
+        prefix = list(step.prefix)
+        written = set(int(x) for x in meta.slot_mapping[:num_tokens].tolist() if int(x) >= 0)
         for k, spec in enumerate(self.specs):
             if spec["name"] == "overwrite_window_edge":
                 continue
@@ -161,8 +175,17 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
                 injection = self._redirect(self.rngs[k], full, meta, req_ids, prefix, written)
             if injection is not None:
                 self.fired[k] = True
-                self._log(spec, injection)
+                self._log(spec, replace(injection, graph_mode=step.graph_mode))
         self.seen.update(req_ids)
+
+    def _k_view(self, layer: str) -> Optional[torch.Tensor]:
+        """Token-major K view of one layer's cache (GPU layouts by strides, the CPU one by probing its ISA)."""
+        kv = self.kv_caches[layer]
+        if kv.is_cuda:
+            return gpu_token_views(kv)[0] if gpu_kv_layout(kv) is not None else None
+        static = self._vllm_config.compilation_config.static_forward_context
+        layout = probe_cpu_layout(kv, getattr(static.get(layer), "isa", "vec"))
+        return None if layout is None else layer_kv_views(kv, layout)[0]
 
     def wait_for_save(self) -> None:
         for tensor, index, value in self._restore:
@@ -189,11 +212,9 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             block, offset = rng.choice(cands), rng.randrange(B)
             layer = g.layer_names[int(spec.get("layer", 0))]
-            static = self._vllm_config.compilation_config.static_forward_context
-            layout = probe_cpu_layout(self.kv_caches[layer], getattr(static.get(layer), "isa", "vec"))
-            if layout is None:
+            k_view = self._k_view(layer)
+            if k_view is None:
                 return None
-            k_view, _ = layer_kv_views(self.kv_caches[layer], layout)
             element = _token_element(k_view, block, offset, B)
             bit = rng.randrange(15)
             element.view(torch.int16).bitwise_xor_(torch.tensor(1 << bit, dtype=torch.int16))
@@ -233,6 +254,8 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
             static = self._vllm_config.compilation_config.static_forward_context
             for layer in g.layer_names:
                 kv = self.kv_caches[layer]
+                if kv.is_cuda:
+                    return None  # CPU backend experiment only
                 layout = probe_cpu_layout(kv, getattr(static.get(layer), "isa", "vec"))
                 if layout is None:
                     return None

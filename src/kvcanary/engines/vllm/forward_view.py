@@ -32,28 +32,115 @@ from kvcanary.runtime.batch import BatchDescription, GroupBatch, classify_forwar
 
 
 def find_model_runner(kv_tensor: Optional[torch.Tensor] = None):
-    """The worker's ``GPUModelRunner`` (``CPUModelRunner`` on CPU), found once, read only (the connector
-    API hands out no runner): first up the call stack — the connector is called from the runner's
-    ``execute_model`` — then among the garbage collector's objects (which miss objects vLLM froze
-    with ``gc.freeze``). With several candidates, the one holding ``kv_tensor`` among its ``kv_caches``."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    """The worker's model runner — V1 ``GPUModelRunner`` (``CPUModelRunner`` on CPU) or the V2 runner
+    (``vllm.v1.worker.gpu.model_runner``, vLLM's default on CUDA) — found once, read only (the connector API
+    hands out no runner): first up the call stack — the connector is called from the runner's
+    ``execute_model`` — then among the garbage collector's objects (which miss objects vLLM froze with
+    ``gc.freeze``). With several candidates, the one holding ``kv_tensor`` among its ``kv_caches``."""
+    from kvcanary.engines.vllm.compat import model_runner_classes
+
+    classes = model_runner_classes()
+
+    def is_runner(obj) -> bool:
+        mro = type(obj).__mro__
+        return any(c in mro for c in classes)
 
     frame = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
-        if candidate is not None and GPUModelRunner in type(candidate).__mro__:
+        if candidate is not None and is_runner(candidate):
             return candidate
         frame = frame.f_back
-    found = [o for o in gc.get_objects() if GPUModelRunner in type(o).__mro__]
+    found = [o for o in gc.get_objects() if is_runner(o)]
     if kv_tensor is not None and len(found) > 1:
         ptr = kv_tensor.data_ptr()
-        found = [r for r in found if any(t.data_ptr() == ptr for t in getattr(r, "kv_caches", []) or [])] or found
+        found = [r for r in found if any(t.data_ptr() == ptr for t in _runner_kv_tensors(r))] or found
     if len(found) != 1:
         raise KvCanaryRuntimeError(
             f"kv-canary: expected one vLLM model runner in this worker, found {len(found)}; "
-            "the vLLM adapter supports the V1 model runner"
+            "the vLLM adapter supports vLLM's V1 and V2 model runners"
         )
     return found[0]
+
+
+def _runner_kv_tensors(runner) -> list:
+    caches = getattr(runner, "kv_caches", None) or []
+    return list(caches.values()) if isinstance(caches, dict) else list(caches)
+
+
+def is_v2_runner(runner) -> bool:
+    """True for vLLM's V2 model runner (``vllm.v1.worker.gpu``): its batch is a per-step ``InputBatch``."""
+    return type(runner).__module__.startswith("vllm.v1.worker.gpu.") or any(
+        c.__module__.startswith("vllm.v1.worker.gpu.") for c in type(runner).__mro__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInputs:
+    """One forward as the model runner holds it, right before the model runs.
+
+    req_ids / query / prefix: per batch row (attention-metadata order), on the host: request id, tokens
+    scheduled, positions already cached. input_ids / positions: ``[>= sum(query)]`` on the engine's device
+    (the runner's own buffers, not copied). attn_metadata: layer name -> the backend's metadata (block
+    table, slot mapping), as attention will read it.
+    """
+
+    req_ids: tuple
+    query: list
+    prefix: list
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: dict
+    graph_mode: str = ""  # V2 runner: the step's CUDA-graph mode (FULL, PIECEWISE, NONE); "" when not known
+
+
+def v1_step(runner, attn_metadata: dict, first_layer: str) -> StepInputs:
+    """`StepInputs` of a V1 runner's forward (CPU): lengths read from the attention metadata."""
+    first = attn_metadata[first_layer]
+    num_reqs = int(first.query_start_loc.shape[0]) - 1
+    req_ids = tuple(runner.input_batch.req_ids[:num_reqs])
+    if len(req_ids) != num_reqs:
+        raise KvCanaryRuntimeError(
+            f"kv-canary: the attention metadata has {num_reqs} rows, the model runner's batch "
+            f"{len(req_ids)}; unexpected vLLM batch layout"
+        )
+    qsl = first.query_start_loc[: num_reqs + 1].to(torch.int64).cpu()
+    seq = first.seq_lens[:num_reqs].to(torch.int64).cpu().tolist()
+    query = (qsl[1:] - qsl[:-1]).tolist()
+    return StepInputs(req_ids=req_ids, query=query, prefix=[s - q for s, q in zip(seq, query)],
+                      input_ids=runner.input_ids.gpu, positions=runner.positions, attn_metadata=attn_metadata)
+
+
+def v2_step(input_batch, attn_metadata: dict, graph_mode: str = "") -> StepInputs:
+    """`StepInputs` of a V2 runner's forward: lengths from the batch's host arrays (no device read)."""
+    n = int(input_batch.num_reqs)
+    query = [int(x) for x in input_batch.num_scheduled_tokens[:n]]
+    prefix = [int(x) for x in input_batch.num_computed_tokens_np[:n]]
+    return StepInputs(req_ids=tuple(input_batch.req_ids[:n]), query=query, prefix=prefix,
+                      input_ids=input_batch.input_ids, positions=input_batch.positions, attn_metadata=attn_metadata,
+                      graph_mode=graph_mode)
+
+
+def v2_step_from_stack(runner, depth: int = 12) -> Optional[StepInputs]:
+    """The V2 runner's forward being set up, read from its ``execute_model`` frame (locals ``input_batch`` and
+    ``attn_metadata``; the connector's ``bind_connector_metadata`` is called from there, in every CUDA-graph
+    mode — the forward context holds no attention metadata in FULL-graph steps). None when the caller is not
+    a forward (a step without tokens, a dummy run)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "execute_model" and frame.f_locals.get("self") is runner:
+            loc = frame.f_locals
+            batch, attn = loc.get("input_batch"), loc.get("attn_metadata")
+            if batch is None or not attn or loc.get("dummy_run"):
+                return None
+            if isinstance(attn, list):
+                raise KvCanaryRuntimeError("kv-canary: micro-batched forwards (DBO) are not supported by the vLLM adapter")
+            desc = loc.get("batch_desc")
+            mode = getattr(getattr(desc, "cg_mode", None), "name", "") if desc is not None else ""
+            return v2_step(batch, attn, graph_mode=str(mode))
+        frame = frame.f_back
+    return None
 
 
 class RequestRows:
@@ -108,14 +195,13 @@ class ForwardEvents:
     chunked: int = 0  # forwards continuing a prefill (query > 1 at a position > 0, not a first forward)
     resumed: int = 0  # first forward after a preemption
     same_step_shared: int = 0  # rows reading prefix blocks that another row of the same forward writes
-    slots_reused: int = 0  # full-attention slots written again after their block was freed (eviction, reuse)
 
 
 class WorkerView:
     """Keeps the canary's per-request tables and builds one `BatchDescription` per forward."""
 
     def __init__(self, *, runner, layouts: list[GroupLayout], max_requests: int, max_context: int,
-                 device: torch.device) -> None:
+                 device: torch.device, track_read_slots: bool = False) -> None:
         self.runner = runner
         self.layouts = layouts
         self.device = torch.device(device)
@@ -131,9 +217,13 @@ class WorkerView:
         self.contexts: dict[str, int] = {}  # request id -> context key (LoRA adapter / cache salt), when not 0
         self.keyed = False  # a request with a context key was seen: every batch carries context keys from then on
         self.events = ForwardEvents()
-        self.read_slots: dict[str, torch.Tensor] = {}  # per group: slots of positions < seq_len of the last forward
+        # per group: slots of positions < seq_len of the last forward (kept only for adapters that mirror KV)
+        self.track_read_slots = track_read_slots
+        self.read_slots: dict[str, torch.Tensor] = {}
+        self._pos: dict[str, tuple] = {}
         full = next((g for g in layouts if g.name == "full"), None)
         self._ever_written = torch.zeros(full.num_slots if full else 0, dtype=torch.bool, device=self.device)
+        self._reused = torch.zeros((), dtype=torch.int64, device=self.device)
 
     # ---- scheduler events ----------------------------------------------------------------------
     def apply(self, *, tokens: dict, finished, preempted, contexts: Optional[dict] = None) -> None:
@@ -152,24 +242,18 @@ class WorkerView:
             self.history.extend(rid, int(start), list(new))
 
     # ---- one forward ---------------------------------------------------------------------------
-    def describe(self, attn_metadata: dict) -> Optional[BatchDescription]:
-        """The `BatchDescription` of the forward about to run, or None for a forward without tokens."""
-        first = attn_metadata[self.layouts[0].layer_names[0]]
-        num_reqs = int(first.query_start_loc.shape[0]) - 1
-        req_ids = list(self.runner.input_batch.req_ids[:num_reqs])
-        if len(req_ids) != num_reqs:
-            raise KvCanaryRuntimeError(
-                f"kv-canary: the attention metadata has {num_reqs} rows, the model runner's batch "
-                f"{len(req_ids)}; unexpected vLLM batch layout"
-            )
-        qsl = first.query_start_loc[: num_reqs + 1].to(torch.int64).cpu()
-        seq = first.seq_lens[:num_reqs].to(torch.int64).cpu()
-        query = (qsl[1:] - qsl[:-1]).tolist()
-        seq_l = seq.tolist()
-        prefix = [s - q for s, q in zip(seq_l, query)]
-        num_tokens = int(qsl[-1]) if num_reqs else 0
+    def describe(self, step: StepInputs) -> Optional[BatchDescription]:
+        """The `BatchDescription` of the forward about to run, or None for a forward without tokens.
+
+        No device read on the way: lengths come from the host, tables are gathered on the device, small host
+        arrays go up with non-blocking copies (pinned) — so on a GPU the engine's stream is never waited for
+        (except on the first forward of a request that hits the prefix cache, see `_same_step_shares`)."""
+        req_ids, query, prefix = list(step.req_ids), list(step.query), list(step.prefix)
+        num_reqs = len(req_ids)
+        num_tokens = sum(query)
         if num_tokens == 0:
             return None
+        seq_l = [p + q for p, q in zip(prefix, query)]
         if max(seq_l) > self.max_context:
             raise KvCanaryRuntimeError(
                 f"kv-canary: a request reaches {max(seq_l)} tokens, beyond max_context={self.max_context}"
@@ -178,62 +262,92 @@ class WorkerView:
         first = [rid not in self.computed for rid in req_ids]
         self._count_events(req_ids, prefix, query)
         dev = self.device
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        rows_t = self._to_device(rows)
+        seq_t = self._to_device(seq_l)
         tables, written = {}, {}
         for g in self.layouts:
-            meta = attn_metadata[g.layer_names[0]]
-            tables[g.name] = self._fill_table(g, meta, rows_t, seq, num_reqs)
+            meta = step.attn_metadata[g.layer_names[0]]
+            tables[g.name] = self._fill_table(g, meta, rows_t, seq_t, max(seq_l), num_reqs)
             written[g.name] = meta.slot_mapping[:num_tokens].to(device=dev, dtype=torch.int64)
         if "full" in written:
-            w = written["full"][written["full"] >= 0]
-            self.events.slots_reused += int(self._ever_written[w].sum())
-            self._ever_written[w] = True
-        input_ids = self.runner.input_ids.gpu[:num_tokens].to(device=dev, dtype=torch.int64)
-        positions = self.runner.positions[:num_tokens].to(device=dev, dtype=torch.int64)
+            self._count_reuse(written["full"])
+        input_ids = step.input_ids[:num_tokens].to(device=dev, dtype=torch.int64)
+        positions = step.positions[:num_tokens].to(device=dev, dtype=torch.int64)
         lens = self._fill_tokens(req_ids, rows, seq_l)
         shared = self._same_step_shares(rows, prefix, first, written, positions)
         canary_prefix = [p - k for p, k in zip(prefix, shared)]
         canary_extend = [q + k for q, k in zip(query, shared)]
         if any(shared):
-            input_ids, positions, written = self._claim_shared(
-                rows, prefix, shared, qsl.tolist(), input_ids, positions, written)
+            qsl = [0]
+            for q in query:
+                qsl.append(qsl[-1] + q)
+            input_ids, positions, written = self._claim_shared(rows, prefix, shared, qsl, input_ids, positions, written)
         for rid, s in zip(req_ids, seq_l):
             self.computed[rid] = s
-        for name, w in written.items():  # TAIL re-hashes the slots actually written, too
-            self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
+        if self.track_read_slots:
+            for name, w in written.items():  # TAIL re-hashes the slots actually written, too
+                self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
         groups = {g.name: GroupBatch(req_to_token=tables[g.name], out_cache_loc=written[g.name]) for g in self.layouts}
         keys = [self.contexts.get(rid, 0) for rid in req_ids]
         self.keyed = self.keyed or any(keys)
         self.events.same_step_shared += sum(1 for k in shared if k)
         return BatchDescription(
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
-            prefix_lens=torch.tensor(canary_prefix, dtype=torch.int64),
-            extend_lens=torch.tensor(canary_extend, dtype=torch.int64),
+            req_pool_indices=rows_t,
+            prefix_lens=self._to_device(canary_prefix),
+            extend_lens=self._to_device(canary_extend),
             input_ids=input_ids,
             positions=positions,
             groups=groups,
             request_ids=tuple(req_ids),
             token_table=self.token_table,
-            token_table_lens=torch.tensor(lens, dtype=torch.int64, device=dev),
+            token_table_lens=self._to_device(lens),
             forward_kind=classify_forward(prefix, query),
-            context_keys=torch.tensor(keys, dtype=torch.int64) if self.keyed else None,
+            context_keys=self._to_device(keys) if self.keyed else None,
         )
 
-    def _fill_table(self, g: GroupLayout, meta, rows_t, seq, num_reqs: int) -> torch.Tensor:
-        """Write each row's position -> slot table from the block table attention reads."""
+    def _to_device(self, values: list) -> torch.Tensor:
+        """int64 tensor of ``values`` on the view's device; on CUDA through pinned memory, non-blocking."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _positions(self, g: GroupLayout, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Device ``(p, p // block_size, p % block_size)`` for ``p < n`` (cached per group)."""
+        cached = self._pos.get(g.name)
+        if cached is None or int(cached[0].shape[0]) < n:
+            p = torch.arange(max(n, self.max_context), dtype=torch.int64, device=self.device)
+            cached = self._pos[g.name] = (p, p // g.block_size, p % g.block_size)
+        return cached[0][:n], cached[1][:n], cached[2][:n]
+
+    def _fill_table(self, g: GroupLayout, meta, rows_t, seq_t, max_s: int, num_reqs: int) -> torch.Tensor:
+        """Write each row's position -> slot table from the block table attention reads (on the device)."""
         table = self.req_to_token[g.name]
-        max_s = int(seq.max())
-        pos = torch.arange(max_s, dtype=torch.int64)
-        bt = meta.block_table[:num_reqs, : (max_s + g.block_size - 1) // g.block_size].to(torch.int64).cpu()
-        blocks = bt[:, pos // g.block_size]
-        slots = blocks * g.block_size + pos % g.block_size
-        keep = pos[None, :] < seq[:, None]
+        pos, blk, off = self._positions(g, max_s)
+        nblk = (max_s + g.block_size - 1) // g.block_size
+        bt = meta.block_table[:num_reqs, :nblk].to(device=self.device, dtype=torch.int64)
+        blocks = bt[:, blk]
+        slots = blocks * g.block_size + off
+        keep = pos[None, :] < seq_t[:, None]
         if g.sliding_window:
             keep &= blocks > 0  # blocks vLLM dropped behind the window: null block -> padding, never verified
         slots = torch.where(keep, slots, torch.zeros_like(slots))
-        table[rows_t, :max_s] = slots.to(device=self.device, dtype=torch.int32)
-        self.read_slots[g.name] = slots[slots > 0].to(self.device)  # what TAIL re-hashes (with the writes)
+        table[rows_t, :max_s] = slots.to(torch.int32)
+        if self.track_read_slots:
+            self.read_slots[g.name] = slots[slots > 0]  # what TAIL re-hashes (with the writes)
         return table
+
+    def _count_reuse(self, written: torch.Tensor) -> None:
+        """Count full-attention slots written again (their block was freed and reallocated); device-side."""
+        valid = written >= 0
+        idx = written.clamp_min(0)
+        seen = self._ever_written[idx]
+        self._reused = self._reused + (seen & valid).sum()
+        self._ever_written[idx] = seen | valid
+
+    def slots_reused(self) -> int:
+        """Full-attention slots written again after their block was freed (a device read)."""
+        return int(self._reused)
 
     def _same_step_shares(self, rows, prefix, first, written, positions) -> list[int]:
         """Per batch row: how many trailing prefix positions this same forward writes (a prefix-cache
@@ -292,8 +406,9 @@ class WorkerView:
         return torch.cat(ids_parts), torch.cat(pos_parts), {n: torch.cat(p) for n, p in slot_parts.items()}
 
     def _fill_tokens(self, req_ids: list[str], rows: list[int], seq: list[int]) -> list[int]:
-        """Copy newly known history into the token table; the known length per batch row."""
-        lens = []
+        """Copy newly known history into the token table (one upload for the whole batch); the known length
+        per batch row."""
+        lens, at_rows, at_cols, values = [], [], [], []
         for rid, row, s in zip(req_ids, rows, seq):
             hist = self.history.tokens.get(rid, [])
             known = min(len(hist), self.max_context)
@@ -301,9 +416,17 @@ class WorkerView:
             if have > known:
                 have = 0
             if known > have:
-                self.token_table[row, have:known] = torch.tensor(hist[have:known], dtype=torch.int32, device=self.device)
+                at_rows.append(torch.full((known - have,), row, dtype=torch.int64))
+                at_cols.append(torch.arange(have, known, dtype=torch.int64))
+                values.extend(hist[have:known])
                 self.filled[rid] = known
             lens.append(min(known, s))
+        if values:
+            packed = torch.cat([torch.cat(at_rows), torch.cat(at_cols), torch.tensor(values, dtype=torch.int64)])
+            if self.device.type == "cuda":
+                packed = packed.pin_memory().to(self.device, non_blocking=True)
+            r, c, v = packed.view(3, -1)
+            self.token_table[r, c] = v.to(torch.int32)
         return lens
 
     def _count_events(self, req_ids, prefix, query) -> None:

@@ -309,3 +309,50 @@ class StripMirror:
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         index = blocks[:, None] * self.block_stride + self.offsets[slots % self.block_size]
         self.mirror[slots] = self.kv.view(-1)[index]
+
+
+# ---- GPU attention backends: FlashAttention 2/3, Triton attention, FlashInfer, FlexAttention -------
+# vLLM 0.26-0.32 give every GPU backend the same logical layer shape [num_blocks, num_kv_heads, block_size,
+# 2 * head_size] — per (block, head, token) the head's K (head_size elements) then its V — and one of two
+# physical orders (the backend's ``get_kv_cache_stride_order``): NHD (vLLM's default; memory order
+# [num_blocks, block_size, num_kv_heads, 2 * head_size], so one token's K and V of every head are one
+# contiguous strip) or HND (the logical order itself).
+GPU_LAYOUTS = ("nhd", "hnd")
+
+
+def gpu_kv_layout(kv: torch.Tensor) -> Optional[str]:
+    """``"nhd"`` / ``"hnd"`` for a GPU backend's layer tensor in that physical order, None for anything else."""
+    if kv.dim() != 4:
+        return None
+    nb, heads, block, two_d = (int(x) for x in kv.shape)
+    s = tuple(int(x) for x in kv.stride())
+    if s == (block * heads * two_d, two_d, heads * two_d, 1):
+        return "nhd"
+    if s == (heads * block * two_d, block * two_d, two_d, 1):
+        return "hnd"
+    return None
+
+
+def gpu_kv_sources(kv: torch.Tensor, layout_name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(k_source, v_source, page_size)``: the two byte sources the canary hashes for one GPU layer.
+
+    nhd: page 1; the K source is each slot's whole strip ``[num_slots, heads * 2 * head_size]`` (the K and V
+    of every head — ``all`` / deep fingerprints cover every byte of the slot), the V source head 0's V
+    ``[num_slots, head_size]``; ``partial`` reads the first 16 bytes of each (head 0's K and V).
+    hnd: page ``block_size``; the K source is head 0's ``[K, V]`` record per token, the V source the last
+    head's (the heads in between are not hashed). Both are views of ``kv`` with contiguous rows (no copy)."""
+    nb, heads, block, two_d = (int(x) for x in kv.shape)
+    dim = two_d // 2
+    if layout_name == "nhd":
+        strips = kv.permute(0, 2, 1, 3).reshape(nb * block, heads * two_d)  # a view: NHD memory order
+        return strips, strips[:, dim:two_d], 1
+    if layout_name == "hnd":
+        return kv[:, 0], kv[:, heads - 1], block
+    raise KvCanaryValueError(f"kv-canary: unknown GPU KV layout {layout_name!r} (known: {', '.join(GPU_LAYOUTS)})")
+
+
+def gpu_token_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major K and V views ``[num_blocks, block_size, heads, head_size]`` of one GPU layer tensor."""
+    dim = int(kv.shape[3]) // 2
+    tok = kv.permute(0, 2, 1, 3)
+    return tok[..., :dim], tok[..., dim:]

@@ -72,13 +72,20 @@ def write_tiny_model(directory: str, kind: str = "llama", **shape: Any) -> str:
 def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, num_blocks: int = 16,
                   max_num_seqs: int = 6, max_num_batched_tokens: int = 128, stats: bool = True) -> dict[str, Any]:
     """``LLM(**engine_kwargs(...))`` for the tiny model in a cramped KV cache (see the module docstring)."""
+    import torch
+
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     kw: dict[str, Any] = dict(
         model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-        enable_prefix_caching=True, enforce_eager=True, max_model_len=256, seed=0, block_size=BLOCK_SIZE,
+        enable_prefix_caching=True, max_model_len=256, seed=0, block_size=BLOCK_SIZE,
         num_gpu_blocks_override=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         disable_log_stats=not stats,
     )
+    if torch.cuda.is_available():
+        # vLLM's defaults on a GPU (V2 runner, torch.compile, FULL_AND_PIECEWISE CUDA graphs); a small share of memory
+        kw["gpu_memory_utilization"] = float(os.environ.get("KVCANARY_GPU_MEMORY_UTILIZATION", "0.2"))
+    else:
+        kw["enforce_eager"] = True
     if kv_transfer_config is not None:
         kw["kv_transfer_config"] = kv_transfer_config
     return kw
@@ -195,7 +202,7 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     if mode != "ref":
         plan = [dict(f, ledger_path=lpath) for f in faults] if mode == "faults" else None
         ktc = kv_transfer_config(mode=mode_option, jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
-                                 faults=plan)
+                                 faults=plan, stats_period_s=0)
     # processes=False: engine core and worker run in this process and step only when LLM.generate
     # steps them, so every run batches the same requests together (identical forwards with and
     # without the canary) and starts in seconds. processes=True: vLLM's default layout — engine-core

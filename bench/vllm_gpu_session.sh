@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call (issue 28, vLLM on the GPU; and issue 37's GPU tests beside it). Carry [".vl/vllm", ".whl"].
+# STAGES (default "tests bench1b"): tests = tests/gpu/test_vllm_gpu.py (+ issue 37's tests in the background),
+# bench1b / bench8b = bench/vllm_gpu_overhead.py for one shape. Everything lands under $OUT.
+set -o pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+T0=$(date +%s); left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - T0) )); }
+bash .vl/vllm/install.sh || exit 1
+export PYTHONPATH=$PWD/src:/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_DIR=/tmp/triton-cache
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/machine.txt"
+python3 -c "import torch, triton, vllm, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/machine.txt"
+git log -1 --format='tree %h %s' 2>/dev/null | tee -a "$OUT/machine.txt"
+for stage in ${STAGES:-tests bench1b}; do
+  case $stage in
+    tests)
+      if [ -n "${WITH_37:-1}" ] && [ -f .whl/transformers-5.24.0-py3-none-any.whl ]; then
+        python3 -m pip install -q --no-deps --target /tmp/tf524 .whl/transformers-5.24.0-py3-none-any.whl > /dev/null 2>&1
+        ( PYTHONPATH=/tmp/tf524:$PWD/src timeout 330 python3 -m pytest tests/gpu/test_failed_capture_gpu.py \
+            tests/gpu/test_device_probe_gpu.py tests/gpu/test_transformers_graphs.py tests/gpu/test_transformers_reads_gpu.py \
+            -n 4 -q -p no:cacheprovider -rf --tb=short > "$OUT/tests37.log" 2>&1; echo "tests37 rc=$?" >> "$OUT/tests37.log" ) &
+      fi
+      timeout $(( $(left) - 20 )) python3 -m pytest tests/gpu/test_vllm_gpu.py -x -q -s -p no:cacheprovider -rf --tb=short \
+        > "$OUT/vllm_tests.log" 2>&1
+      echo "vllm tests rc=$?" | tee -a "$OUT/vllm_tests.log"
+      wait
+      tail -4 "$OUT/tests37.log" 2>/dev/null
+      grep -E "passed|failed|FAILED|Error|^\{|\[\{" "$OUT/vllm_tests.log" | tail -12 ;;
+    bench1b|bench8b)
+      shape=${stage#bench}
+      [ "$(left)" -lt 200 ] && { echo "skip $stage: $(left) s left"; continue; }
+      timeout $(( $(left) - 10 )) python3 bench/vllm_gpu_overhead.py --shapes "$shape" --rounds "${ROUNDS:-3}" \
+        --out "$OUT/vllm_gpu_overhead.$shape.json" > "$OUT/bench_$shape.log" 2>&1
+      echo "$stage rc=$?"; grep -E "^\[|shape|^1b|^8b" "$OUT/bench_$shape.log" | tail -16 ;;
+  esac
+done

@@ -1,0 +1,96 @@
+"""vLLM's GPU KV layouts and the V2 model runner's batch, without vLLM or a GPU: real tensors shaped and strided as
+vLLM 0.26-0.32 allocate them for FlashAttention / Triton attention / FlashInfer (logical [blocks, heads, block, 2 * dim];
+NHD or HND memory order), and a V2 ``InputBatch`` / attention metadata stand-in with the fields the adapter reads.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvcanary.engines.vllm.forward_view import WorkerView, v2_step
+from kvcanary.engines.vllm.layout import FULL, GroupLayout, gpu_kv_layout, gpu_kv_sources, gpu_token_views
+from kvcanary.ops.records import RealKvSource
+
+NB, H, B, D = 6, 3, 16, 8
+
+
+def _nhd(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logical view, memory tensor [blocks, block, heads, 2 * dim]) — how FlashAttention's cache is laid out."""
+    g = torch.Generator().manual_seed(seed)
+    mem = torch.randn(NB, B, H, 2 * D, generator=g).to(torch.bfloat16)
+    return mem.permute(0, 2, 1, 3), mem
+
+
+def test_nhd_sources_are_views_holding_every_byte_of_each_slot():
+    kv, mem = _nhd()
+    assert gpu_kv_layout(kv) == "nhd"
+    k, v, page = gpu_kv_sources(kv, "nhd")
+    assert page == 1 and k.data_ptr() == kv.data_ptr()
+    for slot in (0, 17, NB * B - 1):
+        b, t = divmod(slot, B)
+        assert torch.equal(k[slot], mem[b, t].reshape(-1))  # every head's K and V
+        assert torch.equal(v[slot], kv[b, 0, t, D:])  # head 0's V
+    # the canary's kernels read them directly: contiguous rows, 16-byte row stride
+    RealKvSource(tensor=k, page_size=1, num_bytes_per_token=k.shape[1] * 2, read_bytes=k.shape[1] * 2)
+    RealKvSource(tensor=v, page_size=1, num_bytes_per_token=v.shape[1] * 2, read_bytes=16)
+    # a write into the engine's cache shows in the sources (no copy)
+    mem[2, 5, 1, 3] += 1
+    assert torch.equal(k[2 * B + 5], mem[2, 5].reshape(-1))
+
+
+def test_hnd_and_unknown_layouts():
+    kv = torch.zeros(NB, H, B, 2 * D, dtype=torch.float16)
+    assert gpu_kv_layout(kv) == "hnd"
+    k, v, page = gpu_kv_sources(kv, "hnd")
+    assert page == B and k.shape == (NB, B, 2 * D) and v.shape == (NB, B, 2 * D)
+    assert gpu_kv_layout(torch.zeros(NB, 2 * D, B, H).permute(0, 3, 2, 1)) is None and gpu_kv_layout(kv[..., :D]) is None
+    with pytest.raises(ValueError, match="^kv-canary: unknown GPU KV layout"):
+        gpu_kv_sources(kv, "xyz")
+
+
+def test_token_views_name_the_keys_and_values_of_each_token():
+    kv, mem = _nhd(1)
+    k, v = gpu_token_views(kv)
+    assert torch.equal(k[3, 7, 2], mem[3, 7, 2, :D]) and torch.equal(v[3, 7, 2], mem[3, 7, 2, D:])
+
+
+def _metadata(block_table: torch.Tensor, slots: list[int]) -> dict:
+    meta = SimpleNamespace(block_table=block_table, slot_mapping=torch.tensor(slots + [-1, -1], dtype=torch.int64))
+    return {"model.layers.0.self_attn.attn": meta}
+
+
+def test_v2_batch_builds_tables_from_the_block_table_attention_reads():
+    layout = GroupLayout(name=FULL, index=0, layer_names=("model.layers.0.self_attn.attn",), layer_ids=(0,),
+                         block_size=4, manager_block_size=4, num_blocks=16, sliding_window=0)
+    view = WorkerView(runner=None, layouts=[layout], max_requests=4, max_context=32, device=torch.device("cpu"))
+    view.apply(tokens={"a": (0, list(range(100, 106))), "b": (0, list(range(200, 203)))}, finished=(), preempted=())
+    # row a: 5 cached positions + 1 new token; row b: a 3-token prefill. Padded like vLLM's buffers.
+    bt = torch.zeros(4, 8, dtype=torch.int32)
+    bt[0, :2] = torch.tensor([3, 7])
+    bt[1, :1] = torch.tensor([9])
+    batch = SimpleNamespace(num_reqs=2, req_ids=["a", "b"], num_scheduled_tokens=np.array([1, 3], dtype=np.int32),
+                            num_computed_tokens_np=np.array([5, 0], dtype=np.int32),
+                            input_ids=torch.tensor([105, 200, 201, 202, 0, 0], dtype=torch.int32),
+                            positions=torch.tensor([5, 0, 1, 2, 0, 0], dtype=torch.int64))
+    step = v2_step(batch, _metadata(bt, [7 * 4 + 1, 36, 37, 38]), graph_mode="PIECEWISE")
+    desc = view.describe(step)
+    assert desc.request_ids == ("a", "b") and desc.forward_kind == "mixed"
+    assert desc.prefix_lens.tolist() == [5, 0] and desc.extend_lens.tolist() == [1, 3]
+    ra, rb = desc.req_pool_indices.tolist()
+    table = desc.groups[FULL].req_to_token
+    assert table[ra, :6].tolist() == [12, 13, 14, 15, 28, 29] and table[rb, :3].tolist() == [36, 37, 38]
+    assert desc.input_ids.tolist() == [105, 200, 201, 202] and desc.groups[FULL].out_cache_loc.tolist() == [29, 36, 37, 38]
+    assert desc.token_table[ra, :6].tolist() == list(range(100, 106)) and desc.token_table_lens.tolist() == [6, 3]
+    assert view.slots_reused() == 0
+    # a slot written again later (its block was freed and handed out again) is counted, on the device
+    view.apply(tokens={}, finished=("b",), preempted=())
+    batch2 = SimpleNamespace(num_reqs=1, req_ids=["c"], num_scheduled_tokens=np.array([2], dtype=np.int32),
+                             num_computed_tokens_np=np.array([0], dtype=np.int32),
+                             input_ids=torch.tensor([300, 301], dtype=torch.int32), positions=torch.tensor([0, 1]))
+    bt2 = torch.zeros(4, 8, dtype=torch.int32)
+    bt2[0, 0] = 9
+    assert view.describe(v2_step(batch2, _metadata(bt2, [36, 37]))) is not None
+    assert view.slots_reused() == 2
