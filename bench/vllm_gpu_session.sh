@@ -27,6 +27,9 @@ for stage in ${STAGES:-tests bench1b}; do
       wait
       tail -4 "$OUT/tests37.log" 2>/dev/null
       grep -E "passed|failed|FAILED|Error|^\{|\[\{" "$OUT/vllm_tests.log" | tail -12 ;;
+    diag)
+      timeout $(( $(left) - 10 )) python3 bench/diag/vllm_sync_profile.py > "$OUT/diag.log" 2>&1
+      echo "diag rc=$?"; grep -vE "^\[|^INFO|^WARNING|^\(|Warning|warn" "$OUT/diag.log" | grep -A200 "^round" | head -90 ;;
     bench1b|bench8b)
       shape=${stage#bench}
       [ "$(left)" -lt 200 ] && { echo "skip $stage: $(left) s left"; continue; }

@@ -100,7 +100,8 @@ print("OK")
 
 
 def _child(code: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    inherited = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + ([inherited] if inherited else [])))
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env,
                           cwd=str(ROOT))
 

@@ -39,6 +39,13 @@ class KvCanaryStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
+    def __getitem__(self, key: str) -> Any:
+        # vLLM 0.26's MultiConnector Prometheus hook reads ``stats["data"]``, which is a dict only after the stats
+        # crossed a process boundary; with the engine core in-process it is this object
+        if key == "data":
+            return self.data
+        raise KeyError(key)
+
     def aggregate(self, other: KVConnectorStats) -> "KvCanaryStats":
         merged: dict[str, Any] = dict(self.data)
         for key, value in other.data.items():
