@@ -5,7 +5,8 @@ FULL_AND_PIECEWISE CUDA graphs, FlashAttention, async scheduling). Random-weight
 (Llama-3.2-1B shape) and ``8b`` (Llama-3.1-8B shape) — serve rounds of 64 requests with 2-3 k-token prompts
 (fresh random prompts per round: no prefix hits across rounds) and 128 new tokens each, greedy. Each arm is an
 engine of its own, alive for the whole run in a child process: ``none`` (no canary), ``canary`` (default options), ``canary_nokv`` (``real_kv_hash="none"``).
-Rounds are interleaved: round r runs on every arm (rotating order) before round r + 1, each arm the same prompts.
+One unrecorded warm-up round per arm, then interleaved rounds: round r runs on every arm (rotating order) before
+round r + 1, each arm the same prompts.
 
 Per round and arm: prefill throughput (prompt tokens / time until every request has its first token), the decode
 step (time between two ``LLMEngine.step`` outputs once every request is decoding: inter-token latency), the
@@ -154,6 +155,7 @@ def child(arm: str, shape: str, util: float) -> None:
             rec.update(canary_host_us_per_forward=round(d.get("kv_canary_canary_microseconds", 0) / max(fw, 1), 1),
                        totals={"forwards": fw, "checked_forwards": d.get("kv_canary_checked_forwards", 0),
                                "full_graph_forwards": d.get("kv_canary_full_graph_forwards", 0),
+                               "canary_graph_forwards": d.get("kv_canary_canary_graph_forwards", 0),
                                "violations": d.get("kv_canary_violations", 0), "sweeps": d.get("kv_canary_sweeps", 0)})
         print(json.dumps(rec), flush=True)
 
@@ -171,6 +173,17 @@ def run_shape(shape: str, arms: list[str], rounds: int, util: float, log) -> dic
                 break
         procs[arm] = (p, json.loads(line))
         log(f"{shape} {arm}: ready {procs[arm][1]}")
+    for arm in arms:  # one warm-up round each, not recorded: Triton compiles, torch.compile's first shapes, caches
+        p = procs[arm][0]
+        p.stdin.write("round 999\n")
+        p.stdin.flush()
+        while True:
+            line = p.stdout.readline()
+            if not line:
+                raise SystemExit(f"engine {arm} ({shape}) died in the warm-up round")
+            if line.startswith("{"):
+                break
+        log(f"{shape} warm-up {arm}: {line.strip()[:160]}")
     records = []
     for r in range(rounds):
         order = arms[r % len(arms):] + arms[:r % len(arms)]

@@ -15,7 +15,7 @@ git log -1 --format='tree %h %s' 2>/dev/null | tee -a "$OUT/machine.txt"
 for stage in ${STAGES:-tests bench1b}; do
   case $stage in
     tests)
-      if [ -n "${WITH_37:-1}" ] && [ -f .whl/transformers-5.24.0-py3-none-any.whl ]; then
+      if [ -n "${WITH_37-1}" ] && [ -f .whl/transformers-5.24.0-py3-none-any.whl ]; then
         python3 -m pip install -q --no-deps --target /tmp/tf524 .whl/transformers-5.24.0-py3-none-any.whl > /dev/null 2>&1
         ( PYTHONPATH=/tmp/tf524:$PWD/src timeout 330 python3 -m pytest tests/gpu/test_failed_capture_gpu.py \
             tests/gpu/test_device_probe_gpu.py tests/gpu/test_transformers_graphs.py tests/gpu/test_transformers_reads_gpu.py \

@@ -57,6 +57,8 @@ def test_gpu_clean_workload_every_forward_checked_graph_replays_included(clean):
     assert m["kv_canary_violations"] == 0 and not m["by_reason"] and clean["violations"] == []
     assert m["kv_canary_forwards"] > 50 and m["kv_canary_checked_forwards"] == m["kv_canary_forwards"]
     assert m["kv_canary_full_graph_forwards"] > 0  # decode steps replayed from vLLM's FULL CUDA graphs, checked
+    # after the first forward the canary's own work replays from its CUDA graphs
+    assert m["kv_canary_canary_graph_forwards"] == m["kv_canary_forwards"] - 1
     assert m["kv_canary_prefix_hits"] > 0 and m["prefix_cache_hits"] > 0
     assert m["kv_canary_resumed"] > 0 and m["num_preemptions"] > 0
     assert m["kv_canary_slots_verified"] > 10 * m["kv_canary_slots_written"] > 0

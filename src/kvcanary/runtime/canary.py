@@ -392,11 +392,12 @@ class Canary:
         if self.sweeper.pass_starts():
             self.sweeper.refresh_live(self._resolve_live(None))
 
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, *, error_mode: str = "global") -> None:
         """Capture the canary's own per-forward device work into CUDA graphs (CUDA only), replayed by
         `launch_head`, `launch_tail` and the sweep slice from now on: a few host calls per forward whatever
         the batch. Call it after at least one forward (the by-reference tables must be known) and outside
-        any open forward; the static buffers no longer grow afterwards."""
+        any open forward; the static buffers no longer grow afterwards. ``error_mode``: the captures'
+        ``capture_error_mode`` (``"thread_local"`` where other threads of the engine use CUDA meanwhile)."""
         self._check_open()
         self._refuse_capture_if_eager("capture_graphs()")
         if self._depth:
@@ -404,9 +405,19 @@ class Canary:
         if not self.static.inputs:
             raise KvCanaryRuntimeError("kv-canary: capture_graphs() needs one forward first (it reads the engine's tables)")
         self._flush()
-        self._graphs = CanaryGraphs(
-            launches=self.launches, sweeper=self.sweeper, static=self.static, counters=self.launch_counters,
-        )
+        try:
+            self._graphs = CanaryGraphs(
+                launches=self.launches, sweeper=self.sweeper, static=self.static, counters=self.launch_counters,
+                error_mode=error_mode,
+            )
+        except BaseException:
+            self.static.frozen = False  # no graph holds the buffers: the eager path goes on as before
+            raise
+
+    @property
+    def replays_own_graphs(self) -> bool:
+        """True once `capture_graphs` succeeded: HEAD / TAIL replay the canary's own CUDA graphs."""
+        return self._graphs is not None
 
     def capture_sweep_graph(self) -> bool:
         """Capture the rotating sweep slice alone into a CUDA graph that `end_step` replays (CUDA only): for an

@@ -59,9 +59,11 @@ class CanaryGraphs:
     instead of two kernels spanning every token of the capacity. `pick` returns the bucket of the set the last
     stage filled; the static buffers stay padded past the batch (see `StaticBatch`)."""
 
-    def __init__(self, *, launches: ForwardLaunches, sweeper: Sweeper, static: StaticBatch, counters) -> None:
+    def __init__(self, *, launches: ForwardLaunches, sweeper: Sweeper, static: StaticBatch, counters,
+                 error_mode: str = "global") -> None:
         require_cuda(static.device)
         self.launches, self.sweeper, self.static = launches, sweeper, static
+        self.error_mode = error_mode  # torch.cuda.graph capture_error_mode; "thread_local" beside an engine's threads
         static.clear()
         static.frozen = True
         shapes = [(static.max_rows, static.max_tokens, "full")]
@@ -114,9 +116,8 @@ class CanaryGraphs:
         self.launches.head(limit=(rows, tokens), on_open=self.branch.fork, before_records=self.branch.wait_plans)
         self.branch.join()
 
-    @staticmethod
-    def _capture(fn, pool) -> torch.cuda.CUDAGraph:
-        return capture_graph(fn, pool=pool)  # a failed capture leaves the thread's stream as it was
+    def _capture(self, fn, pool) -> torch.cuda.CUDAGraph:
+        return capture_graph(fn, pool=pool, error_mode=self.error_mode)  # a failed capture leaves the stream as it was
 
 
 class _SweepBranch:

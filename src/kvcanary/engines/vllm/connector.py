@@ -64,7 +64,7 @@ logger = logging.getLogger("kvcanary")
 
 OPTIONS_KEY = "kvcanary"
 STATS_PERIOD_S = 1.0  # on CUDA, default: seconds between two reads of the canary's counters for vLLM's stats
-ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s")
+ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s", "capture_canary")
 
 
 # ---- what crosses process boundaries -------------------------------------------------------------
@@ -132,8 +132,10 @@ def canary_options(kv_transfer_config) -> tuple[CanaryConfig, dict[str, int]]:
     period = adapter.get("stats_period_s")
     if period is not None and (isinstance(period, bool) or not isinstance(period, (int, float)) or period < 0):
         raise KvCanaryValueError(f"kv-canary: vLLM option stats_period_s must be a number >= 0, got {period!r}")
+    if not isinstance(adapter.get("capture_canary", True), bool):
+        raise KvCanaryValueError(f"kv-canary: vLLM option capture_canary must be true or false, got {adapter['capture_canary']!r}")
     for key, value in adapter.items():
-        if key == "stats_period_s":
+        if key in ("stats_period_s", "capture_canary"):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise KvCanaryValueError(f"kv-canary: vLLM option {key} must be a positive integer, got {value!r}")
@@ -154,6 +156,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.max_context = int(adapter.get("max_context", int(vllm_config.model_config.max_model_len)))
         self.max_batch_tokens = int(sched.max_num_batched_tokens)
         self.stats_period_s = float(adapter.get("stats_period_s", STATS_PERIOD_S))
+        self.capture_canary = bool(adapter.get("capture_canary", True))
+        self._graphs_due = False
         self._refuse_unsupported(vllm_config)
         # scheduler side
         self._requests: dict[str, Any] = {}
@@ -172,6 +176,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._last: dict[str, Any] = {}
         self.engine_forwards = 0
         self.full_graph_forwards = 0
+        self.canary_graph_forwards = 0
         self.unchecked_forwards = 0
         self.canary_errors = 0
         self._suspended: Optional[str] = None  # why this worker's canary stopped checking (its own failure)
@@ -314,6 +319,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             max_batch_tokens=self.max_batch_tokens, device=device,
         )
         self.canary.ledger.add_sink(self._on_violation)
+        self._graphs_due = device.type == "cuda" and self.capture_canary
         for g in self._layouts:
             if device.type == "cuda":
                 self._register_gpu_group(g, config)
@@ -435,6 +441,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             logger.debug("kv-canary: forward %d rows %s prefix %s extend %s", self.engine_forwards, batch.request_ids,
                          batch.prefix_lens.tolist(), batch.extend_lens.tolist())
         self.canary.before_forward(batch)
+        self.canary_graph_forwards += self.canary.replays_own_graphs
         self._open = True
         if self.canary.suspended is not None:
             self.unchecked_forwards += 1  # the bracket passed through: suspended (by this forward or before)
@@ -478,6 +485,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             if self.suspended is None:
                 self._refresh_mirrors(self.view.read_slots)
             self.canary.after_forward()  # closes the bracket (a pass-through when suspended)
+            if self._graphs_due and self.suspended is None:
+                self._capture_canary()
             meta = self._meta
             if self.suspended is None and meta is not None and meta.cached_blocks is not None:
                 self.sweep(meta.cached_blocks)
@@ -485,6 +494,17 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self._failed("wait_for_save", exc)
         finally:
             self.canary_seconds += time.perf_counter() - t0
+
+    def _capture_canary(self) -> None:
+        """CUDA, once, after the first forward: capture the canary's own HEAD / TAIL work in CUDA graphs (a few replays
+        per forward instead of a launch per kernel). A failed capture is logged and the canary goes on launching."""
+        self._graphs_due = False
+        try:
+            self.canary.capture_graphs(error_mode="thread_local")  # vLLM's other threads keep using CUDA meanwhile
+            logger.info("kv-canary: the canary's per-forward device work now replays from its own CUDA graphs")
+        except Exception as exc:  # noqa: BLE001 — the eager launches still check every forward
+            logger.warning("kv-canary: capturing the canary's own CUDA graphs failed (%s: %s); it goes on launching "
+                           "its kernels per forward", type(exc).__name__, exc)
 
     def sweep(self, cached_blocks: list[tuple[int, int, int]]):
         """Verify every live slot now — the running requests' stored positions and the valid tokens of
@@ -551,6 +571,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         return {
             "forwards": self.engine_forwards,
             "full_graph_forwards": self.full_graph_forwards,
+            "canary_graph_forwards": self.canary_graph_forwards,
             "checked_forwards": int(self.canary.checked_forwards()),
             "unchecked_forwards": self.unchecked_forwards,
             "canary_errors": self.canary_errors + self.canary.canary_errors,

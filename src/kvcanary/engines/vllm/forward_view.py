@@ -262,8 +262,7 @@ class WorkerView:
         first = [rid not in self.computed for rid in req_ids]
         self._count_events(req_ids, prefix, query)
         dev = self.device
-        rows_t = self._to_device(rows)
-        seq_t = self._to_device(seq_l)
+        rows_t, seq_t = self._to_device(rows, seq_l)
         tables, written = {}, {}
         for g in self.layouts:
             meta = step.attn_metadata[g.layer_names[0]]
@@ -291,26 +290,29 @@ class WorkerView:
         keys = [self.contexts.get(rid, 0) for rid in req_ids]
         self.keyed = self.keyed or any(keys)
         self.events.same_step_shared += sum(1 for k in shared if k)
+        fields = (canary_prefix, canary_extend, lens) + ((keys,) if self.keyed else ())
+        prefix_t, extend_t, lens_t, *keys_t = self._to_device(*fields)
         return BatchDescription(
             req_pool_indices=rows_t,
-            prefix_lens=self._to_device(canary_prefix),
-            extend_lens=self._to_device(canary_extend),
+            prefix_lens=prefix_t,
+            extend_lens=extend_t,
             input_ids=input_ids,
             positions=positions,
             groups=groups,
             request_ids=tuple(req_ids),
             token_table=self.token_table,
-            token_table_lens=self._to_device(lens),
+            token_table_lens=lens_t,
             forward_kind=classify_forward(prefix, query),
-            context_keys=self._to_device(keys) if self.keyed else None,
+            context_keys=keys_t[0] if keys_t else None,
         )
 
-    def _to_device(self, values: list) -> torch.Tensor:
-        """int64 tensor of ``values`` on the view's device; on CUDA through pinned memory, non-blocking."""
-        host = torch.tensor(values, dtype=torch.int64)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+    def _to_device(self, *columns: list) -> tuple[torch.Tensor, ...]:
+        """int64 tensors of equally long ``columns`` on the view's device; on CUDA one upload through pinned
+        memory, non-blocking (views of one ``[len(columns), n]`` tensor)."""
+        host = torch.tensor(columns, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        return tuple(host.unbind(0))
 
     def _positions(self, g: GroupLayout, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Device ``(p, p // block_size, p % block_size)`` for ``p < n`` (cached per group)."""
@@ -416,16 +418,13 @@ class WorkerView:
             if have > known:
                 have = 0
             if known > have:
-                at_rows.append(torch.full((known - have,), row, dtype=torch.int64))
-                at_cols.append(torch.arange(have, known, dtype=torch.int64))
+                at_rows.extend([row] * (known - have))
+                at_cols.extend(range(have, known))
                 values.extend(hist[have:known])
                 self.filled[rid] = known
             lens.append(min(known, s))
         if values:
-            packed = torch.cat([torch.cat(at_rows), torch.cat(at_cols), torch.tensor(values, dtype=torch.int64)])
-            if self.device.type == "cuda":
-                packed = packed.pin_memory().to(self.device, non_blocking=True)
-            r, c, v = packed.view(3, -1)
+            r, c, v = self._to_device(at_rows, at_cols, values)
             self.token_table[r, c] = v.to(torch.int32)
         return lens
 

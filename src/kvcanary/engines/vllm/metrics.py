@@ -17,6 +17,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTS = (
     "forwards",  # engine forwards the adapter bracketed
     "full_graph_forwards",  # of those, forwards vLLM replayed from a FULL CUDA graph (V2 model runner)
+    "canary_graph_forwards",  # forwards whose canary work replayed the canary's own CUDA graphs (CUDA)
     "checked_forwards",  # forwards whose HEAD checks ran (counted by the canary)
     "unchecked_forwards",  # forwards that ran while the worker's canary was suspended (its own failure)
     "canary_errors",  # failures of the canary itself (log mode: each suspends the worker's canary)
