@@ -40,6 +40,10 @@ from typing import Any, Optional
 
 from kvcanary.engines.vllm.compat import MAX_VLLM, MIN_VLLM, SUPPORTED_VLLM, check_vllm_version
 
+#: ``on_violation`` -> the ``kv_load_failure_policy`` vLLM needs (kept equal to `connector.ON_VIOLATION`, which
+#: imports vLLM)
+ON_VIOLATION = {"log": None, "abort": "fail", "recompute": "recompute", "raise": None}
+
 CONNECTOR_NAME = "KvCanaryConnector"
 CONNECTOR_MODULE = "kvcanary.engines.vllm.connector"
 FAULT_CONNECTOR_NAME = "KvCanaryFaultConnector"
@@ -60,10 +64,18 @@ def kv_transfer_config(*, faults: Optional[list[dict[str, Any]]] = None, **optio
     """The ``kv_transfer_config`` that turns the canary on (pass it to ``LLM(...)`` or, as JSON, to
     ``--kv-transfer-config``). ``options``: `CanaryConfig` fields and ``max_requests`` / ``max_context``.
 
+    ``on_violation`` (an option): ``log`` (default: report, keep serving), ``abort`` (the running requests holding
+    corrupted blocks finish with finish_reason ``error``; the blocks leave the prefix cache), ``recompute`` (they
+    recompute those blocks), ``raise`` (the worker raises: tests). abort / recompute also set vLLM's
+    ``kv_load_failure_policy``.
+
     ``faults`` (tests and the demo only): fault-injector settings (see `kvcanary.engines.vllm.faults`);
     the injector runs as a second connector *before* the canary, through vLLM's ``MultiConnector``.
     """
     canary = connector_entry(**options)
+    policy = ON_VIOLATION.get(options.get("on_violation", "log"))
+    if policy is not None:
+        canary["kv_load_failure_policy"] = policy  # vLLM's failed-block path answers abort / recompute
     if not faults:
         return canary
     injector = {
@@ -72,8 +84,11 @@ def kv_transfer_config(*, faults: Optional[list[dict[str, Any]]] = None, **optio
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"faults": list(faults)},
     }
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"connectors": [injector, canary]}}
+    out = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"connectors": [injector, canary]}}
+    if policy is not None:
+        out["kv_load_failure_policy"] = policy  # the scheduler reads the top-level setting
+    return out
 
 
 __all__ = [

@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvcanary.engines.vllm import ON_VIOLATION
 from kvcanary.engines.vllm.compat import check_vllm_version
 from kvcanary.engines.vllm.forward_view import WorkerView, find_model_runner, is_v2_runner, v1_step, v2_step_from_stack
 from kvcanary.engines.vllm.layout import (
@@ -64,7 +65,8 @@ logger = logging.getLogger("kvcanary")
 
 OPTIONS_KEY = "kvcanary"
 STATS_PERIOD_S = 1.0  # on CUDA, default: seconds between two reads of the canary's counters for vLLM's stats
-ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s", "capture_canary")
+ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s", "capture_canary", "on_violation")
+
 
 
 # ---- what crosses process boundaries -------------------------------------------------------------
@@ -88,9 +90,11 @@ class KvCanaryMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvCanaryWorkerMeta(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, once per step: request id -> [violations, sorted reason labels]."""
+    """Workers -> scheduler, once per step: request id -> [violations, sorted reason labels]; the blocks found
+    corrupted (``on_violation`` abort / recompute)."""
 
     per_request: dict[str, list] = field(default_factory=dict)
+    bad_blocks: tuple[int, ...] = ()  # on_violation abort / recompute: blocks holding corrupted KV
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvCanaryWorkerMeta":
         merged = {rid: [n, list(r)] for rid, (n, r) in self.per_request.items()}
@@ -98,7 +102,8 @@ class KvCanaryWorkerMeta(KVConnectorWorkerMetadata):
             slot = merged.setdefault(rid, [0, []])
             slot[0] += n
             slot[1] = sorted(set(slot[1]) | set(reasons))
-        return KvCanaryWorkerMeta(per_request=merged)
+        bad = tuple(sorted(set(self.bad_blocks) | set(getattr(other, "bad_blocks", ()))))
+        return KvCanaryWorkerMeta(per_request=merged, bad_blocks=bad)
 
 
 def canary_options(kv_transfer_config) -> tuple[CanaryConfig, dict[str, int]]:
@@ -132,10 +137,17 @@ def canary_options(kv_transfer_config) -> tuple[CanaryConfig, dict[str, int]]:
     period = adapter.get("stats_period_s")
     if period is not None and (isinstance(period, bool) or not isinstance(period, (int, float)) or period < 0):
         raise KvCanaryValueError(f"kv-canary: vLLM option stats_period_s must be a number >= 0, got {period!r}")
+    policy = adapter.get("on_violation", "log")
+    if policy not in ON_VIOLATION:
+        raise KvCanaryValueError(f"kv-canary: vLLM option on_violation must be one of {', '.join(ON_VIOLATION)}, got {policy!r}")
+    if policy == "raise":
+        extra["mode"] = "raise"
+    elif policy != "log" and extra.get("mode") == "raise":
+        raise KvCanaryValueError(f"kv-canary: on_violation={policy!r} and mode='raise' contradict each other; pick one")
     if not isinstance(adapter.get("capture_canary", True), bool):
         raise KvCanaryValueError(f"kv-canary: vLLM option capture_canary must be true or false, got {adapter['capture_canary']!r}")
     for key, value in adapter.items():
-        if key in ("stats_period_s", "capture_canary"):
+        if key in ("stats_period_s", "capture_canary", "on_violation"):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise KvCanaryValueError(f"kv-canary: vLLM option {key} must be a positive integer, got {value!r}")
@@ -157,6 +169,12 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.max_batch_tokens = int(sched.max_num_batched_tokens)
         self.stats_period_s = float(adapter.get("stats_period_s", STATS_PERIOD_S))
         self.capture_canary = bool(adapter.get("capture_canary", True))
+        self.on_violation = str(adapter.get("on_violation", "log"))
+        self._check_response_path(vllm_config, kv_cache_config)
+        self._bad_blocks: set[int] = set()  # worker: blocks holding corrupted KV, not yet reported to vLLM
+        self._pending_bad: tuple[int, ...] = ()  # worker: reported this step, for the scheduler side's eviction
+        self.blocks_reported = 0  # worker: blocks handed to vLLM as failed (abort / recompute)
+        self.blocks_evicted = 0  # scheduler: corrupted blocks dropped from the prefix cache
         self._graphs_due = False
         self._refuse_unsupported(vllm_config)
         # scheduler side
@@ -199,6 +217,25 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             raise KvCanaryValueError("kv-canary: pipeline parallelism is not supported by the vLLM canary adapter")
         if getattr(vllm_config.model_config, "uses_mrope", False):
             raise KvCanaryValueError("kv-canary: M-RoPE models (multi-dimensional positions) are not supported")
+
+    def _check_response_path(self, vllm_config, kv_cache_config) -> None:
+        """``abort`` / ``recompute`` answer through vLLM's KV-load-failure path (``get_block_ids_with_load_errors`` +
+        ``kv_transfer_config.kv_load_failure_policy``), which vLLM supports for one KV cache group only."""
+        want = ON_VIOLATION[self.on_violation]
+        if want is None:
+            return
+        have = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None)
+        if have != want:
+            raise KvCanaryValueError(
+                f"kv-canary: on_violation={self.on_violation!r} needs kv_transfer_config.kv_load_failure_policy="
+                f"{want!r} (got {have!r}); kvcanary.engines.vllm.kv_transfer_config(on_violation=...) sets both"
+            )
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) > 1:
+            raise KvCanaryValueError(
+                f"kv-canary: on_violation={self.on_violation!r} needs a model with one KV cache group (vLLM's failed-block "
+                f"path does not map block ids of {len(groups)} groups to requests); use on_violation='log'"
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -261,6 +298,13 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KvCanaryWorkerMeta):
+            if meta.bad_blocks and self._block_pool is not None:
+                # vLLM fails / recomputes the running requests holding them; dropping them from the prefix cache
+                # also keeps an idle cached block from being served to the next request that hits it
+                self._block_pool.evict_blocks(set(meta.bad_blocks))
+                self.blocks_evicted += len(meta.bad_blocks)
+                logger.warning("kv-canary: %d block(s) holding corrupted KV dropped from the prefix cache (on_violation=%s)",
+                               len(meta.bad_blocks), self.on_violation)
             for rid, (n, reasons) in meta.per_request.items():
                 slot = self._verdicts.setdefault(rid, [0, []])
                 slot[0] += n
@@ -522,16 +566,36 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                     m.refresh(slots)
 
     def _on_violation(self, v: Violation) -> None:
+        if self.on_violation in ("abort", "recompute") and v.slot > 0:
+            g = next((g for g in self._layouts if g.name == v.group), None)
+            if g is not None and g.index == 0:
+                self._bad_blocks.add(int(v.slot) // g.manager_block_size)
         rid = v.request_id if v.request_id is not None else "-"
         slot = self._pending.setdefault(rid, [0, []])
         slot[0] += 1
         if v.reason_label not in slot[1]:
             slot[1] = sorted(set(slot[1]) | {v.reason_label})
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """``on_violation`` abort / recompute: the blocks whose KV the canary found corrupted since the last step,
+        reported to vLLM as failed loads — its scheduler then fails (``kv_load_failure_policy="fail"``) or recomputes
+        (``"recompute"``) the running requests that hold them. Found when the violations are drained (on CUDA up to
+        ``drain_interval`` forwards after the read): tokens already emitted from the corrupted KV stand."""
+        if not self._bad_blocks:
+            return set()
+        blocks = self._bad_blocks
+        self._pending_bad = tuple(sorted(blocks))
+        self._bad_blocks = set()
+        self.blocks_reported += len(blocks)
+        logger.warning("kv-canary: reporting %d block(s) with corrupted KV to vLLM (on_violation=%s): %s",
+                       len(blocks), self.on_violation, sorted(blocks)[:16])
+        return set(blocks)
+
     def build_connector_worker_meta(self) -> Optional[KvCanaryWorkerMeta]:
-        if not self._pending:
+        bad, self._pending_bad = self._pending_bad, ()
+        if not self._pending and not bad:
             return None
-        meta, self._pending = KvCanaryWorkerMeta(per_request=self._pending), {}
+        meta, self._pending = KvCanaryWorkerMeta(per_request=self._pending, bad_blocks=bad), {}
         return meta
 
     def get_kv_connector_stats(self) -> Optional[KvCanaryStats]:

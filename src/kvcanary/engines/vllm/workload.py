@@ -136,13 +136,14 @@ def generate(llm, requests: list[Request]) -> dict[str, Any]:
                              **({"temperature": 1.0, "top_k": 1} if r.n > 1 else {"temperature": 0.0}))
               for r in requests]
     outs = llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params, use_tqdm=False)
-    tokens, verdicts, ids = [], [], []
+    tokens, verdicts, ids, finish = [], [], [], []
     for o in outs:
         tokens.append([list(c.token_ids) for c in o.outputs])
+        finish.append([c.finish_reason for c in o.outputs])
         params_out = o.kv_transfer_params or {}
         verdicts.append(params_out.get("kv_canary"))
         ids.append(o.request_id)
-    return {"tokens": tokens, "verdicts": verdicts, "request_ids": ids}
+    return {"tokens": tokens, "verdicts": verdicts, "request_ids": ids, "finish_reasons": finish}
 
 
 def vllm_metrics(llm) -> dict[str, Any]:
@@ -179,11 +180,13 @@ FAULT_PLAN = (
 
 def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
                faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1,
-               model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log") -> dict[str, Any]:
+               model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log",
+               on_violation: str = "log") -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
     verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger.
-    ``shape``: `model_config` options (layers, sliding window); ``mode_option``: the canary's mode."""
+    ``shape``: `model_config` options (layers, sliding window); ``mode_option``: the canary's mode; ``on_violation``:
+    the adapter's response (log, abort, recompute)."""
     import time
 
     from vllm import LLM
@@ -201,8 +204,9 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     ktc = None
     if mode != "ref":
         plan = [dict(f, ledger_path=lpath) for f in faults] if mode == "faults" else None
+        extra = {"on_violation": on_violation} if on_violation != "log" else {}
         ktc = kv_transfer_config(mode=mode_option, jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
-                                 faults=plan, stats_period_s=0)
+                                 faults=plan, stats_period_s=0, **extra)
     # processes=False: engine core and worker run in this process and step only when LLM.generate
     # steps them, so every run batches the same requests together (identical forwards with and
     # without the canary) and starts in seconds. processes=True: vLLM's default layout — engine-core
@@ -221,7 +225,7 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     out = generate(llm, workload(seed))
     t2 = time.perf_counter()
     violations = [dict(v, rank=r) for r, p in enumerate(vpaths) for v in read_jsonl(p)]
-    out.update(mode=mode, model=model_kind, processes=processes, tensor_parallel=tensor_parallel, pid=os.getpid(),
+    out.update(mode=mode, model=model_kind, on_violation=on_violation, processes=processes, tensor_parallel=tensor_parallel, pid=os.getpid(),
                metrics=vllm_metrics(llm), violations=violations, ledger=read_jsonl(lpath),
                start_seconds=round(t1 - t0, 2), generate_seconds=round(t2 - t1, 3))
     return out
@@ -244,13 +248,14 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="layers of the tiny model")
     parser.add_argument("--window", type=int, default=None, help="sliding window of the tiny model")
     parser.add_argument("--canary-mode", default="log", choices=("log", "raise"), help="the canary's mode")
+    parser.add_argument("--on-violation", default="log", choices=("log", "abort", "recompute"), help="the adapter's response")
     args = parser.parse_args(argv)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
     faults = tuple(dict(f, rank=args.fault_rank) for f in FAULT_PLAN) if args.fault_rank is not None else FAULT_PLAN
     result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes,
                         tensor_parallel=args.tensor_parallel, faults=faults, model_kind=args.model,
                         shape={k: v for k, v in (("layers", args.layers), ("sliding_window", args.window)) if v is not None},
-                        mode_option=args.canary_mode)
+                        mode_option=args.canary_mode, on_violation=args.on_violation)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0
