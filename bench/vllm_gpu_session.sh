@@ -32,8 +32,8 @@ for stage in ${STAGES:-tests bench1b}; do
       echo "diag rc=$?"; grep -vE "^\[|^INFO|^WARNING|^\(|Warning|warn" "$OUT/diag.log" | grep -A200 "^round" | head -90 ;;
     bench1b|bench8b)
       shape=${stage#bench}
-      [ "$(left)" -lt 200 ] && { echo "skip $stage: $(left) s left"; continue; }
-      timeout $(( $(left) - 10 )) python3 bench/vllm_gpu_overhead.py --shapes "$shape" --rounds "${ROUNDS:-3}" \
+      [ "$(left)" -lt "${MIN_BENCH_S:-200}" ] && { echo "skip $stage: $(left) s left"; continue; }
+      timeout $(( $(left) - 10 )) python3 bench/vllm_gpu_overhead.py --shapes "$shape" --rounds "${ROUNDS:-3}" ${ARMS:+--arms $ARMS} \
         --out "$OUT/vllm_gpu_overhead.$shape.json" > "$OUT/bench_$shape.log" 2>&1
       echo "$stage rc=$?"; grep -E "^\[|shape|^1b|^8b" "$OUT/bench_$shape.log" | tail -16 ;;
   esac
