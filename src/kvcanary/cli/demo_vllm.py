@@ -85,15 +85,24 @@ def run_demo(*, seed: int = 0, processes: bool = False, workdir: Optional[str] =
             runs.append(_run(mode, work, seed, processes))
             if progress is not None:
                 progress(f"vLLM run {k}/{len(RUNS)} done in {time.perf_counter() - t:.0f} s")
-    return summarize(*runs, engine=f"vllm {version} (cpu)", processes=processes,
-                     seconds=round(time.perf_counter() - t0, 2))
+    device = _device()
+    return summarize(*runs, engine=f"vllm {version} ({device})", processes=processes,
+                     seconds=round(time.perf_counter() - t0, 2), device=device)
 
 
-def summarize(reference: dict, clean: dict, faulted: dict, *, engine: str, processes: bool, seconds: float) -> dict:
+def _device() -> str:
+    """``cuda`` where vLLM runs on a GPU (its defaults there: CUDA graphs, FlashAttention), else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def summarize(reference: dict, clean: dict, faulted: dict, *, engine: str, processes: bool, seconds: float,
+              device: str = "cpu") -> dict:
     """The demo result from the three runs' outputs (`kvcanary.engines.vllm.workload.run_engine`)."""
     summary = _summary(clean)
     summary["outputs_identical"] = clean["tokens"] == reference["tokens"]
-    result = {"engine": engine, "device": "cpu", "processes": processes,
+    result = {"engine": engine, "device": device, "processes": processes,
               "models": {"llama": {"clean": summary}},
               "clean": {k: summary[k] for k in ("forwards", "slots_verified", "violations")}, "faults": []}
     violations = faulted["violations"]
