@@ -569,8 +569,11 @@ class Canary:
         return self.launch_counters.snapshot().verify_kernels[int(first.tag("head"))]
 
     def stats(self) -> CanaryStats:
-        """Forwards, slots verified / written, kernel launches, sweeps, violations, memory."""
-        self._flush()
+        """Forwards, slots verified / written, kernel launches, sweeps, violations, memory. Inside an open forward the
+        rings are not drained (the HEAD rows would leave before TAIL stamps them): violations found since the last
+        drain count from the next call on."""
+        if not self._depth:
+            self._flush()
         return self._gather_stats()
 
     def memory_bytes(self) -> int:

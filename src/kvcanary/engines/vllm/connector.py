@@ -64,6 +64,9 @@ from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViol
 logger = logging.getLogger("kvcanary")
 
 OPTIONS_KEY = "kvcanary"
+#: speculative decoding methods the adapter checks: drafts proposed without a draft model (no draft KV cache); the
+#: target model writes the drafts' KV in its verify forward, and the next forward rewrites the rejected positions
+SPEC_METHODS = ("ngram",)
 STATS_PERIOD_S = 1.0  # on CUDA, default: seconds between two reads of the canary's counters for vLLM's stats
 ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s", "capture_canary", "on_violation")
 
@@ -86,6 +89,7 @@ class KvCanaryMetadata(KVConnectorMetadata):
     finished: tuple[str, ...] = ()
     preempted: tuple[str, ...] = ()
     cached_blocks: Optional[list[tuple[int, int, int]]] = None
+    drafts: dict[str, int] = field(default_factory=dict)  # request id -> draft tokens scheduled (speculative decoding)
 
 
 @dataclass
@@ -208,10 +212,11 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- configuration checks ------------------------------------------------------------------
     @staticmethod
     def _refuse_unsupported(vllm_config) -> None:
-        if vllm_config.speculative_config is not None:
+        spec = vllm_config.speculative_config
+        if spec is not None and getattr(spec, "method", None) not in SPEC_METHODS:
             raise KvCanaryValueError(
-                "kv-canary: speculative decoding is on; the vLLM canary adapter checks non-speculative "
-                "decoding only (draft tokens are written and rolled back outside the scheduler's record)"
+                f"kv-canary: speculative decoding method {getattr(spec, 'method', None)!r} is not supported by the vLLM "
+                f"canary adapter (supported: {', '.join(SPEC_METHODS)}: drafts without a draft model's KV cache)"
             )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise KvCanaryValueError("kv-canary: pipeline parallelism is not supported by the vLLM canary adapter")
@@ -272,7 +277,10 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         interval = self.config.sweep_interval
         if interval and self._metas % interval == 0 and self._block_pool is not None:
             cached = self._cached_blocks()
+        drafts = {rid: len(ids) for rid, ids in (getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}).items()
+                  if ids}
         return KvCanaryMetadata(
+            drafts=drafts,
             tokens=tokens,
             contexts=contexts,
             finished=tuple(scheduler_output.finished_req_ids or ()),
@@ -471,7 +479,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                                    track_read_slots=bool(self._mirrors))
             self._v2 = is_v2_runner(runner)
         self.view.apply(tokens=connector_metadata.tokens, finished=connector_metadata.finished,
-                        preempted=connector_metadata.preempted, contexts=connector_metadata.contexts)
+                        preempted=connector_metadata.preempted, contexts=connector_metadata.contexts,
+                        drafts=connector_metadata.drafts)
         step = self._step()
         if step is None:
             return
@@ -647,6 +656,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             "chunked_prefills": ev.chunked if ev else 0,
             "resumed": ev.resumed if ev else 0,
             "same_step_shares": ev.same_step_shared if ev else 0,
+            "draft_tokens": ev.draft_tokens if ev else 0,
             "slots_reused": self.view.slots_reused() if self.view is not None else 0,
             "canary_microseconds": int(self.canary_seconds * 1e6),
             "by_reason": dict(stats.violations_by_reason),

@@ -195,6 +195,7 @@ class ForwardEvents:
     chunked: int = 0  # forwards continuing a prefill (query > 1 at a position > 0, not a first forward)
     resumed: int = 0  # first forward after a preemption
     same_step_shared: int = 0  # rows reading prefix blocks that another row of the same forward writes
+    draft_tokens: int = 0  # speculative decoding: draft tokens written (and verified) by the target model
 
 
 class WorkerView:
@@ -217,6 +218,7 @@ class WorkerView:
         self.contexts: dict[str, int] = {}  # request id -> context key (LoRA adapter / cache salt), when not 0
         self.keyed = False  # a request with a context key was seen: every batch carries context keys from then on
         self.events = ForwardEvents()
+        self.drafts: dict[str, int] = {}
         # per group: slots of positions < seq_len of the last forward (kept only for adapters that mirror KV)
         self.track_read_slots = track_read_slots
         self.read_slots: dict[str, torch.Tensor] = {}
@@ -226,7 +228,9 @@ class WorkerView:
         self._reused = torch.zeros((), dtype=torch.int64, device=self.device)
 
     # ---- scheduler events ----------------------------------------------------------------------
-    def apply(self, *, tokens: dict, finished, preempted, contexts: Optional[dict] = None) -> None:
+    def apply(self, *, tokens: dict, finished, preempted, contexts: Optional[dict] = None,
+              drafts: Optional[dict] = None) -> None:
+        self.drafts = dict(drafts or {})  # this step's draft tokens per request (speculative decoding)
         for rid in preempted:
             self.computed.pop(rid, None)
             self.preempted.add(rid)
@@ -261,6 +265,7 @@ class WorkerView:
         rows = [self.rows.get(rid) for rid in req_ids]
         first = [rid not in self.computed for rid in req_ids]
         self._count_events(req_ids, prefix, query)
+        self.events.draft_tokens += sum(self.drafts.get(rid, 0) for rid in req_ids)
         dev = self.device
         rows_t, seq_t = self._to_device(rows, seq_l)
         tables, written = {}, {}
@@ -302,7 +307,7 @@ class WorkerView:
             request_ids=tuple(req_ids),
             token_table=self.token_table,
             token_table_lens=lens_t,
-            forward_kind=classify_forward(prefix, query),
+            forward_kind=classify_forward(prefix, query, [bool(self.drafts.get(rid)) for rid in req_ids]),
             context_keys=keys_t[0] if keys_t else None,
         )
 
@@ -436,7 +441,7 @@ class WorkerView:
                 self.preempted.discard(rid)
             elif first and p > 0:
                 self.events.prefix_hits += 1
-            elif not first and p > 0 and q > 1:
+            elif not first and p > 0 and q > 1 and not self.drafts.get(rid):  # a verify row is no prefill chunk
                 self.events.chunked += 1
 
     # ---- sweep ---------------------------------------------------------------------------------

