@@ -4,6 +4,7 @@ the canary, and both faults are still caught against the right request in the fo
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -32,6 +33,15 @@ def faulted(tmp_path_factory):
     return run_workload("faults", tmp_path_factory, *SPEC)
 
 
+SPEC_FAULTS = json.dumps([{"name": "shift_draft_positions", "after_forward": 8, "seed": 0},
+                          {"name": "misdirect_draft_write", "after_forward": 20, "seed": 1}])
+
+
+@pytest.fixture(scope="module")
+def spec_faulted(tmp_path_factory):
+    return run_workload("faults", tmp_path_factory, *SPEC, "--fault-plan", SPEC_FAULTS)
+
+
 def test_speculative_clean_run_is_silent_and_identical(reference, clean):
     assert reference["tokens"] and clean["tokens"] == reference["tokens"]
     m = clean["metrics"]
@@ -53,3 +63,15 @@ def test_speculative_faults_caught_in_their_forward_against_the_right_request(fa
     first = min(e["forward"] for e in faulted["ledger"])
     assert not [v for v in violations if v["step"] < first]
     assert all(v["step"] >= 0 and v["request_id"] is not None for v in violations if not v["launch_tag"].startswith("SWEEP"))
+
+
+def test_draft_faults_injected_into_vllm_buffers_caught_in_their_forward(spec_faulted):
+    """Drafts fed at shifted positions, and a draft's KV stored into another request's context: each caught against
+    the request it was injected into, in the verify forward itself."""
+    ledger = {e["name"]: e for e in spec_faulted["ledger"]}
+    assert set(ledger) == {"shift_draft_positions", "misdirect_draft_write"}
+    for e in ledger.values():
+        hits = [v for v in spec_faulted["violations"] if v["step"] == e["forward"] and v["request_id"] == e["request_id"]
+                and set(v["fail_reason"].split("+")) & set(e["expected"])]
+        assert hits, e
+    assert not [v for v in spec_faulted["violations"] if v["step"] < min(e["forward"] for e in ledger.values())]

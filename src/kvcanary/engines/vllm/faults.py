@@ -17,6 +17,11 @@ only that tensor-parallel rank injects, into its own KV shard):
 * ``redirect_block_table`` — one block-table entry of a running request (a block of its verified
   prefix) points at another of its blocks for one forward: attention reads the wrong KV. Expected:
   ``verify_position`` (HEAD) against that request. The entry is restored after the forward.
+* ``shift_draft_positions`` (speculative decoding) — at a verify forward, one row's draft tokens are fed at positions
+  one too high (the runner's positions buffer). Expected: ``write_position`` against that request (HEAD).
+* ``misdirect_draft_write`` (speculative decoding) — at a verify forward, one draft token's KV is stored in a slot of
+  another running request's context (the slot mapping). Expected: ``verify_real_kv_hash`` (TAIL) against the writer
+  and the request whose context it overwrote, in the same forward; then their HEAD checks.
 * ``overwrite_window_edge`` (``"back": k``) — at the first decode row (query at position p >= k), the K
   and V of position ``p - k`` in every layer of the sliding-window group (else the full group) are
   overwritten with a constant just before the forward: with ``k = W - 1`` and ``k = W`` it shows which
@@ -47,7 +52,9 @@ from kvcanary.errors import KvCanaryValueError
 
 logger = logging.getLogger("kvcanary")
 
-FAULTS = ("flip_cached_block_byte", "redirect_block_table", "overwrite_window_edge")
+FAULTS = ("flip_cached_block_byte", "redirect_block_table", "overwrite_window_edge", "shift_draft_positions",
+          "misdirect_draft_write")
+SPEC_FAULTS = ("shift_draft_positions", "misdirect_draft_write")  # need a verify forward (speculative decoding)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +73,7 @@ class Injection:
 
 @dataclass
 class _NoMetadata(KVConnectorMetadata):
-    pass
+    drafts: Optional[dict] = None  # request id -> draft tokens scheduled this step (speculative decoding)
 
 
 class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
@@ -101,7 +108,8 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return _NoMetadata()
+        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        return _NoMetadata(drafts={rid: len(ids) for rid, ids in spec.items() if ids})
 
     def request_finished_all_groups(self, request, block_ids):
         return False, None
@@ -169,7 +177,10 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             if spec.get("rank") is not None and int(spec["rank"]) != self.rank:
                 continue  # another tensor-parallel rank's shard
-            if spec["name"] == "flip_cached_block_byte":
+            if spec["name"] in SPEC_FAULTS:
+                drafts = getattr(connector_metadata, "drafts", None) or {}
+                injection = self._spec_fault(spec["name"], self.rngs[k], full, meta, step, drafts)
+            elif spec["name"] == "flip_cached_block_byte":
                 injection = self._flip(self.rngs[k], full, meta, req_ids, prefix, written, spec)
             else:
                 injection = self._redirect(self.rngs[k], full, meta, req_ids, prefix, written)
@@ -239,6 +250,38 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
                          expected=("verify_position", "verify_chain_hash", "verify_token"),
                          detail=f"block-table entry {j} of {req_ids[i]} (block {old}, positions {j * B}-{j * B + B - 1}) "
                                 f"-> block {new} (its positions {j2 * B}-{j2 * B + B - 1})")
+
+    def _spec_fault(self, name: str, rng, g, meta, step, drafts: dict) -> Optional[Injection]:
+        """At a verify forward (a row with drafts): ``shift_draft_positions`` feeds the row's draft tokens at positions
+        one too high (the model's positions buffer); ``misdirect_draft_write`` stores one draft token's KV in a slot of
+        another running request's context (the slot mapping). Both before the forward, in vLLM's own buffers."""
+        qsl = [0]
+        for q in step.query:
+            qsl.append(qsl[-1] + q)
+        rows = [i for i, rid in enumerate(step.req_ids) if drafts.get(rid, 0) > 0]
+        if not rows:
+            return None
+        i = rng.choice(rows)
+        rid, n = step.req_ids[i], drafts[step.req_ids[i]]
+        lo, hi = qsl[i + 1] - n, qsl[i + 1]
+        if name == "shift_draft_positions":
+            step.positions[lo:hi] += 1
+            return Injection(name=name, forward=self.forward, rank=self.rank, request_id=rid,
+                             slot=int(meta.slot_mapping[lo]), expected=("write_position",),
+                             detail=f"{n} draft tokens of {rid} fed at positions {int(step.positions[lo]) - 1}.. + 1")
+        B = g.block_size
+        victims = [j for j in range(len(step.req_ids)) if j != i and step.prefix[j] >= 1]
+        if not victims:
+            return None
+        j = rng.choice(victims)
+        pos = rng.randrange(step.prefix[j])
+        victim_slot = int(meta.block_table[j, pos // B]) * B + pos % B
+        at = rng.randrange(lo, hi)
+        meta.slot_mapping[at] = victim_slot
+        return Injection(name=name, forward=self.forward, rank=self.rank, request_id=rid, slot=victim_slot,
+                         expected=("verify_real_kv_hash", "verify_position", "verify_token", "verify_chain_hash"),
+                         detail=f"draft token {at - lo} of {rid} stored in slot {victim_slot} (position {pos} of "
+                                f"{step.req_ids[j]})")
 
     def _overwrite_edge(self, back: int, g, meta) -> Optional[Injection]:
         num_reqs = int(meta.query_start_loc.shape[0]) - 1

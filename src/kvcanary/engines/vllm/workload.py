@@ -266,9 +266,10 @@ def main(argv=None) -> int:
     parser.add_argument("--canary-mode", default="log", choices=("log", "raise"), help="the canary's mode")
     parser.add_argument("--on-violation", default="log", choices=("log", "abort", "recompute"), help="the adapter's response")
     parser.add_argument("--spec", type=int, default=0, help="n-gram speculative decoding with this many draft tokens")
+    parser.add_argument("--fault-plan", default=None, help="faults: a JSON list of fault settings instead of the default plan")
     args = parser.parse_args(argv)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
-    plan = FAULT_PLAN_SPEC if args.spec else FAULT_PLAN
+    plan = tuple(json.loads(args.fault_plan)) if args.fault_plan else (FAULT_PLAN_SPEC if args.spec else FAULT_PLAN)
     faults = tuple(dict(f, rank=args.fault_rank) for f in plan) if args.fault_rank is not None else plan
     result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes,
                         tensor_parallel=args.tensor_parallel, faults=faults, model_kind=args.model,
