@@ -8,6 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from kvcanary import __version__
+from kvcanary.cli.paths import check_output_path  # noqa: F401  (re-exported)
 from kvcanary.errors import KvCanaryValueError, is_kvcanary_message
 
 
@@ -133,19 +134,6 @@ def _demo_vllm(args) -> int:
     _emit(format_table(result), result, args.json)
     clean_ok = result["clean"]["violations"] == 0 and result["models"]["llama"]["clean"]["outputs_identical"]
     return 0 if clean_ok and all(f["caught"] for f in result["faults"]) else 1
-
-
-def check_output_path(flag: str, path: Optional[str]) -> None:
-    """``path`` can be written now: not a directory, its directory exists and is writable."""
-    if path is None:
-        return
-    if os.path.isdir(path):
-        raise KvCanaryValueError(f"kv-canary: {flag} {path!r} is a directory, not a file")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise KvCanaryValueError(f"kv-canary: {flag} {path!r}: directory {directory!r} does not exist")
-    if not os.access(path if os.path.exists(path) else directory, os.W_OK):
-        raise KvCanaryValueError(f"kv-canary: {flag} {path!r} is not writable")
 
 
 if __name__ == "__main__":

@@ -263,7 +263,7 @@ BACKENDS = ("gloo", "nccl")
 
 def check_args(args) -> None:
     """Every argument, before the two processes start (a bad backend would fail in both, late)."""
-    from kvcanary.cli.main import check_output_path
+    from kvcanary.cli.paths import check_output_path
 
     if args.max_new < 1:
         raise KvCanaryValueError(f"kv-canary: --max-new must be >= 1, got {args.max_new}")

@@ -71,12 +71,12 @@ def running_requests(engine, *, tokens_left: int = 2) -> list:
 
 def slot_writer(canary: Canary, group: str, slot: int) -> Optional[str]:
     """The request that last wrote ``slot`` (from the runtime's slot records), or None."""
-    from kvcanary.runtime.canary import OWNER_SPAN
+    from kvcanary.runtime.owners import split_owner
 
     owner = int(canary.groups[group].records.owner[slot])
     if owner < 0:
         return None
-    step, row = divmod(owner, OWNER_SPAN)
+    step, row = split_owner(owner)
     entry = canary.step_log.get(step)
     if entry is None or entry.request_ids is None or row >= len(entry.request_ids):
         return None

@@ -43,7 +43,7 @@ def run_tf_campaign(faults: Sequence[str], *, seed: int = 0, per_class: int = 3,
                     num_requests: int = 8, device: str = "cpu", oracle: bool = True,
                     progress: Optional[Callable[[], None]] = None) -> tuple[dict, list[Outcome], dict]:
     """Returns ({class: [Outcome]}, all outcomes, clean {forwards, violations})."""
-    from kvcanary.cli.demo import generate, tiny_model, workload
+    from kvcanary.faults.tf_workload import generate, tiny_model, workload
     from kvcanary.engines.transformers_cb.attach import attach
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)

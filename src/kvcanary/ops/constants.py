@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from kvcanary.errors import KvCanaryValueError
 
+MASK64 = (1 << 64) - 1  # unsigned 64-bit values held in int64 tensors / Python ints
+
 CANARY_CHAIN_ANCHOR = 0xC0FFEE1234567890
 REQ_POOL_IDX_PADDING = 0
 TOKEN_TO_KV_SLOT_PADDING = 0

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
-from kvcanary.ops.constants import CANARY_FIELDS_PER_SLOT
+from kvcanary.ops.constants import CANARY_FIELDS_PER_SLOT, MASK64
 
 CANARY_RECORDS_MAGIC = int.from_bytes(b"KVCANARY", "little")
 """Header word 0: the bytes ``KVCANARY`` read as a little-endian int64 (0x5952414E4143564B)."""
@@ -64,7 +64,7 @@ def check_canary_records(op: str, records: object, *, num_records: int, num_buff
     magic, version, n, b = (int(v) for v in records[0, :_HEADER_WORDS].tolist())
     if magic != CANARY_RECORDS_MAGIC:
         raise KvCanaryValueError(
-            f"kv-canary: {op} records header magic is 0x{magic & (2**64 - 1):016X}, expected "
+            f"kv-canary: {op} records header magic is 0x{magic & MASK64:016X}, expected "
             f"0x{CANARY_RECORDS_MAGIC:016X} (not a kvcanary record export, or another byte order)"
         )
     if version != CANARY_RECORDS_VERSION:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.ops.constants import CANARY_CHAIN_ANCHOR
+from kvcanary.ops.constants import CANARY_CHAIN_ANCHOR, MASK64  # noqa: F401  (MASK64 re-exported)
 
-MASK64 = (1 << 64) - 1
 SPLITMIX64_GAMMA_1 = 0xBF58476D1CE4E5B9
 SPLITMIX64_GAMMA_2 = 0x94D049BB133111EB
 SPLITMIX64_SHIFTS = (30, 27, 31)

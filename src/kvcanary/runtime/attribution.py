@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from kvcanary.ops import CanaryLaunchTag, FailReason
+from kvcanary.ops.constants import MASK64
 from kvcanary.runtime.drain import RingRow
 from kvcanary.runtime.reads import READ_TABLE_MISMATCH, RUNTIME_REASONS, reason_label
 
@@ -38,7 +39,7 @@ REASON_MEANING = {
 
 
 def _hex(x: Optional[int]) -> str:
-    return "-" if x is None else f"0x{x & (2**64 - 1):016x}"
+    return "-" if x is None else f"0x{x & MASK64:016x}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,7 +276,7 @@ class Attributor:
             stored_token=r.stored_token,
             expected_token=None if r.expected_token == -1 else r.expected_token,
             stored_hash=r.stored_hash,
-            expected_hash=None if r.is_write else r.expected_aux & (2**64 - 1),
+            expected_hash=None if r.is_write else r.expected_aux & MASK64,
             reasons=r.reasons,
             request_id=rid,
             request_row=rrow,

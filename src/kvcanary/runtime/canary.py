@@ -78,6 +78,7 @@ import torch
 
 from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryValueError
 from kvcanary.ops import CANARY_FIELD_REAL_KV_HASH, RealKvHashMode
+from kvcanary.ops.constants import MASK64
 from kvcanary.ops.reference.real_kv import fingerprint_slots
 from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violation, device_rows
 from kvcanary.runtime.batch import BatchDescription, GroupSpec
@@ -91,6 +92,7 @@ from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import CanaryHealthError, HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
 from kvcanary.runtime.moves import MoveReport, SlotMoves, move_tags
+from kvcanary.runtime.owners import OWNER_SPAN
 from kvcanary.runtime.polled import PolledWords
 from kvcanary.runtime.reads import append_read_rows
 from kvcanary.runtime.report import CanaryViolationError, ViolationLedger
@@ -103,7 +105,6 @@ KvLayers = Union[Mapping[int, tuple[torch.Tensor, torch.Tensor]], Callable[[int]
 
 logger = logging.getLogger("kvcanary")
 
-OWNER_SPAN = 1 << 20  # slot-record owner code = step * OWNER_SPAN + batch row
 DEFAULT_MAX_BATCH_TOKENS = 8192
 
 
@@ -763,7 +764,7 @@ class Canary:
         if tag.side not in g.tail_bufs:
             return []
         idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        mask = 2**64 - 1
+        mask = MASK64
         mode = RealKvHashMode(int(g.hash_mode)).name.lower()
         candidates = [(g.tail_bufs[tag.side], g.sources.get(tag.side, ()), int(g.hash_mode),
                        f"layers {list(g.hashed_layers)}, {mode}")]

@@ -37,11 +37,12 @@ from kvcanary.ops import (
     FailReason,
 )
 from kvcanary.runtime.cuda_host import current_stream
+from kvcanary.ops.constants import MASK64
 from kvcanary.runtime.polled import PolledWords
 
 STAMP_FIELDS = 3  # (step, batch row, expected position): see ops.launch_stamp_violation_rows
 WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH | FailReason.WRITE_SLOT_OUT_OF_RANGE
-_MASK64 = 2**64 - 1
+_MASK64 = MASK64
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from kvcanary.ops.constants import CANARY_FIELD_POSITION
 from kvcanary.ops.reference.common import last_occurrence_mask
 from kvcanary.runtime.attribution import Violation
 from kvcanary.runtime.groups import NEVER_WRITTEN, CanaryGroup
+from kvcanary.runtime.owners import OWNER_SPAN
 
 if TYPE_CHECKING:
     from kvcanary.runtime.canary import Canary
@@ -259,8 +260,6 @@ class SlotMoves:
 
     @property
     def canary_owner_span(self) -> int:
-        from kvcanary.runtime.canary import OWNER_SPAN
-
         return OWNER_SPAN
 
     def _copy_slot_records(self, g: CanaryGroup, src: torch.Tensor, dst: torch.Tensor, live: torch.Tensor,

@@ -68,11 +68,6 @@ def pdl_enabled(device: torch.device, wanted: bool) -> bool:
     return bool(wanted) and device.type == "cuda" and _capability(_index(device))[0] >= 9
 
 
-def capturing(device: torch.device) -> bool:
-    """True while the current CUDA stream is being captured into a graph (never on CPU)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of the device (4 under the CPU interpreter)."""
     if device.type != "cuda":

@@ -35,7 +35,8 @@ import triton.language as tl
 from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.records import VerifyPlan, WritePlan
 from kvcanary.ops.triton.constants import REQ_PADDING
-from kvcanary.ops.triton.launch import capturing, jit_batch_sized, num_sms, pdl_enabled, pdl_release, pdl_wait
+from kvcanary.ops.dispatch import capturing
+from kvcanary.ops.triton.launch import jit_batch_sized, num_sms, pdl_enabled, pdl_release, pdl_wait
 
 _ROW_BLOCK = 4096
 _MAX_TILE_ROWS = 256

@@ -27,8 +27,9 @@ from kvcanary.ops.triton.constants import (
     VERIFY_SLOT_OOR, VERIFY_TOKEN,
 )
 from kvcanary.ops.triton.hashing import H0_SIGNED, as_i64, fingerprint, slot_hash_of_fields, source_args, static_error
+from kvcanary.ops.dispatch import capturing
 from kvcanary.ops.triton.launch import (
-    capturing, jit_batch_sized, launch_in_pairs, num_sms, pdl_enabled, pdl_release, pdl_wait, two_context_args,
+    jit_batch_sized, launch_in_pairs, num_sms, pdl_enabled, pdl_release, pdl_wait, two_context_args,
 )
 from kvcanary.ops.triton.ring import reserve_rows, store_rows
 

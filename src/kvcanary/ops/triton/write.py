@@ -54,8 +54,9 @@ from kvcanary.ops.triton.constants import (
 from kvcanary.ops.triton.hashing import (
     H0_SIGNED, as_i64, as_u64, fingerprint, mix3, slot_hash_of_fields, source_args, static_error,
 )
+from kvcanary.ops.dispatch import capturing
 from kvcanary.ops.triton.launch import (
-    capturing, jit_batch_sized, launch_in_pairs, num_sms, pdl_enabled, pdl_release, pdl_wait, two_context_args,
+    jit_batch_sized, launch_in_pairs, num_sms, pdl_enabled, pdl_release, pdl_wait, two_context_args,
 )
 from kvcanary.ops.triton.ring import reserve_rows, store_rows
 
