@@ -253,7 +253,6 @@ class WorkerView:
         arrays go up with non-blocking copies (pinned) — so on a GPU the engine's stream is never waited for
         (except on the first forward of a request that hits the prefix cache, see `_same_step_shares`)."""
         req_ids, query, prefix = list(step.req_ids), list(step.query), list(step.prefix)
-        num_reqs = len(req_ids)
         num_tokens = sum(query)
         if num_tokens == 0:
             return None
@@ -268,13 +267,7 @@ class WorkerView:
         self.events.draft_tokens += sum(self.drafts.get(rid, 0) for rid in req_ids)
         dev = self.device
         rows_t, seq_t = self._to_device(rows, seq_l)
-        tables, written = {}, {}
-        for g in self.layouts:
-            meta = step.attn_metadata[g.layer_names[0]]
-            tables[g.name] = self._fill_table(g, meta, rows_t, seq_t, max(seq_l), num_reqs)
-            written[g.name] = meta.slot_mapping[:num_tokens].to(device=dev, dtype=torch.int64)
-        if "full" in written:
-            self._count_reuse(written["full"])
+        tables, written = self._tables(step, rows_t, seq_t, max(seq_l), num_tokens)
         input_ids = step.input_ids[:num_tokens].to(device=dev, dtype=torch.int64)
         positions = step.positions[:num_tokens].to(device=dev, dtype=torch.int64)
         lens = self._fill_tokens(req_ids, rows, seq_l)
@@ -282,10 +275,7 @@ class WorkerView:
         canary_prefix = [p - k for p, k in zip(prefix, shared)]
         canary_extend = [q + k for q, k in zip(query, shared)]
         if any(shared):
-            qsl = [0]
-            for q in query:
-                qsl.append(qsl[-1] + q)
-            input_ids, positions, written = self._claim_shared(rows, prefix, shared, qsl, input_ids, positions, written)
+            input_ids, positions, written = self._claim_shared(rows, prefix, shared, query, input_ids, positions, written)
         for rid, s in zip(req_ids, seq_l):
             self.computed[rid] = s
         if self.track_read_slots:
@@ -310,6 +300,17 @@ class WorkerView:
             forward_kind=classify_forward(prefix, query, [bool(self.drafts.get(rid)) for rid in req_ids]),
             context_keys=keys_t[0] if keys_t else None,
         )
+
+    def _tables(self, step: StepInputs, rows_t, seq_t, max_s: int, num_tokens: int) -> tuple[dict, dict]:
+        """Per group: the position -> slot table (from the block table attention reads) and the slots written."""
+        tables, written = {}, {}
+        for g in self.layouts:
+            meta = step.attn_metadata[g.layer_names[0]]
+            tables[g.name] = self._fill_table(g, meta, rows_t, seq_t, max_s, len(step.req_ids))
+            written[g.name] = meta.slot_mapping[:num_tokens].to(device=self.device, dtype=torch.int64)
+        if "full" in written:
+            self._count_reuse(written["full"])
+        return tables, written
 
     def _to_device(self, *columns: list) -> tuple[torch.Tensor, ...]:
         """int64 tensors of equally long ``columns`` on the view's device; on CUDA one upload through pinned
@@ -390,9 +391,12 @@ class WorkerView:
             out[i] = p - lo
         return out
 
-    def _claim_shared(self, rows, prefix, shared, qsl, input_ids, positions, written):
+    def _claim_shared(self, rows, prefix, shared, query, input_ids, positions, written):
         """Rebuild the flattened token arrays with each sharing row's same-step positions prepended to
         its own tokens (it claims the same slot, position and token as the row that writes them)."""
+        qsl = [0]
+        for q in query:
+            qsl.append(qsl[-1] + q)
         ids_parts, pos_parts = [], []
         slot_parts = {name: [] for name in written}
         dev = self.device
