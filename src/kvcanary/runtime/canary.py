@@ -183,6 +183,7 @@ class Canary:
         self._plans_disabled_seen = [0] * len(self.groups)
         self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
         self._graphs: Optional[CanaryGraphs] = None
+        self._peers = None  # raise_with(): the process group whose ranks raise together
         self._graph_set: Optional[GraphSet] = None  # the bucket this forward's HEAD replayed
         self._swept_this_step = False  # this step's sweep slice already ran with HEAD
         self._sweep_graph: Optional[torch.cuda.CUDAGraph] = None  # the slice alone (engine graphs hold HEAD / TAIL)
@@ -801,12 +802,30 @@ class Canary:
             return f"suspended: {self.suspended}"
         return "eager_fallback" if self.device_path.degraded else "checking"
 
+    def raise_with(self, group) -> None:
+        """``raise`` mode across ranks (tensor parallelism): at the end of every step (and sweep) the ranks of the
+        ``torch.distributed`` process ``group`` (a backend that reduces CPU tensors, e.g. gloo) sum how many violations
+        each found — one all-reduce of one int64 — and every rank raises `CanaryViolationError` together, a rank that
+        found none naming how many the others found. So a tensor-parallel group fails in one step instead of rank by
+        rank. Every rank of the group must run the same forwards and sweeps with its canary checking (a suspended
+        rank no longer answers). ``None`` turns it off."""
+        if group is not None and self.config.mode != "raise":
+            raise KvCanaryValueError(f"kv-canary: raise_with() needs mode='raise', the canary runs in mode {self.config.mode!r}")
+        self._peers = group
+
     def _raise_if_needed(self, step: int) -> None:
         if self.config.mode != "raise":
             return
         found = self.ledger.take_unraised()
-        if found:
-            raise CanaryViolationError(found, step=step)
+        total = 0
+        if self._peers is not None:
+            import torch.distributed as dist
+
+            count = torch.tensor([len(found)], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self._peers)
+            total = int(count)
+        if found or total:
+            raise CanaryViolationError(found, step=step, elsewhere=total)
 
     def _check_groups(self, batch: BatchDescription) -> None:
         if batch.groups.keys() == self.groups.keys():

@@ -32,9 +32,14 @@ MAX_KEPT_VIOLATIONS = 100_000
 class CanaryViolationError(KvCanaryRuntimeError):
     """Raised at the end of a step (mode ``raise``) that found violations; ``.violations`` lists them."""
 
-    def __init__(self, violations: Sequence[Violation], *, step: int) -> None:
+    def __init__(self, violations: Sequence[Violation], *, step: int, elsewhere: int = 0) -> None:
         self.violations = list(violations)
         self.step = step
+        self.elsewhere = elsewhere  # `Canary.raise_with`: violations the group's ranks found this step, all ranks
+        if not self.violations and elsewhere:
+            super().__init__(f"kv-canary: 0 violations on this rank by step {step}; the ranks of its group found "
+                             f"{elsewhere} (raised together, Canary.raise_with)")
+            return
         shown = "\n".join(v.log_line() for v in self.violations[:20])
         more = len(self.violations) - 20
         super().__init__(
