@@ -292,7 +292,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.v1.core.kv_cache_utils import get_group_id
 
         out = []
-        for block in self._block_pool.blocks:
+        for block in self._prefix_cache_blocks():
             key = block.block_hash
             if key is None or block.is_null:
                 continue
@@ -302,6 +302,21 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             size = int(self._vllm_config.cache_config.block_size)
             out = [(b, size if n < 0 else n, g) for b, n, g in out]
         return out
+
+    def _prefix_cache_blocks(self):
+        """The blocks vLLM's prefix cache holds: its hash -> block map (vLLM 0.26-0.32 ``BlockHashToBlockMap``), so a
+        sweep step costs the cached blocks, not a walk over the whole pool; every block of the pool if that map is
+        not there."""
+        cache = getattr(getattr(self._block_pool, "cached_block_hash_to_block", None), "_cache", None)
+        if not isinstance(cache, dict):
+            return self._block_pool.blocks
+        blocks = []
+        for entry in cache.values():
+            if isinstance(entry, dict):
+                blocks.extend(entry.values())
+            else:
+                blocks.append(entry)
+        return blocks
 
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
