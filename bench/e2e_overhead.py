@@ -23,7 +23,7 @@ A warm round runs every configuration once first (not reported: Triton compiles,
 ``--repeats`` measured rounds interleave the configurations (baseline, default, partial, none, baseline, ...)
 so drift hits them alike; step times are pooled over the rounds and the baselines' spread is printed. The
 engine's decode step is bimodal from one ``generate_batch`` to the next (whole runs land ~10-20 % apart, with
-or without the canary: bench/NOTES.md runs 15 and 18), so each row also gives its best round (the lowest
+or without the canary: docs/lab/NOTES.md runs 15 and 18), so each row also gives its best round (the lowest
 per-round median) against the baseline's best round; ``decode med`` is the canary's host time on a decode
 step (median), ``graphs`` the engine graphs captured with the canary inside.
 

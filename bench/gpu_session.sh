@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of a session: the stages named as arguments, each under its own time limit, logs in $OUT.
 #   bash bench/gpu_session.sh tests runtime soak_warm soak copy kernels e2e e2e_quick deep
-# Runs from wherever it is started (a snapshot of a commit: see bench/NOTES.md); prints a short summary last.
+# Runs from wherever it is started (a snapshot of a commit: see docs/lab/NOTES.md); prints a short summary last.
 # The tests stage is verbose (-vv: pyproject's addopts has -q, so -v alone prints dots; under xdist each result is printed with its name as it lands), so a stage cut by
 # its limit still says which tests failed (run 22 printed only `...F.F.`).
 set -o pipefail

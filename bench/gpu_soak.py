@@ -3,7 +3,7 @@
 Two simulated engines: full attention, and full + sliding window (own slot space, full->swa LUT). By
 default they run back to back in this process; ``--workers N`` runs N processes at once instead (worker i runs
 engine i mod 2 with seed ``seed + i // 2``), each with its own canary on the same device and the whole budget.
-Measured on one H200 (bench/NOTES.md runs 25-26), N processes sharing the GPU ran *slower in total* than one
+Measured on one H200 (docs/lab/NOTES.md runs 25-26), N processes sharing the GPU ran *slower in total* than one
 process alone (4 workers: 150 forwards/s together against 379/s for one), so the default stays one process. Small pools force prefix-cache eviction and retraction; the
 workload shares system prompts (prefix hits) and aborts requests. The canary runs in ``log`` mode with
 PARTIAL hashing, a rotating sweep (a full pass every ``--sweep-interval`` forwards) and, on CUDA, its

@@ -5,7 +5,7 @@ The simulated engine's 64 x 4 k decode step (as `runtime_overhead.py`) goes thro
 host-upload route (pinned mirrors + one upload on CUDA; plain host copies here) and the drain runs its
 asynchronous protocol with events that are always complete. What is left is the Python and CPU torch work a
 forward costs the host: staging, the step log, the drain's looks, the sweep's pass starts (with the engine's
-live-slot provider). CUDA calls cost more on the H200's host (bench/NOTES.md run 39: a bare ``fill_`` 8.7 µs
+live-slot provider). CUDA calls cost more on the H200's host (docs/lab/NOTES.md run 39: a bare ``fill_`` 8.7 µs
 against 1.3 here), so compare CPU figures with CPU figures only; they are not the ≤ 100 µs target.
 
     python bench/host_path_cpu.py [--bs 64] [--ctx 4096] [--rounds 5]

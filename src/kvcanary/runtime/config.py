@@ -49,7 +49,7 @@ class CanaryConfig:
     deep_fingerprints: also fingerprint every byte of every layer of each written slot (one 32-byte record
         per 4 layers and side, written at TAIL) and verify them in the rotating sweep, so a flipped bit
         anywhere in cached KV is caught within one sweep pass (ignored with ``real_kv_hash="none"``). On by
-        default; cost measured on an H200 in bench/NOTES.md (runs 16, 18 and 20).
+        default; cost measured on an H200 in docs/lab/NOTES.md (runs 16, 18 and 20).
     allow_eager_fallback: on a CUDA device whose Triton cannot run (not installed, no C compiler for its
         launcher, no graph capture), run the torch twins eagerly with the canary's CUDA graphs off instead of
         refusing to attach (slow; an engine that captures its own CUDA graphs is still refused). See

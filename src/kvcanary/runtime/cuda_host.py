@@ -1,7 +1,7 @@
 """Host-cheap CUDA queries for the per-forward path.
 
 ``torch.cuda.is_available()`` reads the environment on every call and ``torch.cuda.current_stream()`` builds
-a new Python ``Stream`` object each time (each a few µs on the H200's host, measured in bench/NOTES.md run 39);
+a new Python ``Stream`` object each time (each a few µs on the H200's host, measured in docs/lab/NOTES.md run 39);
 the per-forward path asks these several times per step.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ token, position and prev_hash as its side's TAIL buffer — every write gives bo
 (in lockstep) seed records, and the chain hash does not read the REAL_KV field. So after the TAIL write, each
 written slot's deep record is the TAIL record's first three fields plus the deep sources' fingerprint: the
 bytes a full write into the deep buffer stores, without its per-request serial walk (which dominated the
-deep writes of long prefills: bench/NOTES.md run 37). Out-of-range slots are reported by the TAIL write.
+deep writes of long prefills: docs/lab/NOTES.md run 37). Out-of-range slots are reported by the TAIL write.
 
 Entries stored: ``i`` in the write plan's range ``[offsets[0], offsets[a])`` (``a`` = its valid requests,
 clamped to its capacity; none when ``a == 0`` or ``offsets[a] <= 0``) whose slot ``out_loc[i]`` lies in

@@ -990,7 +990,7 @@ def attach(
     CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward).
     ``capture_sweep``: when the engine captures its own graphs (HEAD / TAIL inside them), capture the sweep
     slice that runs between forwards in a graph of its own (`Canary.capture_sweep_graph`), saving its launches
-    from Python each step (1.3 ms of a replayed decode step on an H200, bench/NOTES.md run 21). Default on
+    from Python each step (1.3 ms of a replayed decode step on an H200, docs/lab/NOTES.md run 21). Default on
     (its GPU test passed on an H200 in run 23); off = the slice's kernels launched from Python each step.
     ``static_translation``: translate eager forwards from fixed-shape copies of their kwargs, with the
     translation captured once in a CUDA graph alongside (default: with ``capture_canary``).

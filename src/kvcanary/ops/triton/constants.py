@@ -2,7 +2,7 @@
 
 Every value comes from ``kvcanary.ops.constants`` or ``kvcanary.ops.hashing``; nothing is
 spelled twice. Kernels read module globals only when they are ``tl.constexpr`` (the compiler
-refuses other globals, the interpreter does not: bench/NOTES.md, run 1).
+refuses other globals, the interpreter does not: docs/lab/NOTES.md, run 1).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def jit_batch_sized(*names: str, scalar_ptrs: tuple[str, ...] = ()):
     that follows the batch (sizes, plan capacities) or the launch (its tag) would compile a new variant,
     seconds each, the first time a forward brings a new class of values: mid-serving on a real engine (on
     the H200 the e2e bench's first round with the canary took 88.5 s in one process and 5.2 s in the next,
-    once Triton's cache was warm: bench/NOTES.md run 33). Only bounds and scalars go here; strides and
+    once Triton's cache was warm: docs/lab/NOTES.md run 33). Only bounds and scalars go here; strides and
     geometry stay specialised (they are fixed per engine and feed address arithmetic). ``scalar_ptrs`` are one-element counters, write indices and flags:
     views into shared tensors, so their 16-byte alignment differs from context to context, and a scalar
     load or atomic gains nothing from it."""

@@ -4,7 +4,7 @@ Batches of at most ``PlanLaunchConfig.tile_rows`` rows (no LUT check pending) ta
 ``_tile_plan_kernel``: every program computes the row starts itself (exclusive sums over at most
 256 rows, in registers) and writes whole tiles of one row (a block of positions), so nothing is
 searched and the request-table reads are contiguous. (Finding each entry's row by comparing it
-with every start, tried first, took 37 µs for 64 x 4k entries on the H200: bench/NOTES.md, run 9.)
+with every start, tried first, took 37 µs for 64 x 4k entries on the H200: docs/lab/NOTES.md, run 9.)
 Larger batches:
 
 1. ``_row_block_sums_kernel`` (only when the batch spans several row blocks): per row block, the

@@ -18,7 +18,7 @@ The chain recurrence is serial per request; everything else is parallel:
    (L1 hits) and its token / position / prev_hash fields, the chain-position ``last_pos`` (a
    scan, only when rows are possible) and its violation rows are done in parallel. No tile is
    carried across chunks: ptxas sinks such loads past the serial loop and the back-edge copy
-   then waits a full memory round trip per chunk (bench/NOTES.md, run 6).
+   then waits a full memory round trip per chunk (docs/lab/NOTES.md, run 6).
    Serial (aliasing seen): program 0 runs every request in batch order on the per-request path;
    every store lands before the next request reads its seed, and within a chunk only a slot's
    last entry stores. Program 0 also closes the launch: slot counter (parallel mode), epoch.
