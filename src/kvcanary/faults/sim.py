@@ -245,9 +245,24 @@ class SlotRedirect(SimInjector):
         other, q = self.rng.choice(others)
         to = other.full_slots[q]
         old = redirect_slot(e, req.rid, p, to)
-        self._undo.append(lambda: e.table.req_to_token.__setitem__((req.row, p), old))
+        self._placed = (req, req.row, p, to)
+
+        def undo() -> None:
+            if self.in_place():  # else the engine rewrote the entry itself (a restore, a fork): leave its value
+                e.table.req_to_token[req.row, p] = old
+
+        self._undo.append(undo)
         return self.record(group="full", slot=to, position=p, request_id=req.rid, expected=STRUCTURE,
                            detail=f"position {p} of {req.rid} read from slot {to} (position {q} of {other.rid})")
+
+    def in_place(self) -> bool:
+        """Whether the redirected entry still holds the injected slot (a host offload + restore, or any rewrite of the
+        request's row by the engine, replaces it: the forward then read the right slot and nothing was injected)."""
+        placed = getattr(self, "_placed", None)
+        if placed is None:
+            return False
+        req, row, p, to = placed
+        return req.row == row and int(self.t.engine.table.req_to_token[row, p]) == to
 
     def after_forward(self):
         self.repair()

@@ -253,6 +253,8 @@ def _faulted_twin(config: dict, seed: int) -> dict:
             state["pending"] = None
             batch = r.last_batch
             read = batch is not None and pending.request_id in (batch.request_ids or ())
+            if cls is SlotRedirect:
+                read = read and injector.in_place()  # a restore in between rewrote the entry: nothing was read
             if cls is SlotRedirect or not read:
                 injector.after_forward() if cls is SlotRedirect else injector.repair()
             if read:
