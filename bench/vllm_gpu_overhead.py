@@ -31,6 +31,9 @@ import tempfile
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_gpu_probe import _reinit_weights as _reinit  # noqa: E402  (the same re-scaling as the probe)
+
 SHAPES = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=8192, head_dim=64, tie_word_embeddings=True),
@@ -39,26 +42,6 @@ SHAPES = {
 }
 ARMS = {"none": None, "canary": {}, "canary_nokv": {"real_kv_hash": "none"}}
 REQUESTS, NEW_TOKENS, PROMPT_MIN, PROMPT_MAX, VOCAB = 64, 128, 2048, 3072, 128256
-
-
-def _reinit(worker) -> int:
-    """Norm weights -> 1, the rest N(0, 1/fan_in) (seeded), in place: the dummy U(-1e-3, 1e-3) weights give flat
-    logits whose argmax no KV change moves."""
-    import torch
-
-    runner = getattr(getattr(worker, "worker", worker), "model_runner")
-    model = runner.model if hasattr(runner, "model") else runner.get_model()
-    g = torch.Generator(device="cpu").manual_seed(0)
-    n = 0
-    with torch.no_grad():
-        for name, prm in model.named_parameters():
-            if "norm" in name:
-                prm.fill_(1.0)
-            else:
-                fan_in = prm.shape[-1] if prm.dim() > 1 else 1
-                prm.copy_(torch.randn(prm.shape, generator=g).mul_(fan_in ** -0.5).to(prm.dtype))
-            n += 1
-    return n
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -160,44 +143,37 @@ def child(arm: str, shape: str, util: float) -> None:
         print(json.dumps(rec), flush=True)
 
 
+def _reply(p: subprocess.Popen, what: str) -> str:
+    """The child's next JSON line (its other output skipped); exits when the child died."""
+    while True:
+        line = p.stdout.readline()
+        if not line:
+            raise SystemExit(f"engine {what} died")
+        if line.startswith("{"):
+            return line
+
+
+def _ask(p: subprocess.Popen, seed: int, what: str) -> dict:
+    p.stdin.write(f"round {seed}\n")
+    p.stdin.flush()
+    return json.loads(_reply(p, what))
+
+
 def run_shape(shape: str, arms: list[str], rounds: int, util: float, log) -> dict:
     procs = {}
     for arm in arms:  # one at a time: each engine checks free GPU memory when it starts
         p = subprocess.Popen([sys.executable, __file__, "--child", arm, "--shape", shape, "--util", str(util)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        while True:
-            line = p.stdout.readline()
-            if not line:
-                raise SystemExit(f"engine {arm} ({shape}) died at start")
-            if line.startswith("{"):
-                break
-        procs[arm] = (p, json.loads(line))
+        procs[arm] = (p, json.loads(_reply(p, f"{arm} ({shape}) at start")))
         log(f"{shape} {arm}: ready {procs[arm][1]}")
     for arm in arms:  # one warm-up round each, not recorded: Triton compiles, torch.compile's first shapes, caches
-        p = procs[arm][0]
-        p.stdin.write("round 999\n")
-        p.stdin.flush()
-        while True:
-            line = p.stdout.readline()
-            if not line:
-                raise SystemExit(f"engine {arm} ({shape}) died in the warm-up round")
-            if line.startswith("{"):
-                break
-        log(f"{shape} warm-up {arm}: {line.strip()[:160]}")
+        rec = _ask(procs[arm][0], 999, f"{arm} ({shape}) in the warm-up round")
+        log(f"{shape} warm-up {arm}: {json.dumps(rec)[:160]}")
     records = []
     for r in range(rounds):
         order = arms[r % len(arms):] + arms[:r % len(arms)]
         for arm in order:
-            p = procs[arm][0]
-            p.stdin.write(f"round {1000 + r}\n")
-            p.stdin.flush()
-            while True:
-                line = p.stdout.readline()
-                if not line:
-                    raise SystemExit(f"engine {arm} ({shape}) died in round {r}")
-                if line.startswith("{"):
-                    break
-            rec = json.loads(line)
+            rec = _ask(procs[arm][0], 1000 + r, f"{arm} ({shape}) in round {r}")
             rec["round"] = r
             records.append(rec)
             log(f"{shape} round {r} {arm}: decode {rec['decode_ms_mean']} ms/step, prefill {rec['prefill_tok_s']} tok/s, "

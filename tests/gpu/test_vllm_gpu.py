@@ -7,9 +7,8 @@ own. Skips without CUDA or vLLM.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,17 +18,12 @@ pytest.importorskip("vllm")
 
 from kvcanary.engines.vllm.workload import BLOCK_SIZE  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "vllm"))
+from vllm_support import run_workload  # noqa: E402
+
 
 def _run(mode: str, tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp(f"vllm-gpu-{mode}")
-    out = work / "result.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.engines.vllm.workload", mode, str(work), str(out)],
-                          env=env, capture_output=True, text=True, timeout=400)
-    if proc.returncode != 0:
-        pytest.fail(f"engine run {mode!r} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_workload(mode, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ layout (engine-core process + worker process), and with tensor parallelism over 
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,17 +19,12 @@ pytest.importorskip("vllm")
 
 from kvcanary.engines.vllm.workload import BLOCK_SIZE  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_support import run_workload  # noqa: E402
+
 
 def _run(mode: str, tmp_path_factory, *extra: str) -> dict:
-    work = tmp_path_factory.mktemp(f"vllm-{mode}")
-    out = work / "result.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.engines.vllm.workload", mode, str(work), str(out), *extra],
-                          env=env, capture_output=True, text=True, timeout=420)
-    if proc.returncode != 0:
-        pytest.fail(f"engine run {mode!r} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_workload(mode, tmp_path_factory, *extra)
 
 
 @pytest.fixture(scope="module")
