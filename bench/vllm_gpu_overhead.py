@@ -54,6 +54,7 @@ def child(arm: str, shape: str, util: float) -> None:
     """One engine; reads ``round SEED`` lines on stdin, answers one JSON line each."""
     import logging
 
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of the re-scaling function
     import torch
     from vllm import LLM, SamplingParams
 
