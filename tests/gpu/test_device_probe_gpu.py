@@ -20,7 +20,8 @@ from kvcanary.runtime.capture import capture_graph  # noqa: E402
 def fresh(monkeypatch):
     monkeypatch.setattr(device_probe, "_probed", {})
     monkeypatch.setattr(device_probe, "_warned", set())
-    monkeypatch.setattr(dispatch, "_disabled", None)
+    with dispatch.selected_backend(None):  # no Triton switch in, none out
+        yield
 
 
 def test_the_probe_passes_and_keeps_kernels_and_graphs(fresh):

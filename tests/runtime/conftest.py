@@ -14,18 +14,15 @@ QUIET = dict(health_interval=0, stats_interval=0, readable_per_step=0)
 
 
 @pytest.fixture
-def all_triton(monkeypatch):
+def all_triton():
     """Ops and runtime glue on the Triton launchers for CPU tensors (the interpreter runs them; needs
-    ``TRITON_INTERPRET=1`` set before Triton was imported)."""
-    from kvcanary.ops import copy, plan, scatter, stamp, verify, write
-    from kvcanary.ops.dispatch import _triton_ops
-    from kvcanary.runtime import kernels
+    ``TRITON_INTERPRET=1`` set before Triton was imported): ``dispatch.selected_backend("triton")``."""
+    from kvcanary.ops.dispatch import selected_backend
     from tests.ops.test_triton_interpret import _numpy_scalar_index_fix
 
     _numpy_scalar_index_fix()
-    for module in (copy, plan, scatter, stamp, verify, write):
-        monkeypatch.setattr(module, "triton_backend", lambda device: _triton_ops())
-    monkeypatch.setattr(kernels, "use_kernels", lambda t: True)
+    with selected_backend("triton"):
+        yield
 
 
 def make_canary(specs, *, max_requests=32, max_context=256, max_batch_tokens=256, **options) -> Canary:

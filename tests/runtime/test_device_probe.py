@@ -28,7 +28,8 @@ def fresh(monkeypatch):
     """No probe verdict, warning or Triton switch carried over from another test (restored afterwards)."""
     monkeypatch.setattr(device_probe, "_probed", {})
     monkeypatch.setattr(device_probe, "_warned", set())
-    monkeypatch.setattr(dispatch, "_disabled", None)
+    with dispatch.selected_backend(None):  # no Triton switch in, none out
+        yield
 
 
 def _verdict(monkeypatch, verdict):

@@ -102,7 +102,7 @@ class _Clock:
         clock = self
 
         class Event:
-            def record(self) -> None:
+            def record(self, stream) -> None:
                 self.t = clock.now
 
             def query(self) -> bool:
@@ -116,7 +116,8 @@ class _Clock:
 
 def _lazy_drain(canary: Canary, clock: _Clock, interval: int = 1) -> None:
     canary.drain = ViolationDrain(
-        canary.rings, synchronous=False, polled=canary.polled, asynchronous=True, event=clock.Event, interval=interval,
+        canary.rings, synchronous=False, polled=canary.polled, asynchronous=True, event=clock.Event,
+        stream=lambda: None, interval=interval,
     )
 
 

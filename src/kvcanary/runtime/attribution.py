@@ -2,22 +2,26 @@
 
 * `StepLog` — a bounded host log of what each step ran (step -> request ids, request rows, forward kind),
   filled in O(1) per forward (it keeps references to what the adapter built anyway).
-* `Attributor` — turns `RingRow`s into `Violation`s. HEAD/TAIL rows carry their step and batch row in
-  their stamp (the request that read or wrote the slot); SWEEP rows are charged to the slot's last writer,
-  from the runtime's slot records (owner code ``step * owner_span + batch row``). Attribution happens only
-  when rows exist, so its host reads are off the per-forward path.
+* `Attributor` — turns a drain's `Harvest` into `Attributed` violations. HEAD/TAIL rows carry their step and
+  batch row in their stamp (the request that read or wrote the slot); SWEEP rows are charged to the slot's last
+  writer, from the runtime's slot records (owner code ``step * owner_span + batch row``), and dropped as stale when
+  their slot left the live set since the pass began. What it needs of the runtime it asks one `OwnerLookup`
+  (`kvcanary.runtime.lookup.RecordLookup`). Attribution happens only when rows exist, so its host reads are off
+  the per-forward path.
+
+The violation path, in four files: born in a kernel's ring row (`kvcanary.runtime.drain`: `ViolationRings`),
+drained into a `Harvest` (`drain.ViolationDrain`), attributed here, reported (`kvcanary.runtime.report`:
+`ViolationLedger`, `CanaryViolationError`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional, Sequence
-
-import torch
+from typing import Optional, Protocol, Sequence
 
 from kvcanary.ops import CanaryLaunchTag, FailReason
 from kvcanary.ops.constants import MASK64
-from kvcanary.runtime.drain import RingRow
+from kvcanary.runtime.drain import Harvest, RingRow
 from kvcanary.runtime.reads import READ_TABLE_MISMATCH, RUNTIME_REASONS, reason_label
 
 DEFAULT_STEP_LOG = 65536
@@ -176,41 +180,77 @@ class StepLog:
         return self._entries.get(step)
 
 
+class OwnerLookup(Protocol):
+    """What attribution asks of the runtime (implemented by `kvcanary.runtime.lookup.RecordLookup`)."""
+
+    def rows_of_step(self, step: int) -> Optional[Sequence[int]]:
+        """The request rows ``step`` ran (batch order), when the step log has none; None once forgotten."""
+
+    def slot_owner(self, group: str, slots: list[int]) -> tuple[list[int], list[int]]:
+        """(owner codes, positions) of the slot records now."""
+
+    def sweep_owner(self, group: str, step: int, entry: int) -> Optional[int]:
+        """Owner code of a rotating slice's ``entry`` when it was swept at ``step``; None once forgotten."""
+
+    def live_slots(self) -> Optional[dict[str, set[int]]]:
+        """Slots live now per group; None when unknown (no sweep row is then stale)."""
+
+    def fingerprints(self, tag: CanaryLaunchTag, slots: list[int]) -> list[tuple]:
+        """(stored, recomputed, scope) real-KV fingerprints of ``slots`` on ``tag``'s side; [] when not hashed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attributed:
+    """One harvest attributed: ``violations`` (step order), ``counts`` per tag with stale rows taken out, and
+    ``stale``: sweep rows dropped because their slot is no longer live (the engine may reuse free memory)."""
+
+    violations: list[Violation]
+    counts: dict[CanaryLaunchTag, int]
+    stale: int
+
+
 class Attributor:
-    """`RingRow` -> `Violation` (see the module docstring).
+    """`Harvest` -> `Attributed` (see the module docstring); ``owners`` answers for the runtime."""
 
-    ``rows_of_step(step)`` returns the request rows a step ran (batch order) when the log has none (the
-    runtime keeps a short device history of them); ``slot_owner(group, slots)`` returns the slot records'
-    ``(owner codes, positions)`` now, and ``sweep_owner(group, step, entry)`` the owner code of a rotating
-    slice's entry when it was swept (None once forgotten), for SWEEP rows.
-    """
-
-    def __init__(
-        self, *, log: StepLog, owner_span: int,
-        rows_of_step: Callable[[int], Optional[Sequence[int]]],
-        slot_owner: Callable[[str, list[int]], tuple[list[int], list[int]]],
-        sweep_owner: Callable[[str, int, int], Optional[int]] = lambda group, step, entry: None,
-        fingerprints: Callable[[CanaryLaunchTag, list[int]], list[tuple]] = lambda tag, slots: [],
-    ) -> None:
+    def __init__(self, *, log: StepLog, owner_span: int, owners: OwnerLookup) -> None:
         self.log = log
         self.owner_span = owner_span
-        self._rows_of_step = rows_of_step
-        self._slot_owner = slot_owner
-        self._sweep_owner = sweep_owner
-        self._fingerprints = fingerprints
+        self.owners = owners
+
+    def attribute_harvest(self, harvest: Harvest) -> Attributed:
+        """Drop stale sweep rows, then attribute the rest."""
+        rows, counts, stale = self._without_stale_sweep_rows(harvest)
+        return Attributed(violations=self.attribute(rows), counts=counts, stale=stale)
+
+    def _without_stale_sweep_rows(self, harvest: Harvest):
+        """A rotating pass sweeps the slots live at its start; a slot freed since may have been scribbled on by the
+        engine (free memory is the engine's to use). Rows of slots no longer live are dropped (and taken out of
+        the counts); rows of live slots stand."""
+        sweep_rows = [r for r in harvest.rows if r.tag.phase == "sweep"]
+        live = self.owners.live_slots() if sweep_rows else None
+        if live is None:
+            return harvest.rows, harvest.counts, 0
+        stale = [r for r in sweep_rows if r.slot not in live.get(r.tag.group, ())]
+        if not stale:
+            return harvest.rows, harvest.counts, 0
+        counts = dict(harvest.counts)
+        for r in stale:
+            counts[r.tag] -= 1
+        gone = {id(r) for r in stale}
+        return [r for r in harvest.rows if id(r) not in gone], {t: n for t, n in counts.items() if n}, len(stale)
 
     def attribute(self, rows: list[RingRow]) -> list[Violation]:
         sweep_rows = [r for r in rows if r.tag.phase == "sweep"]
         owners: dict[tuple[str, int], tuple[int, int]] = {}
         for group in {r.tag.group for r in sweep_rows}:
             slots = sorted({r.slot for r in sweep_rows if r.tag.group == group})
-            codes, positions = self._slot_owner(group, slots)
+            codes, positions = self.owners.slot_owner(group, slots)
             owners.update({(group, s): (c, p) for s, c, p in zip(slots, codes, positions)})
         out = []
         for r in rows:
             if r.tag.phase == "sweep":
                 code, pos = owners.get((r.tag.group, r.slot), (-1, -1))
-                swept = self._sweep_owner(r.tag.group, r.step, r.batch_row)  # the owner when it was swept
+                swept = self.owners.sweep_owner(r.tag.group, r.step, r.sweep_entry)  # the owner when it was swept
                 if swept is not None:
                     code, pos = swept, r.expected_position
                 rid, rrow = self._request(*divmod(code, self.owner_span)) if code >= 0 else (None, None)
@@ -238,7 +278,7 @@ class Attributor:
         found = {}
         for tag, slots in want.items():
             slots = sorted(set(slots))
-            found.update({(tag, s): fp for s, fp in zip(slots, self._fingerprints(tag, slots))})
+            found.update({(tag, s): fp for s, fp in zip(slots, self.owners.fingerprints(tag, slots))})
         return [
             replace(v, stored_fingerprint=found[(v.launch_tag, v.slot)][0],
                     recomputed_fingerprint=found[(v.launch_tag, v.slot)][1],
@@ -252,7 +292,7 @@ class Attributor:
         rid = None
         if entry is not None and entry.request_ids is not None and batch_row < len(entry.request_ids):
             rid = entry.request_ids[batch_row]
-        rows = entry.request_rows if entry is not None and entry.request_rows is not None else self._rows_of_step(step)
+        rows = entry.request_rows if entry is not None and entry.request_rows is not None else self.owners.rows_of_step(step)
         rrow = int(rows[batch_row]) if rows is not None and batch_row < len(rows) else None
         return rid, rrow
 
@@ -283,10 +323,3 @@ class Attributor:
             step=r.step,
             forward_kind=kind,
         )
-
-
-def device_rows(history: torch.Tensor, steps_kept: Callable[[], int], step: int) -> Optional[list[int]]:
-    """Request rows of ``step`` from the device history ``[H, max_rows]`` (row ``step % H``), if still kept."""
-    if step < 0 or steps_kept() - step >= history.shape[0]:
-        return None
-    return history[step % history.shape[0]].tolist()

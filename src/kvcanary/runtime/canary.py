@@ -77,10 +77,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryValueError
-from kvcanary.ops import CANARY_FIELD_REAL_KV_HASH, RealKvHashMode
-from kvcanary.ops.constants import MASK64
-from kvcanary.ops.reference.real_kv import fingerprint_slots
-from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violation, device_rows
+from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violation
 from kvcanary.runtime.batch import BatchDescription, GroupSpec
 from kvcanary.runtime.config import CanaryConfig
 from kvcanary.runtime.counters import LaunchCounters
@@ -91,6 +88,7 @@ from kvcanary.runtime.graphs import CanaryGraphs, GraphSet, capture_sweep_slice
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import CanaryHealthError, HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
+from kvcanary.runtime.lookup import RecordLookup
 from kvcanary.runtime.moves import MoveReport, SlotMoves, move_tags
 from kvcanary.runtime.owners import OWNER_SPAN
 from kvcanary.runtime.polled import PolledWords
@@ -198,13 +196,11 @@ class Canary:
             self.groups, config=config, rings=self.rings, counters=self.launch_counters, step=self.launches.step,
         )
         self.step_log = StepLog()
-        self.attributor = Attributor(
-            log=self.step_log, owner_span=OWNER_SPAN,
-            rows_of_step=lambda step: device_rows(self.launches.row_history, lambda: self._step, step),
-            slot_owner=self._slot_owner,
-            sweep_owner=lambda group, step, entry: self.sweeper.owner_at_sweep(group, step, entry, self._step),
-            fingerprints=self._fingerprints,
-        )
+        self.attributor = Attributor(log=self.step_log, owner_span=OWNER_SPAN, owners=RecordLookup(
+            groups=self.groups, row_history=lambda: self.launches.row_history, sweeper=self.sweeper,
+            current_step=lambda: self._step, device=self.device,
+            live_slots=lambda: None if self._live_slots is None else self._resolve_live(None),
+        ))
         self.ledger = ViolationLedger(config)
         self.health = HealthWatchdog(config)
         self.stats_reporter = StatsReporter(config.stats_interval)
@@ -722,28 +718,9 @@ class Canary:
         self._plans_disabled_seen = list(disabled)
 
     def _report(self, harvest: Harvest) -> None:
-        rows, counts = self._drop_stale_sweep_rows(harvest)
-        violations = self.attributor.attribute(rows)
-        self.ledger.record(counts=counts, dropped=harvest.dropped, violations=violations)
-
-    def _drop_stale_sweep_rows(self, harvest: Harvest):
-        """A rotating pass sweeps the slots live at its start; a slot freed since may have been scribbled
-        on by the engine (free memory is the engine's to use). Rows of slots that are no longer live are
-        discarded (counted in ``sweep_stale``); rows of live slots stand. Runs only when rows exist."""
-        sweep_rows = [r for r in harvest.rows if r.tag.phase == "sweep"]
-        if not sweep_rows or self._live_slots is None:
-            return harvest.rows, harvest.counts
-        live = {name: set((t.nonzero() if t.dtype == torch.bool else t).flatten().tolist())  # a mask: its live slots
-                for name, t in self._resolve_live(None).items()}
-        stale = [r for r in sweep_rows if r.slot not in live.get(r.tag.group, ())]
-        if not stale:
-            return harvest.rows, harvest.counts
-        self.sweep_stale += len(stale)
-        counts = dict(harvest.counts)
-        for r in stale:
-            counts[r.tag] -= 1
-        gone = {id(r) for r in stale}
-        return [r for r in harvest.rows if id(r) not in gone], {t: n for t, n in counts.items() if n}
+        attributed = self.attributor.attribute_harvest(harvest)
+        self.sweep_stale += attributed.stale
+        self.ledger.record(counts=attributed.counts, dropped=harvest.dropped, violations=attributed.violations)
 
     def _flush(self) -> None:
         if self._drain_failed:
@@ -756,35 +733,6 @@ class Canary:
         except Exception as exc:
             self._drain_failed = True
             self._fail_between("drain", exc)
-
-    def _fingerprints(self, tag, slots: list[int]) -> list[tuple[int, int, str]]:
-        """(stored, recomputed, scope) real-KV fingerprints of ``slots`` for ``tag``'s side (host reads: drain
-        time): the TAIL record's; for a sweep row (which also checked the deep records of every byte), the first
-        of TAIL, then each deep chunk, that disagrees now, else the TAIL one."""
-        g = self.groups[tag.group]
-        if tag.side not in g.tail_bufs:
-            return []
-        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        mask = MASK64
-        mode = RealKvHashMode(int(g.hash_mode)).name.lower()
-        candidates = [(g.tail_bufs[tag.side], g.sources.get(tag.side, ()), int(g.hash_mode),
-                       f"layers {list(g.hashed_layers)}, {mode}")]
-        if tag.phase == "sweep":
-            for (chunk, side), sources in sorted(g.deep_sources.items()):
-                if side == tag.side:
-                    candidates.append((g.deep_bufs[(chunk, side)], sources, int(RealKvHashMode.ALL),
-                                       f"layers {list(g.deep_layers.get(chunk, ()))}, every byte"))
-        pairs = []
-        for buf, sources, hash_mode, scope in candidates:
-            stored = buf.view(torch.int64)[idx, CANARY_FIELD_REAL_KV_HASH].tolist()
-            now = fingerprint_slots(sources, hash_mode, idx, self.device).tolist()
-            pairs.append([(a & mask, b & mask, scope) for a, b in zip(stored, now)])
-        return [next((p for p in per_slot if p[0] != p[1]), per_slot[0]) for per_slot in zip(*pairs)]
-
-    def _slot_owner(self, group: str, slots: list[int]) -> tuple[list[int], list[int]]:
-        rec = self.groups[group].records
-        idx = torch.tensor(slots, dtype=torch.int64, device=rec.owner.device).clamp(0, rec.num_slots)
-        return rec.owner[idx].tolist(), rec.position[idx].tolist()
 
     def _gather_stats(self) -> CanaryStats:
         return CanaryStats.gather(

@@ -36,19 +36,24 @@ from kvcanary.ops import (
     CanaryLaunchTag,
     FailReason,
 )
+from kvcanary.ops.constants import (
+    MASK64,
+    STAMP_FIELD_BATCH_ROW,
+    STAMP_FIELD_EXPECTED_POSITION,
+    STAMP_FIELD_STEP,
+    STAMP_FIELDS,
+    WRITE_FAIL_REASONS,
+)
 from kvcanary.runtime.cuda_host import current_stream
-from kvcanary.ops.constants import MASK64
 from kvcanary.runtime.polled import PolledWords
-
-STAMP_FIELDS = 3  # (step, batch row, expected position): see ops.launch_stamp_violation_rows
-WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH | FailReason.WRITE_SLOT_OUT_OF_RANGE
-_MASK64 = MASK64
 
 
 @dataclass(frozen=True, slots=True)
 class RingRow:
     """One ring row decoded, with its stamp. Hashes are unsigned; ``expected_token`` is -1 when none was
-    expected; ``batch_row`` / ``expected_position`` are -1 when the stamp could not tell."""
+    expected; ``batch_row`` / ``expected_position`` are -1 when the stamp could not tell. For a HEAD / TAIL row
+    ``batch_row`` is the batch row that read or wrote the slot; for a SWEEP row it is the entry of the swept slice
+    (`sweep_entry`): a sweep serves no request."""
 
     tag: CanaryLaunchTag
     slot: int
@@ -64,7 +69,12 @@ class RingRow:
 
     @property
     def is_write(self) -> bool:
-        return bool(self.reasons & WRITE_BITS)
+        return bool(int(self.reasons) & WRITE_FAIL_REASONS)
+
+    @property
+    def sweep_entry(self) -> int:
+        """The slice entry a SWEEP row checked (its stamp's batch-row field)."""
+        return self.batch_row
 
 
 @dataclass(frozen=True)
@@ -131,10 +141,13 @@ class ViolationDrain:
     """Moves ring rows to the host without a wait on the per-forward path (see the module docstring).
 
     ``polled`` holds the rings' write indices and the counters the host watches (``watched``: the latest
-    host values of its counters and disabled plans) in one buffer: one copy per step reads them all."""
+    host values of its counters and disabled plans) in one buffer: one copy per step reads them all.
+    ``event`` makes the events that mark a copy's completion (``record(stream)``, ``query()``, ``synchronize()``;
+    default ``torch.cuda.Event``), ``stream()`` gives the stream to record them on (default: the current CUDA
+    stream) — a host-side clock can stand in for both."""
 
     def __init__(self, rings: ViolationRings, *, synchronous: bool, polled: PolledWords,
-                 asynchronous: Optional[bool] = None, event=None, interval: int = 1) -> None:
+                 asynchronous: Optional[bool] = None, event=None, stream=None, interval: int = 1) -> None:
         if rings.write_index is not polled.write_index:
             raise KvCanaryValueError("kv-canary: the rings' write_index must be the polled words' view")
         self.rings = rings
@@ -142,7 +155,8 @@ class ViolationDrain:
         self.interval = interval  # asynchronous mode: steps between looks (a look: one copy of ``polled``)
         self._steps = 0
         self.asynchronous = (rings.device.type == "cuda" and not synchronous) if asynchronous is None else asynchronous
-        self._event = event or torch.cuda.Event  # a test can hand in a stand-in with record / query / synchronize
+        self._event = event or torch.cuda.Event
+        self._stream = stream or current_stream  # the memoised stream object (`cuda_host.current_stream`)
         self.watched: tuple[list[int], list[int]] = polled.decode([0] * polled.buffer.numel())[1:]
         self._epoch = 0  # harvests enqueued so far; a snapshot taken before the last one is stale
         self._snapshots: deque = deque()
@@ -216,10 +230,7 @@ class ViolationDrain:
         self._harvest = (self._h_index, self._h_rings, self._h_stamps, event)
 
     def _record(self, event) -> None:
-        if self._event is torch.cuda.Event:
-            event.record(current_stream())  # the memoised stream object (`cuda_host.current_stream`)
-        else:
-            event.record()  # a test's stand-in
+        event.record(self._stream())
 
     def _take_harvest(self, *, wait: bool) -> Optional[Harvest]:
         if self._harvest is None:
@@ -246,10 +257,11 @@ class ViolationDrain:
                     position=f[VIOLATION_FIELD_POSITION],
                     stored_token=f[VIOLATION_FIELD_STORED_TOKEN],
                     expected_token=f[VIOLATION_FIELD_EXPECTED_TOKEN],
-                    stored_hash=f[VIOLATION_FIELD_STORED_CHAIN_HASH] & _MASK64,
+                    stored_hash=f[VIOLATION_FIELD_STORED_CHAIN_HASH] & MASK64,
                     expected_aux=f[VIOLATION_FIELD_EXPECTED_AUX],
                     reasons=FailReason(f[VIOLATION_FIELD_FAIL_REASON_BITS]),
-                    step=s[0], batch_row=s[1], expected_position=s[2],
+                    step=s[STAMP_FIELD_STEP], batch_row=s[STAMP_FIELD_BATCH_ROW],
+                    expected_position=s[STAMP_FIELD_EXPECTED_POSITION],
                 ))
         dropped = sum(max(0, n - cap) for n in counts.values())
         return Harvest(counts=counts, dropped=dropped, rows=rows)

@@ -64,7 +64,11 @@ _WARPS = 4
 
 def use_kernels(t: torch.Tensor) -> bool:
     """True when the Triton launchers serve ``t``'s device (CUDA with Triton installed and not turned off,
-    `kvcanary.ops.dispatch.disable_triton`)."""
+    `kvcanary.ops.dispatch.disable_triton`; or any device where `kvcanary.ops.dispatch.selected_backend` chose
+    Triton)."""
+    forced = dispatch.selected()
+    if forced is not None:
+        return AVAILABLE and forced == "triton"
     return AVAILABLE and t.is_cuda and dispatch.triton_disabled() is None
 
 

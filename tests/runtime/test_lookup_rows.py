@@ -1,8 +1,8 @@
-"""`attribution.device_rows`: a step's request rows from the runtime's device history ``[H, max_rows]``
+"""`lookup.device_rows`: a step's request rows from the runtime's device history ``[H, max_rows]``
 (row ``step % H``) while the step is among the last H kept, None otherwise (mutation audit)."""
 import torch
 
-from kvcanary.runtime.attribution import device_rows
+from kvcanary.runtime.lookup import device_rows
 
 H, MAX_ROWS = 4, 3  # H != MAX_ROWS: a shape mix-up shows
 
@@ -33,8 +33,11 @@ def test_request_of_a_row_from_the_step_log_or_the_device_history():
     log = StepLog(capacity=2)
     log.add(5, StepEntry(request_ids=("a", "b"), request_rows=(3, 1), forward_kind="decode"))
     log.add(6, StepEntry(request_ids=None, request_rows=None, forward_kind="prefill"))
-    att = Attributor(log=log, owner_span=16, rows_of_step=lambda step: [7, 2] if step in (6, 9) else None,
-                     slot_owner=lambda group, slots: ([], []))
+    class Owners:  # the device history of request rows holds steps 6 and 9
+        def rows_of_step(self, step):
+            return [7, 2] if step in (6, 9) else None
+
+    att = Attributor(log=log, owner_span=16, owners=Owners())
     assert att._request(5, 1) == ("b", 1)
     assert att._request(5, 2) == (None, None)  # past the step's rows
     assert att._request(6, 0) == (None, 7)  # no ids logged: rows from the device history
