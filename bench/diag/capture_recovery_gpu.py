@@ -46,6 +46,30 @@ def reset():
     print(f"[reset] -> {ok}", flush=True)
     return ok
 cap.recover_failed_capture, cap.reset_generator_capture = rec, reset
+def other_resets(tag):
+    """If the generator still refuses a draw: which other repair frees it (each probed)."""
+    gen_state(tag + ": before other resets")
+    try:
+        ok = _reset(); print(f"[reset2] kvcanary reset again from thr={threading.current_thread().name}: {ok}", flush=True)
+    except Exception as e:
+        print("[reset2] raised", e, flush=True)
+    gen_state(tag + ": after a second kvcanary reset")
+    try:
+        s2 = torch.cuda.Stream(); g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s2):
+            g.capture_begin(); torch.zeros(1, device="cuda").add_(1); g.capture_end()
+        print("[reset3] explicit capture_begin/capture_end ok", flush=True)
+    except Exception as e:
+        print("[reset3] raised", str(e)[:120], flush=True)
+    gen_state(tag + ": after an explicit capture")
+    try:
+        s3 = torch.cuda.Stream(); g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s3):
+            torch.empty(1, device="cuda").uniform_()
+        print("[reset4] capture with a random draw inside ok", flush=True)
+    except Exception as e:
+        print("[reset4] raised", str(e)[:120], flush=True)
+    gen_state(tag + ": after a capture with a draw")
 import kvcanary.engines.transformers_cb.attach as at
 at.recover_failed_capture = rec
 """
@@ -83,6 +107,7 @@ def worker():
         traceback.print_exc()
 t = threading.Thread(target=worker, name="gen"); t.start(); t.join()
 gen_state("main thread after the worker")
+other_resets("raw")
 torch.cuda.empty_cache(); print("[raw] empty_cache ok", flush=True)
 g2 = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g2, pool=pool.id):
@@ -138,6 +163,7 @@ if out is not None:
     diff = {k: (ref[k], out.get(k)) for k in ref if out.get(k) != ref[k]}
     print("[engine] requests differing from ref:", len(diff), list(diff.items())[:3], flush=True)
 gen_state("after the attached run")
+other_resets("engine")
 try:
     again, errs = gen()
     print("[engine] later canary-off run identical:", again == ref, {k: str(v)[:80] for k, v in errs.items() if v}, flush=True)
