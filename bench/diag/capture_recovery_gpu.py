@@ -47,7 +47,7 @@ def reset():
     return ok
 cap.recover_failed_capture, cap.reset_generator_capture = rec, reset
 def other_resets(tag):
-    """If the generator still refuses a draw: which other repair frees it (each probed)."""
+    # if the generator still refuses a draw: which other repair frees it (each probed)
     gen_state(tag + ": before other resets")
     try:
         ok = _reset(); print(f"[reset2] kvcanary reset again from thr={threading.current_thread().name}: {ok}", flush=True)
