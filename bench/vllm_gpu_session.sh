@@ -29,7 +29,7 @@ for stage in ${STAGES:-tests bench1b}; do
       grep -E "passed|failed|FAILED|Error|^\{|\[\{" "$OUT/vllm_tests.log" | tail -12 ;;
     diag37)
       python3 -m pip install -q --no-deps --target /tmp/tf524 .whl/transformers-5.24.0-py3-none-any.whl > /dev/null 2>&1
-      PYTHONPATH=/tmp/tf524:$PWD/src timeout 300 python3 bench/diag/capture_recovery_gpu.py > "$OUT/diag37.log" 2>&1
+      PYTHONPATH=/tmp/tf524:$PWD/src timeout ${DIAG37_S:-240} python3 bench/diag/capture_recovery_gpu.py > "$OUT/diag37.log" 2>&1
       echo "diag37 rc=$?"; grep -E "^=====|^\[(raw|engine|recover|reset[0-9]?|probe)\]|rc=" "$OUT/diag37.log" | cut -c1-200 | head -75 ;;
     diag)
       timeout $(( $(left) - 10 )) python3 bench/diag/vllm_sync_profile.py > "$OUT/diag.log" 2>&1
