@@ -27,10 +27,11 @@ for stage in ${STAGES:-tests bench1b}; do
       wait
       tail -4 "$OUT/tests37.log" 2>/dev/null
       grep -E "passed|failed|FAILED|Error|^\{|\[\{" "$OUT/vllm_tests.log" | tail -12 ;;
-    diag37)
+    diag37|diag37bg)  # diag37bg: in the background (a tiny model beside the bench's engines), reported at the end
       python3 -m pip install -q --no-deps --target /tmp/tf524 .whl/transformers-5.24.0-py3-none-any.whl > /dev/null 2>&1
-      PYTHONPATH=/tmp/tf524:$PWD/src timeout ${DIAG37_S:-240} python3 bench/diag/capture_recovery_gpu.py > "$OUT/diag37.log" 2>&1
-      echo "diag37 rc=$?"; grep -E "^=====|^\[(raw|engine|recover|reset[0-9]?|probe)\]|rc=" "$OUT/diag37.log" | cut -c1-200 | head -75 ;;
+      ( PYTHONPATH=/tmp/tf524:$PWD/src timeout ${DIAG37_S:-240} python3 bench/diag/capture_recovery_gpu.py > "$OUT/diag37.log" 2>&1
+        echo "diag37 rc=$? ended at $(( $(date +%s) - T0 )) s" >> "$OUT/diag37.log" ) &
+      [ "$stage" = diag37 ] && wait ;;
     diag)
       timeout $(( $(left) - 10 )) python3 bench/diag/vllm_sync_profile.py > "$OUT/diag.log" 2>&1
       echo "diag rc=$?"; grep -vE "^\[|^INFO|^WARNING|^\(|Warning|warn" "$OUT/diag.log" | grep -A200 "^round" | head -90 ;;
@@ -42,3 +43,7 @@ for stage in ${STAGES:-tests bench1b}; do
       echo "$stage rc=$?"; grep -E "^\[|shape|^1b|^8b" "$OUT/bench_$shape.log" | tail -16 ;;
   esac
 done
+wait
+if [ -f "$OUT/diag37.log" ]; then
+  grep -E "^=====|^\[(raw|engine|recover|reset[0-9]?|probe)\]|rc=" "$OUT/diag37.log" | cut -c1-200 | head -75
+fi
