@@ -27,6 +27,10 @@ for stage in ${STAGES:-tests bench1b}; do
       wait
       tail -4 "$OUT/tests37.log" 2>/dev/null
       grep -E "passed|failed|FAILED|Error|^\{|\[\{" "$OUT/vllm_tests.log" | tail -12 ;;
+    t37bg)  # issue 37's failed-capture tests in the background, reported at the end
+      python3 -m pip install -q --no-deps --target /tmp/tf524 .whl/transformers-5.24.0-py3-none-any.whl > /dev/null 2>&1
+      ( PYTHONPATH=/tmp/tf524:$PWD/src timeout ${T37_S:-300} python3 -m pytest tests/gpu/test_failed_capture_gpu.py -n 4 -q \
+          -p no:cacheprovider -rf --tb=short > "$OUT/tests37.log" 2>&1; echo "tests37 rc=$?" >> "$OUT/tests37.log" ) & ;;
     diag37|diag37bg)  # diag37bg: in the background (a tiny model beside the bench's engines), reported at the end
       python3 -m pip install -q --no-deps --target /tmp/tf524 .whl/transformers-5.24.0-py3-none-any.whl > /dev/null 2>&1
       ( PYTHONPATH=/tmp/tf524:$PWD/src timeout ${DIAG37_S:-240} python3 bench/diag/capture_recovery_gpu.py > "$OUT/diag37.log" 2>&1
@@ -44,6 +48,7 @@ for stage in ${STAGES:-tests bench1b}; do
   esac
 done
 wait
+[ -f "$OUT/tests37.log" ] && grep -E "passed|failed|FAILED|Error|assert|rc=" "$OUT/tests37.log" | cut -c1-300 | tail -20
 if [ -f "$OUT/diag37.log" ]; then
   grep -E "^=====|^\[(raw|engine|recover|reset[0-9]?|probe)\]|rc=" "$OUT/diag37.log" | cut -c1-200 | head -75
 fi

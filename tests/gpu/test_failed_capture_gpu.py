@@ -63,6 +63,33 @@ torch.cuda.empty_cache()
 print("OK")
 """
 
+RAW = """
+import threading, torch
+from kvcanary.runtime.capture import generator_draws, recover_failed_capture
+pool, side, x = torch.cuda.MemPool(), torch.cuda.Stream(), torch.ones(64, device="cuda")
+gen = torch.cuda.default_generators[0]
+failed = []
+def worker():  # transformers' pattern: a thread_local capture into a MemPool on a side stream, in its own thread
+    entry = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side, pool=pool.id, capture_error_mode="thread_local"):
+            (x * 2).sum().item()
+    except Exception as exc:
+        failed.append(exc)
+        recover_failed_capture(entry, pool=pool.id)
+t = threading.Thread(target=worker); t.start(); t.join()
+assert failed, "the capture did not fail"
+before = gen.get_offset()
+assert generator_draws() and gen.get_offset() == before  # draws again; the probe leaves the offset alone
+torch.cuda.empty_cache()
+torch.rand(8, device="cuda").sum().item()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, pool=pool.id):
+    y = torch.rand(4, device="cuda") + x[:4]
+g.replay(); torch.cuda.synchronize()
+print("OK")
+"""
+
 ENGINE = PRELUDE + """
 import sys
 mode = sys.argv[1]
@@ -108,6 +135,11 @@ def _child(code: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_a_failed_own_capture_leaves_a_process_that_serves():
     r = _child(OWN)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_a_failed_thread_local_capture_into_a_mempool_is_repaired():
+    r = _child(RAW)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 

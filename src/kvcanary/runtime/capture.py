@@ -8,8 +8,9 @@ When ending a capture fails (an operation the capture forbids ran inside it, e.g
 - the caching allocator still routing the capture stream's allocations to the graph's memory pool: its next
   ``empty_cache`` (transformers calls one when a ``generate_batch`` ends) fails an internal assert
   (``captures_underway.empty()``) and the process aborts;
-- with torch <= 2.12, the CUDA generator marked as capturing (one flag per generator): the next random draw
-  outside a graph fails (``Offset increment outside graph capture encountered unexpectedly``).
+- with torch <= 2.12, the CUDA generator marked as capturing (one flag per generator state): the next random draw
+  outside a graph fails (``Offset increment outside graph capture encountered unexpectedly``) — transformers'
+  warmup draws its fake requests' tokens, so every request of the batch then fails.
 
 `recover_failed_capture` undoes all three (best effort: each step that does not apply is skipped). Checked on an
 H200 with torch 2.11 by ``tests/gpu/test_device_probe_gpu.py`` and ``bench/chaos_gpu.py``.
@@ -68,8 +69,49 @@ def recover_failed_capture(stream: torch.cuda.Stream, *, pool=None) -> list[str]
 
 
 def reset_generator_capture() -> bool:
-    """Run one tiny capture that succeeds, so the CUDA generator of the current device leaves capture mode (a
-    failed capture skips its capture end). Best effort: False if it failed."""
+    """Take the CUDA generator of the current device out of capture mode (a failed capture skips its capture end).
+    First one tiny capture that succeeds (its end clears the mode); if the generator still refuses a draw
+    (`generator_draws`), its state object is replaced by a copy of itself — same seed and offset, not capturing
+    (``graphsafe_set_state(clone_state())``). Best effort, never raises: False if it still refuses."""
+    _tiny_capture()
+    if generator_draws():
+        return True
+    try:
+        gen = torch.cuda.default_generators[torch.cuda.current_device()]
+        gen.graphsafe_set_state(gen.clone_state())
+    except Exception as exc:  # noqa: BLE001 — the caller is already handling a failure; do not mask it
+        logger.debug("kv-canary: replacing the generator's state after a failed capture failed: %s", exc)
+    return generator_draws()
+
+
+def generator_draws() -> bool:
+    """Whether the current device's CUDA generator serves a draw outside a capture; its offset is left as it was
+    (the draw is undone), so the random stream the engine sees does not move."""
+    before = torch.cuda.current_stream()
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    try:
+        offset = gen.get_offset()
+    except Exception:  # noqa: BLE001
+        return False
+    try:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.empty(1, device=torch.device("cuda", torch.cuda.current_device())).uniform_()
+        before.wait_stream(side)
+        return True
+    except Exception:  # noqa: BLE001 — "Offset increment outside graph capture encountered unexpectedly"
+        return False
+    finally:
+        try:
+            gen.set_offset(offset)
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("kv-canary: restoring the generator's offset failed: %s", exc)
+        if torch.cuda.current_stream() != before:
+            torch.cuda.set_stream(before)
+
+
+def _tiny_capture() -> bool:
+    """One tiny capture that succeeds on a side stream (into a pool of its own). False if it failed."""
     before = torch.cuda.current_stream()
     pool = torch.cuda.graph_pool_handle()
     try:
