@@ -68,7 +68,6 @@ handle keeps its results readable (`counters`, `violations`, `stats`) and refuse
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
 import threading
@@ -79,9 +78,22 @@ from typing import Optional
 import torch
 
 from kvcanary.engines.transformers_cb import compat
-from kvcanary.engines.transformers_cb.forward_view import ContextFn, ForwardTranslator, StaticKwargs, StepInfo, TokenOracleFn
+from kvcanary.engines.transformers_cb.forward_view import ContextFn, ForwardTranslator, StaticKwargs, TokenOracleFn
+from kvcanary.engines.transformers_cb.graph_driver import GraphDriver
 from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_views
 from kvcanary.engines.transformers_cb.moves import MoveObserver
+from kvcanary.engines.transformers_cb.session import (
+    CAUSE_CAPACITY,
+    CAUSE_INTERNAL,
+    CAUSE_PLAIN,
+    DEFERRED_END,
+    HOOK_STEP,
+    IDLE,
+    WRAPPED_STEP,
+    _Session,
+    _SessionResult,
+    _Suspended,
+)
 from kvcanary.errors import (
     KvCanaryCapacityError,
     KvCanaryError,
@@ -90,7 +102,7 @@ from kvcanary.errors import (
     KvCanaryValueError,
 )
 from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
-from kvcanary.runtime.capture import capture_graph, recover_failed_capture
+from kvcanary.runtime.capture import capture_graph
 from kvcanary.runtime.cuda_host import capturing as _capturing
 from kvcanary.runtime.device_probe import prove_device_path
 
@@ -100,11 +112,6 @@ SUPPORTED_TRANSFORMERS = compat.VERSION_READ
 DEFAULT_MAX_REQUESTS = 256
 DEFAULT_MAX_CONTEXT = 32768
 
-# where the current engine step stands (`_Session.phase`)
-IDLE, HOOK_STEP, WRAPPED_STEP, DEFERRED_END = "idle", "hook", "wrapped", "deferred"
-
-# why a forward ran unchecked (`TransformersCbHandle.counters()["unchecked_by_cause"]`)
-CAUSE_CAPACITY, CAUSE_INTERNAL, CAUSE_PLAIN = "capacity", "internal", "plain_forward"
 ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation",
                    "token_oracle", "capture_sweep", "context_of", "committed_tokens")
 
@@ -127,51 +134,6 @@ def check_transformers_version() -> str:
             f"between minor versions)"
         )
     return transformers.__version__
-
-
-@dataclass
-class _Session:
-    """The canary of one PagedAttentionCache, and where the engine's current step stands."""
-
-    cache: object
-    processor: object
-    canary: Canary
-    translator: ForwardTranslator
-    graphs: bool  # the processor captures CUDA graphs: the compute_batch wrapper drives the steps
-    canary_graphs_due: bool = False  # eager engine on CUDA: capture the canary's own work after one forward
-    sweep_graph_due: bool = False  # graph mode on CUDA: capture the sweep slice alone once a step has swept
-    statics: Optional[StaticKwargs] = None  # eager engine: fixed-shape copies of the kwargs (translation graph)
-    translation: Optional[object] = None  # CUDA graph of describe + stage over ``statics``
-    phase: str = IDLE
-    head_open: bool = False  # launch_head ran (eagerly or into a capture) and launch_tail is due
-    step: Optional[StepInfo] = None
-    engine_forwards: int = 0  # forwards the engine ran (eager, captured-then-run, replayed; warmup included)
-    warmup_forwards: int = 0  # of which the runner's warmup (fake requests over never-written KV: padding rows)
-    graphs_captured: int = 0
-    graphs_dropped: int = 0
-    failed_in_capture: Optional[tuple[str, str]] = None  # (cause, reason): suspend once the engine's capture ends
-    moves: Optional[MoveObserver] = None  # fork / CPU offload / restore wrappers (moves.py), removed at close
-    manager: Optional[object] = None  # the ContinuousBatchingManager whose ``stop`` is shadowed (removed at close)
-    final_swept_at: int = -1  # canary step of the full sweep run when the engine stopped (-1: none)
-
-
-@dataclass(frozen=True)
-class _Suspended:
-    """A cache whose canary was closed after a canary error in ``log`` mode: its forwards run unchecked."""
-
-    cache: object
-    processor: object
-    graphs: bool  # graph mode: a counting wrapper around compute_batch counts the forwards (replays run no hooks)
-    cause: str
-    reason: str = ""  # the error that suspended the session
-
-
-@dataclass(frozen=True)
-class _SessionResult:
-    forwards: int
-    stats: object
-    violations: list
-    counters: dict
 
 
 @dataclass
@@ -213,8 +175,9 @@ class TransformersCbHandle:
         self._engine_forwards = 0
         self._in_compute = False  # inside a wrapped compute_batch (graph mode): the wrapper counted this forward
         self._init_cb_wrapper = None  # compat.stack_method's wrapper of model.init_continuous_batching
-        self._capture_hooks = 0  # pre-hooks run inside the engine's CUDA-graph captures (see _recover_capture)
+        self._capture_hooks = 0  # pre-hooks run inside the engine's CUDA-graph captures (see graph_driver)
         self._last_suspension: Optional[str] = None  # cause of the latest suspension (kept after it ends)
+        self._graphs = GraphDriver(self)  # graph mode: the compute_batch wrappers and the capture repair
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -222,7 +185,7 @@ class TransformersCbHandle:
         post = self.model.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         self._hooks = [pre, post]
         try:
-            self._init_cb_wrapper = compat.stack_method(self.model, compat.INIT_CB_METHOD, self._wrap_init_cb)
+            self._init_cb_wrapper = compat.stack_method(self.model, compat.INIT_CB_METHOD, self._graphs.wrap_init_cb)
         except Exception as exc:  # noqa: BLE001 — without it only the very first capture's failure goes unrepaired
             logger.debug("kv-canary: could not wrap %s: %s", compat.INIT_CB_METHOD, exc)
 
@@ -238,7 +201,7 @@ class TransformersCbHandle:
                                    "counted in plain_forwards / unchecked_forwards", type(module).__name__)
             return None
         if _capturing():
-            self._capture_hooks += 1  # the engine is capturing with the canary inside (see _recover_capture)
+            self._capture_hooks += 1  # the engine is capturing with the canary inside (see graph_driver)
         if not self._in_compute and not _capturing():
             self._engine_forwards += 1
         sus = self._suspended
@@ -360,24 +323,10 @@ class TransformersCbHandle:
         self._last_suspension = f"{cause}: {reason}"
         if graphs:
             try:
-                compat.install_compute_wrapper(processor, lambda original: self._count_wrapper(cache, original))
+                compat.install_compute_wrapper(processor, lambda original: self._graphs.count_wrapper(cache, original))
             except Exception:  # noqa: BLE001 — without the wrapper, replays cannot be counted
                 self._suspended = _Suspended(cache=cache, processor=processor, graphs=False, cause=cause,
                                              reason=reason)
-
-    def _count_wrapper(self, cache, original):
-        def compute_batch(model, batch_data):
-            self._engine_forwards += 1
-            sus = self._suspended
-            if sus is not None and sus.cache is cache:
-                self._count_unchecked(sus.cause)
-            self._in_compute = True
-            try:
-                return original(model, batch_data)
-            finally:
-                self._in_compute = False
-
-        return compute_batch
 
     def _end_suspension(self) -> None:
         sus, self._suspended = self._suspended, None
@@ -441,134 +390,6 @@ class TransformersCbHandle:
         if s.phase == DEFERRED_END:
             s.phase = IDLE
             s.canary.end_step()
-
-    def _wrap_compute_batch(self, s: _Session, original):
-        """The graph-mode driver around ``ModelRunner.compute_batch`` (see the module docstring)."""
-        stream = compat.compute_stream(s.processor)
-
-        def compute_batch(model, batch_data):
-            self._engine_forwards += 1
-            self._in_compute = True
-            try:
-                return run(model, batch_data)
-            finally:
-                self._in_compute = False
-                if s.failed_in_capture is not None and self._current is s:
-                    self._suspend_after_capture(s)
-
-        def run(model, batch_data):
-            if self._current is not s:  # a stale session (detached or superseded): pass through
-                return original(model, batch_data)
-            on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            entry = torch.cuda.current_stream() if stream is not None else None
-            hooks_before = self._capture_hooks
-            try:
-                with on_stream:
-                    self._end_deferred(s)
-                    self._begin(s, WRAPPED_STEP)
-                if stream is not None:  # the engine staged its inputs on the caller's stream
-                    stream.wait_stream(torch.cuda.current_stream())
-            except Exception as exc:
-                s.phase = IDLE
-                self._canary_failed(s, s.cache, exc)  # log mode: suspended, the forward runs unchecked
-                return original(model, batch_data)
-            try:
-                result = original(model, batch_data)
-            except BaseException as exc:
-                if entry is not None and self._capture_hooks > hooks_before and isinstance(exc, Exception):
-                    if self._recover_capture(s, s.processor, entry, exc):
-                        return original(model, batch_data)  # suspended: the engine captures again, without the canary
-                    raise
-                with on_stream:
-                    self._abandon(s)
-                raise
-            try:
-                with on_stream:
-                    phase, s.phase = s.phase, IDLE
-                    if phase == WRAPPED_STEP and s.failed_in_capture is None:
-                        s.canary.end_step()
-                        if s.sweep_graph_due and s.canary.sweeper.slices_run:
-                            self._capture_sweep(s)
-            except Exception as exc:
-                self._canary_failed(s, s.cache, exc, forward_counted=True)
-            return result
-
-        return compute_batch
-
-    def _recover_capture(self, s: Optional[_Session], processor, entry, exc: Exception) -> bool:
-        """The engine's CUDA-graph capture failed with the canary's work inside it (whichever side caused it): repair
-        the process (`recover_failed_capture`: the thread's stream, the allocator's pool routing, the generator),
-        suspend the session and drop its graphs. Returns True in ``log`` mode: run the forward again, unchecked (a
-        failed capture ran nothing, so the engine captures that graph again, without the canary)."""
-        fixed = recover_failed_capture(entry, pool=compat.graph_pool(processor) if processor is not None else None)
-        if s is not None:
-            s.head_open = False
-            s.phase = IDLE
-            if s.failed_in_capture is None:
-                s.failed_in_capture = (CAUSE_INTERNAL, f"the engine's CUDA graph capture failed with the canary "
-                                                       f"inside ({type(exc).__name__}: {exc})")
-                self._canary_errors += 1
-        logger.error("kv-canary: the engine's CUDA graph capture failed with the canary inside (%s: %s); repaired %s; "
-                     "%s", type(exc).__name__, str(exc)[:200], ", ".join(fixed) or "nothing",
-                     "raise mode: the step fails" if self.config.mode == "raise" else
-                     "log mode: the rest of this engine session runs unchecked and the forward runs again without "
-                     "the canary")
-        if s is not None and self._current is s:
-            self._suspend_after_capture(s)
-        return self.config.mode != "raise"
-
-    def _wrap_init_cb(self, original):
-        """``model.init_continuous_batching`` (``generate_batch`` calls it too): shadow the new manager's
-        ``_create_batch_processor``, so each new processor gets `_capture_guard` before its first ``compute_batch``
-        (the graph-mode wrapper only exists from the first forward on, inside that first call)."""
-        def init_continuous_batching(*args, **kwargs):
-            manager = original(*args, **kwargs)
-            if not self._detached and compat.MANAGER_CREATE_PROCESSOR_METHOD not in vars(manager):
-                compat.shadow_method(manager, compat.MANAGER_CREATE_PROCESSOR_METHOD, self._wrap_create_processor)
-            return manager
-
-        return init_continuous_batching
-
-    def _wrap_create_processor(self, original):
-        def create_batch_processor(*args, **kwargs):
-            processor = original(*args, **kwargs)
-            try:
-                if not self._detached and torch.cuda.is_available() and any(compat.graph_flags(processor)):
-                    compat.install_compute_guard(processor, lambda compute: self._capture_guard(processor, compute))
-            except Exception as exc:  # noqa: BLE001 — without the guard only a failed first capture goes unrepaired
-                logger.debug("kv-canary: could not guard the first compute_batch: %s", exc)
-            return processor
-
-        return create_batch_processor
-
-    def _capture_guard(self, processor, original):
-        """Until the graph-mode wrapper replaces it: a failed capture with the canary inside is repaired
-        (`_recover_capture`) and, in ``log`` mode, the step runs again without the canary."""
-        def compute_batch(model, batch_data):
-            entry, hooks_before = torch.cuda.current_stream(), self._capture_hooks
-            try:
-                return original(model, batch_data)
-            except Exception as exc:
-                if self._detached or self._capture_hooks == hooks_before:
-                    raise  # the canary was not inside a capture: not ours to repair
-                s = self._current if self._current is not None and self._current.processor is processor else None
-                if not self._recover_capture(s, processor, entry, exc):
-                    raise
-            return original(model, batch_data)  # suspended: the engine captures again, without the canary
-
-        return compute_batch
-
-    def _suspend_after_capture(self, s: _Session) -> None:
-        """A canary failure inside the engine's capture (log mode), now that the capture has ended: the graph it
-        made holds part of the canary's work, so every graph of the session is dropped (the engine recaptures,
-        without the canary) and the session is suspended."""
-        cause, reason = s.failed_in_capture
-        s.phase = IDLE
-        try:
-            self._suspend(s, s.cache, cause, reason=reason)
-        finally:
-            s.graphs_dropped += compat.drop_graphs(s.processor, list(compat.graph_store(s.processor)))
-        self._count_unchecked(cause)
 
     def _abandon(self, s: _Session) -> None:
         """Close a step whose forward raised before the post-hook could (TAIL checks skipped)."""
@@ -652,7 +473,7 @@ class TransformersCbHandle:
         if graphs:
             # graphs captured before attaching replay without the canary: drop them (recaptured on demand)
             session.graphs_dropped += compat.drop_graphs(processor, list(compat.graph_store(processor)))
-            compat.install_compute_wrapper(processor, lambda original: self._wrap_compute_batch(session, original))
+            compat.install_compute_wrapper(processor, lambda original: self._graphs.wrap_compute_batch(session, original))
         self._observe_moves(session)
         self._observe_stop(session)
         self._sessions.append(session)
