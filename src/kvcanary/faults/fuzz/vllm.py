@@ -114,6 +114,20 @@ def _prompts(config: dict, seed: int) -> list[list[int]]:
 
 
 # ---- one engine run (inside the worker) -----------------------------------------------------------
+def _llm_kwargs(config: dict, model: str, ktc: Optional[dict]) -> dict:
+    """``LLM(...)`` arguments of one configuration (eager on the CPU; n-gram drafts when it draws them)."""
+    kw: dict[str, Any] = dict(
+        model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        enable_prefix_caching=config["prefix_caching"], enforce_eager=True, max_model_len=config["max_model_len"],
+        seed=0, block_size=config["block_size"], num_gpu_blocks_override=config["num_blocks"],
+        max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=config["max_num_batched_tokens"],
+        disable_log_stats=True, kv_transfer_config=ktc)
+    if config.get("spec_tokens"):
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(config["spec_tokens"]),
+                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return kw
+
+
 def _engine_run(config: dict, seed: int, *, canary: Optional[dict], faults: Optional[list], work: str) -> dict:
     """Start one in-process engine, run the configuration's requests step by step (aborts included),
     close it; returns tokens per request and, with the canary, its counts and violations."""
@@ -126,16 +140,7 @@ def _engine_run(config: dict, seed: int, *, canary: Optional[dict], faults: Opti
     kind, shape = _model_shape(config)
     model = write_tiny_model(os.path.join(work, "model"), kind, **shape)
     ktc = kv_transfer_config(faults=faults, **canary) if canary is not None else None
-    extra: dict[str, Any] = {}
-    if config.get("spec_tokens"):
-        extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(config["spec_tokens"]),
-                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              enable_prefix_caching=config["prefix_caching"], enforce_eager=True,
-              max_model_len=config["max_model_len"], seed=0, block_size=config["block_size"],
-              num_gpu_blocks_override=config["num_blocks"], max_num_seqs=config["max_num_seqs"],
-              max_num_batched_tokens=config["max_num_batched_tokens"], disable_log_stats=True,
-              kv_transfer_config=ktc, **extra)
+    llm = LLM(**_llm_kwargs(config, model, ktc))
     result: dict[str, Any] = {}
     try:
         engine = llm.llm_engine
