@@ -144,7 +144,6 @@ class SimEngine:
         self.cache_hit_tokens = 0
         self.forwards = 0
         self.batch_hooks: list[BatchHook] = []
-        self.bypass_canary = False
         self.sampler: Optional[Callable[[str, int], int]] = None  # (request id, position) -> token; None = seeded random
         self._next_rid = 0
         self._contexts_used = False
@@ -309,7 +308,7 @@ class SimEngine:
         for hook in self.batch_hooks:
             batch = hook(batch)
         self.forwards += 1
-        if self.canary is not None and not self.bypass_canary:
+        if self.canary is not None:
             with self.canary.forward(batch):
                 self._model(batch)
         else:
