@@ -129,7 +129,7 @@ def child(arm: str, shape: str, util: float) -> None:
                                "decode_steps": len(decode_s),
                                "decode_ms_mean": round(1e3 * statistics.fmean(decode_s), 4) if decode_s else None,
                                "decode_ms_median": round(1e3 * statistics.median(decode_s), 4) if decode_s else None,
-                               "total_s": round(total_s, 3), "tokens_sha": digest}
+                               "total_s": round(total_s, 3), "tokens_sha": digest, "tokens": sorted(tokens.items())}
         if conn:
             time.sleep(1.2)  # past the worker's stats period: the next step carries every count of this round
             llm.generate([{"prompt_token_ids": [11, 12, 13, 14]}], flush, use_tqdm=False)
@@ -179,10 +179,31 @@ def run_shape(shape: str, arms: list[str], rounds: int, util: float, log) -> dic
             records.append(rec)
             log(f"{shape} round {r} {arm}: decode {rec['decode_ms_mean']} ms/step, prefill {rec['prefill_tok_s']} tok/s, "
                 f"host {rec.get('canary_host_us_per_forward')} us/fwd, tokens {rec['tokens_sha']}")
+        base = next((x for x in records if x["round"] == r and x["arm"] == "none"), None)
+        for rec in records:
+            if rec["round"] == r and base is not None and rec is not base:
+                rec["divergence"] = divergence(dict(base["tokens"]), dict(rec["tokens"]))
+                log(f"{shape} round {r} {rec['arm']}: vs none {rec['divergence']}")
+    for rec in records:
+        rec.pop("tokens", None)
     for p, _ in procs.values():
         p.stdin.close()
         p.wait(timeout=120)
     return {"shape": shape, "arms": {a: procs[a][1] for a in arms}, "records": records}
+
+
+def divergence(base: dict[str, list[int]], mine: dict[str, list[int]]) -> dict:
+    """Requests whose tokens differ from the canary-off arm's (same round, same prompts) and where they first differ
+    (token index): a late first difference in a few requests is a near-tie flip of bf16 greedy decoding."""
+    first = []
+    for rid, ref in base.items():
+        got = mine.get(rid)
+        if got != ref:
+            got = got or []
+            first.append(next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got))))
+    return {"requests_differing": len(first), "requests": len(base),
+            "first_index_min": min(first) if first else None,
+            "first_index_median": statistics.median(first) if first else None}
 
 
 def summarise(result: dict) -> list[dict]:
@@ -202,6 +223,7 @@ def summarise(result: dict) -> list[dict]:
             rows.append({"shape": shape["shape"], "arm": arm, "rounds": len(mine), "decode_ms": round(dec, 3),
                          "decode_vs_none_pct": round(100 * (dec / b_dec - 1), 2), "prefill_tok_s": round(pre),
                          "prefill_vs_none_pct": round(100 * (pre / b_pre - 1), 2), "tokens_identical": same,
+                         "requests_differing": sum(r.get("divergence", {}).get("requests_differing", 0) for r in mine),
                          "host_us_per_forward": round(statistics.fmean(host), 1) if host else None,
                          "checked_eq_forwards": all(t["checked_forwards"] == t["forwards"] for t in tot) if tot else None,
                          "violations": sum(t["violations"] for t in tot) if tot else None,

@@ -36,6 +36,12 @@ def rec(stream, *, pool=None):
     gen_state("before recover")
     done = _rec(stream, pool=pool)
     print(f"[recover] done={done}", flush=True)
+    if pool is not None:  # is the allocator still routing to the pool? (a second end says so)
+        try:
+            torch._C._cuda_endAllocateToPool(stream.device_index, tuple(pool))
+            print("[recover] pool: a second end SUCCEEDED (the first did not end the routing)", flush=True)
+        except Exception as e:
+            print("[recover] pool: a second end refused:", str(e).splitlines()[0][:90], flush=True)
     gen_state("after recover")
     return done
 def reset():

@@ -83,10 +83,12 @@ before = gen.get_offset()
 assert generator_draws() and gen.get_offset() == before  # draws again; the probe leaves the offset alone
 torch.cuda.empty_cache()
 torch.rand(8, device="cuda").sum().item()
+fresh = torch.cuda.MemPool()  # the failed capture's pool stays routed in the host allocator (runtime/capture.py)
 g = torch.cuda.CUDAGraph()
-with torch.cuda.graph(g, pool=pool.id):
+with torch.cuda.graph(g, pool=fresh.id):
     y = torch.rand(4, device="cuda") + x[:4]
 g.replay(); torch.cuda.synchronize()
+torch.cuda.empty_cache()
 print("OK")
 """
 

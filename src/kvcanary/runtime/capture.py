@@ -12,8 +12,12 @@ When ending a capture fails (an operation the capture forbids ran inside it, e.g
   outside a graph fails (``Offset increment outside graph capture encountered unexpectedly``) — transformers'
   warmup draws its fake requests' tokens, so every request of the batch then fails.
 
-`recover_failed_capture` undoes all three (best effort: each step that does not apply is skipped). Checked on an
-H200 with torch 2.11 by ``tests/gpu/test_device_probe_gpu.py`` and ``bench/chaos_gpu.py``.
+`recover_failed_capture` undoes all three (best effort: each step that does not apply is skipped). A fourth thing
+it cannot undo: torch 2.11's capture begin also routes the pinned host allocator to the pool, that routing is ended
+only by a successful capture end, and torch offers no Python call to end it. So a failed capture's pool id can never
+be captured into again ("beginAllocateToPool: already recording to mempool_id"): later captures need a fresh pool
+(`capture_graph` makes one per graph; the transformers adapter gives the engine's runner a new one). Checked on an
+H100 with torch 2.11 by ``tests/gpu/test_failed_capture_gpu.py`` (diagnostic: ``bench/diag/capture_recovery_gpu.py``).
 """
 from __future__ import annotations
 

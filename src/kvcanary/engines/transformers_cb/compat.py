@@ -14,6 +14,8 @@ from __future__ import annotations
 import gc
 from typing import Callable, Optional
 
+import torch
+
 from kvcanary.errors import KvCanaryRuntimeError
 
 VERSION_READ = "5.24.0"
@@ -124,6 +126,18 @@ def uses_async_batching(processor) -> bool:
 def graph_pool(processor):
     """The memory pool id the runner captures its graphs into (``ModelRunner.graph_pool_id``; None without graphs)."""
     return getattr(processor.model_runner, "graph_pool_id", None)
+
+
+def renew_graph_pool(processor) -> bool:
+    """Give the runner a fresh memory pool for its later captures (``ModelRunner.mem_pool`` / ``graph_pool_id``,
+    set in ``ModelRunner.__init__`` from ``get_memory_pools``): after a failed capture the old pool id cannot be
+    captured into again (`kvcanary.runtime.capture`). False without graphs (no pool)."""
+    runner = processor.model_runner
+    if getattr(runner, "graph_pool_id", None) is None:
+        return False
+    pool = torch.cuda.MemPool()
+    runner.mem_pool, runner.graph_pool_id = pool, pool.id
+    return True
 
 
 def graph_store(processor) -> dict:

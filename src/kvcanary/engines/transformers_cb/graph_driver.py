@@ -128,10 +128,13 @@ class GraphDriver:
 
     def _recover_capture(self, s: Optional[_Session], processor, entry, exc: Exception) -> bool:
         """The engine's CUDA-graph capture failed with the canary's work inside it (whichever side caused it): repair
-        the process (`recover_failed_capture`: the thread's stream, the allocator's pool routing, the generator),
+        the process (`recover_failed_capture`: the thread's stream, the allocator's pool routing, the generator;
+        the engine's runner then captures into a fresh pool),
         suspend the session and drop its graphs. Returns True in ``log`` mode: run the forward again, unchecked (a
         failed capture ran nothing, so the engine captures that graph again, without the canary)."""
         fixed = recover_failed_capture(entry, pool=compat.graph_pool(processor) if processor is not None else None)
+        if processor is not None and compat.renew_graph_pool(processor):
+            fixed.append("a fresh graph pool for the engine")  # the failed capture's pool cannot be captured into
         if s is not None:
             s.head_open = False
             s.phase = IDLE
