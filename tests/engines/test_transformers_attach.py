@@ -153,6 +153,8 @@ def test_healthy_run_reports_zero_unchecked(llama):
     c = handle.counters()
     assert c["unchecked_forwards"] == 0 and c["canary_errors"] == 0 and c["plain_forwards"] == 0
     assert c["engine_forwards"] == c["checked_forwards"] > 0
+    assert c["device_path"] == "twins"  # on the CPU; still reported after the handle detached
+
 
 
 def test_plain_forwards_while_attached_are_counted_unchecked_and_warned_once(llama, caplog):

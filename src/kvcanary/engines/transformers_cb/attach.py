@@ -177,6 +177,7 @@ class TransformersCbHandle:
         self._init_cb_wrapper = None  # compat.stack_method's wrapper of model.init_continuous_batching
         self._capture_hooks = 0  # pre-hooks run inside the engine's CUDA-graph captures (see graph_driver)
         self._last_suspension: Optional[str] = None  # cause of the latest suspension (kept after it ends)
+        self._device_path: Optional[str] = None  # the latest session's device path (kept after it ends)
         self._graphs = GraphDriver(self)  # graph mode: the compute_batch wrappers and the capture repair
 
     # ---- hooks ---------------------------------------------------------------------------------
@@ -459,6 +460,7 @@ class TransformersCbHandle:
             max_batch_tokens=max_batch_tokens,
             device=device,
         )
+        self._device_path = canary.device_path.path
         for g in layouts:
             canary.set_kv_cache(g.name, lambda layer, g=g: layer_kv_views(cache, g, layer)[:2], page_size=g.page_size)
         canary.set_live_slots_provider(translator.live_slots)
@@ -599,8 +601,8 @@ class TransformersCbHandle:
         out["engine_forwards"] = self._engine_forwards
         out.setdefault("checked_forwards", 0)  # no session opened (e.g. refused when it would have): none checked
         out.setdefault("total", 0)
-        if self._current is not None:
-            out["device_path"] = self._current.canary.device_path.path
+        if self._device_path is not None:
+            out["device_path"] = self._device_path  # kept after detach: which path the checks ran on
         sus = self._suspended
         out["suspended"] = f"{sus.cause}: {sus.reason}" if sus is not None and sus.cause != CAUSE_PLAIN else None
         out["last_suspension"] = self._last_suspension
