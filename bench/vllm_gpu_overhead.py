@@ -4,7 +4,8 @@ vLLM runs as it does by default (engine-core process and worker process, V2 mode
 FULL_AND_PIECEWISE CUDA graphs, FlashAttention, async scheduling). Random-weight (``load_format="dummy"``, re-scaled so tokens depend on the KV) Llama-shaped models — ``1b``
 (Llama-3.2-1B shape) and ``8b`` (Llama-3.1-8B shape) — serve rounds of 64 requests with 2-3 k-token prompts
 (fresh random prompts per round: no prefix hits across rounds) and 128 new tokens each, greedy. Each arm is an
-engine of its own, alive for the whole run in a child process: ``none`` (no canary), ``canary`` (default options), ``canary_nokv`` (``real_kv_hash="none"``).
+engine of its own, alive for the whole run in a child process: ``none`` (no canary), ``canary`` (default options), ``canary_nokv`` (``real_kv_hash="none"``), ``none_again`` (a second engine without the canary: how far vLLM's own
+tokens vary between two engines, the yardstick for the canary arms' token differences; ``--arms``).
 One unrecorded warm-up round per arm, then interleaved rounds: round r runs on every arm (rotating order) before
 round r + 1, each arm the same prompts.
 
@@ -40,7 +41,7 @@ SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=14336, head_dim=128, tie_word_embeddings=False),
 }
-ARMS = {"none": None, "canary": {}, "canary_nokv": {"real_kv_hash": "none"}}
+ARMS = {"none": None, "none_again": None, "canary": {}, "canary_nokv": {"real_kv_hash": "none"}}
 REQUESTS, NEW_TOKENS, PROMPT_MIN, PROMPT_MAX, VOCAB = 64, 128, 2048, 3072, 128256
 
 
@@ -234,7 +235,7 @@ def summarise(result: dict) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
-    ap.add_argument("--arms", nargs="+", default=None, help="default: all three for 1b, none + canary for 8b")
+    ap.add_argument("--arms", nargs="+", default=None, help="default: none, canary, canary_nokv for 1b; none + canary for 8b (none_again: a second canary-off engine)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--util", type=float, default=None, help="gpu_memory_utilization per engine")
     ap.add_argument("--out", default=None)
