@@ -94,6 +94,9 @@ def main() -> int:
     s = io.StringIO()
     pstats.Stats(state["prof"], stream=s).sort_stats("cumulative").print_stats(45)
     print(s.getvalue()[:12000])
+    s = io.StringIO()
+    pstats.Stats(state["prof"], stream=s).sort_stats("tottime").print_stats(30)
+    print(s.getvalue()[:8000])
     return 0
 
 
