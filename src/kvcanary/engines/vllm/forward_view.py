@@ -28,7 +28,9 @@ import torch
 
 from kvcanary.engines.vllm.layout import GroupLayout
 from kvcanary.errors import KvCanaryRuntimeError
+from kvcanary.ops.paged import launch_block_table_slots_kernel, launch_mark_written_slots_kernel
 from kvcanary.runtime.batch import BatchDescription, GroupBatch, classify_forward
+from kvcanary.runtime.upload import ColumnUpload
 
 
 def find_model_runner(kv_tensor: Optional[torch.Tensor] = None):
@@ -222,10 +224,10 @@ class WorkerView:
         # per group: slots of positions < seq_len of the last forward (kept only for adapters that mirror KV)
         self.track_read_slots = track_read_slots
         self.read_slots: dict[str, torch.Tensor] = {}
-        self._pos: dict[str, tuple] = {}
         full = next((g for g in layouts if g.name == "full"), None)
-        self._ever_written = torch.zeros(full.num_slots if full else 0, dtype=torch.bool, device=self.device)
-        self._reused = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._ever_written = torch.zeros(full.num_slots if full else 0, dtype=torch.uint8, device=self.device)
+        self._reused = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._upload = ColumnUpload(self.device)
 
     # ---- scheduler events ----------------------------------------------------------------------
     def apply(self, *, tokens: dict, finished, preempted, contexts: Optional[dict] = None,
@@ -249,44 +251,51 @@ class WorkerView:
     def describe(self, step: StepInputs) -> Optional[BatchDescription]:
         """The `BatchDescription` of the forward about to run, or None for a forward without tokens.
 
-        No device read on the way: lengths come from the host, tables are gathered on the device, small host
-        arrays go up with non-blocking copies (pinned) — so on a GPU the engine's stream is never waited for
-        (except on the first forward of a request that hits the prefix cache, see `_same_step_shares`)."""
+        No device read on the way and a handful of launches whatever the batch: the host columns (rows, lengths,
+        context keys, the token history learnt since the last forward) go up in one pinned non-blocking copy, each
+        group's position -> slot table is one kernel over the block table attention reads, the runner's input ids,
+        positions and slot mapping are handed over as they are (the runtime stages them). So on a GPU the engine's
+        stream is never waited for — except on the first forward of a request that hits the prefix cache, see
+        `_same_step_shares`."""
         req_ids, query, prefix = list(step.req_ids), list(step.query), list(step.prefix)
         num_tokens = sum(query)
         if num_tokens == 0:
             return None
         seq_l = [p + q for p, q in zip(prefix, query)]
-        if max(seq_l) > self.max_context:
+        max_s = max(seq_l)
+        if max_s > self.max_context:
             raise KvCanaryRuntimeError(
-                f"kv-canary: a request reaches {max(seq_l)} tokens, beyond max_context={self.max_context}"
+                f"kv-canary: a request reaches {max_s} tokens, beyond max_context={self.max_context}"
             )
         rows = [self.rows.get(rid) for rid in req_ids]
         first = [rid not in self.computed for rid in req_ids]
         self._count_events(req_ids, prefix, query)
-        self.events.draft_tokens += sum(self.drafts.get(rid, 0) for rid in req_ids)
-        dev = self.device
-        rows_t, seq_t = self._to_device(rows, seq_l)
-        tables, written = self._tables(step, rows_t, seq_t, max(seq_l), num_tokens)
-        input_ids = step.input_ids[:num_tokens].to(device=dev, dtype=torch.int64)
-        positions = step.positions[:num_tokens].to(device=dev, dtype=torch.int64)
-        lens = self._fill_tokens(req_ids, rows, seq_l)
+        if self.drafts:
+            self.events.draft_tokens += sum(self.drafts.get(rid, 0) for rid in req_ids)
+        lens, at_rows, at_cols, values = self._token_updates(req_ids, rows, seq_l)
+        keys = [self.contexts.get(rid, 0) for rid in req_ids] if self.contexts or self.keyed else None
+        self.keyed = self.keyed or any(keys or ())
+        host = (rows, seq_l, prefix, query, lens, at_rows, at_cols, values) + ((keys,) if self.keyed else ())
+        rows_t, seq_t, prefix_t, extend_t, lens_t, at_r, at_c, at_v, *keys_t = self._upload(*host)
+        if values:
+            self.token_table[at_r, at_c] = at_v.to(torch.int32)
+        tables, written = self._tables(step, rows_t, seq_t, max_s, num_tokens)
+        input_ids = step.input_ids[:num_tokens]
+        positions = step.positions[:num_tokens]
+        if input_ids.device != self.device:
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         shared = self._same_step_shares(rows, prefix, first, written, positions)
-        canary_prefix = [p - k for p, k in zip(prefix, shared)]
-        canary_extend = [q + k for q, k in zip(query, shared)]
         if any(shared):
             input_ids, positions, written = self._claim_shared(rows, prefix, shared, query, input_ids, positions, written)
-        for rid, s in zip(req_ids, seq_l):
-            self.computed[rid] = s
+            prefix_t, extend_t = self._upload([p - k for p, k in zip(prefix, shared)],
+                                              [q + k for q, k in zip(query, shared)])
+            self.events.same_step_shared += sum(1 for k in shared if k)
+        for rid, n in zip(req_ids, seq_l):
+            self.computed[rid] = n
         if self.track_read_slots:
             for name, w in written.items():  # TAIL re-hashes the slots actually written, too
                 self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
         groups = {g.name: GroupBatch(req_to_token=tables[g.name], out_cache_loc=written[g.name]) for g in self.layouts}
-        keys = [self.contexts.get(rid, 0) for rid in req_ids]
-        self.keyed = self.keyed or any(keys)
-        self.events.same_step_shared += sum(1 for k in shared if k)
-        fields = (canary_prefix, canary_extend, lens) + ((keys,) if self.keyed else ())
-        prefix_t, extend_t, lens_t, *keys_t = self._to_device(*fields)
         return BatchDescription(
             req_pool_indices=rows_t,
             prefix_lens=prefix_t,
@@ -306,56 +315,30 @@ class WorkerView:
         tables, written = {}, {}
         for g in self.layouts:
             meta = step.attn_metadata[g.layer_names[0]]
-            tables[g.name] = self._fill_table(g, meta, rows_t, seq_t, max_s, len(step.req_ids))
+            tables[g.name] = self._fill_table(g, meta, rows_t, seq_t, max_s)
             written[g.name] = meta.slot_mapping[:num_tokens].to(device=self.device, dtype=torch.int64)
         if "full" in written:
-            self._count_reuse(written["full"])
+            launch_mark_written_slots_kernel(slots=written["full"], ever_written=self._ever_written,
+                                             rewritten=self._reused)
         return tables, written
 
-    def _to_device(self, *columns: list) -> tuple[torch.Tensor, ...]:
-        """int64 tensors of equally long ``columns`` on the view's device; on CUDA one upload through pinned
-        memory, non-blocking (views of one ``[len(columns), n]`` tensor)."""
-        host = torch.tensor(columns, dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory().to(self.device, non_blocking=True)
-        return tuple(host.unbind(0))
-
-    def _positions(self, g: GroupLayout, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Device ``(p, p // block_size, p % block_size)`` for ``p < n`` (cached per group)."""
-        cached = self._pos.get(g.name)
-        if cached is None or int(cached[0].shape[0]) < n:
-            p = torch.arange(max(n, self.max_context), dtype=torch.int64, device=self.device)
-            cached = self._pos[g.name] = (p, p // g.block_size, p % g.block_size)
-        return cached[0][:n], cached[1][:n], cached[2][:n]
-
-    def _fill_table(self, g: GroupLayout, meta, rows_t, seq_t, max_s: int, num_reqs: int) -> torch.Tensor:
-        """Write each row's position -> slot table from the block table attention reads (on the device)."""
+    def _fill_table(self, g: GroupLayout, meta, rows_t, seq_t, max_s: int) -> torch.Tensor:
+        """Write each row's position -> slot table from the block table attention reads (one kernel, on the device);
+        a sliding-window group's null blocks (dropped behind the window) become padding, never verified."""
         table = self.req_to_token[g.name]
-        pos, blk, off = self._positions(g, max_s)
-        nblk = (max_s + g.block_size - 1) // g.block_size
-        bt = meta.block_table[:num_reqs, :nblk].to(device=self.device, dtype=torch.int64)
-        blocks = bt[:, blk]
-        slots = blocks * g.block_size + off
-        keep = pos[None, :] < seq_t[:, None]
-        if g.sliding_window:
-            keep &= blocks > 0  # blocks vLLM dropped behind the window: null block -> padding, never verified
-        slots = torch.where(keep, slots, torch.zeros_like(slots))
-        table[rows_t, :max_s] = slots.to(torch.int32)
+        bt = meta.block_table
+        if bt.device != self.device or bt.stride(-1) != 1:
+            bt = bt.to(self.device).contiguous()
+        launch_block_table_slots_kernel(block_table=bt, rows=rows_t, seq_lens=seq_t, block_size=g.block_size,
+                                        width=max_s, table_out=table, drop_null=bool(g.sliding_window))
         if self.track_read_slots:
+            slots = table[rows_t, :max_s].to(torch.int64)
             self.read_slots[g.name] = slots[slots > 0]  # what TAIL re-hashes (with the writes)
         return table
 
-    def _count_reuse(self, written: torch.Tensor) -> None:
-        """Count full-attention slots written again (their block was freed and reallocated); device-side."""
-        valid = written >= 0
-        idx = written.clamp_min(0)
-        seen = self._ever_written[idx]
-        self._reused = self._reused + (seen & valid).sum()
-        self._ever_written[idx] = seen | valid
-
     def slots_reused(self) -> int:
         """Full-attention slots written again after their block was freed (a device read)."""
-        return int(self._reused)
+        return int(self._reused[0])
 
     def _same_step_shares(self, rows, prefix, first, written, positions) -> list[int]:
         """Per batch row: how many trailing prefix positions this same forward writes (a prefix-cache
@@ -394,6 +377,7 @@ class WorkerView:
     def _claim_shared(self, rows, prefix, shared, query, input_ids, positions, written):
         """Rebuild the flattened token arrays with each sharing row's same-step positions prepended to
         its own tokens (it claims the same slot, position and token as the row that writes them)."""
+        input_ids, positions = input_ids.to(torch.int64), positions.to(torch.int64)
         qsl = [0]
         for q in query:
             qsl.append(qsl[-1] + q)
@@ -416,12 +400,13 @@ class WorkerView:
                 slot_parts[name].append(written[name][a:b])
         return torch.cat(ids_parts), torch.cat(pos_parts), {n: torch.cat(p) for n, p in slot_parts.items()}
 
-    def _fill_tokens(self, req_ids: list[str], rows: list[int], seq: list[int]) -> list[int]:
-        """Copy newly known history into the token table (one upload for the whole batch); the known length
-        per batch row."""
+    def _token_updates(self, req_ids: list[str], rows: list[int], seq: list[int]) -> tuple[list, list, list, list]:
+        """Newly known history for the token table, as ``(known length per batch row, table rows, columns, tokens)``
+        (host lists; one upload with the rest of the forward's columns)."""
         lens, at_rows, at_cols, values = [], [], [], []
+        tokens = self.history.tokens
         for rid, row, s in zip(req_ids, rows, seq):
-            hist = self.history.tokens.get(rid, [])
+            hist = tokens.get(rid, ())
             known = min(len(hist), self.max_context)
             have = self.filled.get(rid, 0)
             if have > known:
@@ -432,10 +417,7 @@ class WorkerView:
                 values.extend(hist[have:known])
                 self.filled[rid] = known
             lens.append(min(known, s))
-        if values:
-            r, c, v = self._to_device(at_rows, at_cols, values)
-            self.token_table[r, c] = v.to(torch.int32)
-        return lens
+        return lens, at_rows, at_cols, values
 
     def _count_events(self, req_ids, prefix, query) -> None:
         for rid, p, q in zip(req_ids, prefix, query):

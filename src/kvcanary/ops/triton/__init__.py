@@ -2,7 +2,8 @@
 
 ``AVAILABLE`` is True when Triton imports; ``kvcanary.ops.dispatch`` then routes CUDA tensors
 here. Each op lives in its own module (private ``@triton.jit`` kernels + one launcher):
-``launch_plan``, ``launch_write`` / ``launch_write_many``, ``launch_verify`` / ``launch_verify_many``, ``launch_scatter``, ``launch_stamp`` take the
+``launch_plan``, ``launch_write`` / ``launch_write_many``, ``launch_verify`` / ``launch_verify_many``, ``launch_scatter``, ``launch_stamp``,
+``launch_block_table_slots``, ``launch_mark_written`` take the
 public launcher's keyword arguments, already validated (plus an optional launch configuration). Importing this package never fails when
 Triton is missing: it only sets ``AVAILABLE = False``.
 """
@@ -17,12 +18,14 @@ else:
     AVAILABLE = True
 
 if AVAILABLE:
+    from kvcanary.ops.triton.paged import launch_block_table_slots, launch_mark_written
     from kvcanary.ops.triton.plan import launch_plan
     from kvcanary.ops.triton.scatter import launch_scatter
     from kvcanary.ops.triton.stamp import launch_stamp
     from kvcanary.ops.triton.verify import launch_verify, launch_verify_many
     from kvcanary.ops.triton.write import launch_write, launch_write_many
 
-    __all__ = ["AVAILABLE", "launch_plan", "launch_write", "launch_write_many", "launch_verify", "launch_verify_many", "launch_scatter", "launch_stamp"]
+    __all__ = ["AVAILABLE", "launch_plan", "launch_write", "launch_write_many", "launch_verify", "launch_verify_many", "launch_scatter", "launch_stamp",
+               "launch_block_table_slots", "launch_mark_written"]
 else:  # pragma: no cover
     __all__ = ["AVAILABLE"]
