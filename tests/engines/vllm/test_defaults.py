@@ -1,6 +1,6 @@
 """The canary's default options on deeper and mixed vLLM models, and single-bit flips in cached KV.
 
-One subprocess (``python -m kvcanary.engines.vllm.experiments defaults``) starts, in turn, Llamas of 4, 6
+One subprocess (``python -m kvcanary.faults.vllm_experiments defaults``) starts, in turn, Llamas of 4, 6
 and 8 layers, a 6-layer hybrid (odd layers sliding, W = 40) and a 5-layer Mistral (every layer sliding),
 each with the canary's defaults in ``raise`` mode, and runs 8 requests of the standard workload; on the
 4-layer model it then flips 40 single bits in cached blocks (random block, token, layer, K or V, byte,
@@ -24,7 +24,7 @@ def runs(tmp_path_factory):
     out = work / "defaults.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.engines.vllm.experiments", "defaults", str(work), str(out),
+    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", "defaults", str(work), str(out),
                            "--flips", "40"], env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         pytest.fail(f"defaults runs failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

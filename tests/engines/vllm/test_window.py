@@ -26,7 +26,7 @@ def edge(tmp_path_factory):
     out = work / "edge.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.engines.vllm.experiments", "window-edge", str(work), str(out),
+    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", "window-edge", str(work), str(out),
                            "--window", str(W)], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         pytest.fail(f"window experiment failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

