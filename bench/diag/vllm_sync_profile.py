@@ -74,7 +74,7 @@ def main() -> int:
                 state["calls"] += 1
         setattr(KvCanaryConnector, name, hooked)
 
-    for n in ("bind_connector_metadata", "wait_for_save", "get_kv_connector_stats"):
+    for n in ("bind_connector_metadata", "wait_for_save", "get_kv_connector_stats", "build_connector_meta"):
         wrap(n)
     sp = SamplingParams(max_tokens=int(os.environ.get("KVC_NEW_TOKENS", "96")), temperature=0.0, ignore_eos=True,
                         detokenize=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from kvcanary.errors import KvCanaryValueError
 
@@ -24,16 +25,17 @@ def classify_forward(prefix_lens: Sequence[int], extend_lens: Sequence[int],
     cached context; ``prefill`` every row computes prompt tokens — from position 0 or continuing a chunked prefill
     (``extend > 1``; the one-token tail chunk of a prompt cannot be told from a decode); ``mixed`` anything else.
     """
-    rows = list(zip(prefix_lens, extend_lens))
-    if not rows:
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    extend = np.asarray(extend_lens, dtype=np.int64)
+    if prefix.size == 0:
         return "idle"
-    verify = list(verify_rows) if verify_rows is not None else [False] * len(rows)
-    decode = [p > 0 and e == 1 for p, e in rows]
-    if any(verify) and all(v or d for v, d in zip(verify, decode)):
+    verify = np.asarray(verify_rows, dtype=bool) if verify_rows is not None else np.zeros(prefix.shape, dtype=bool)
+    decode = (prefix > 0) & (extend == 1)
+    if verify.any() and (verify | decode).all():
         return "verify"
-    if all(decode):
+    if decode.all():
         return "decode"
-    if not any(verify) and all(p == 0 or e > 1 for p, e in rows):
+    if not verify.any() and ((prefix == 0) | (extend > 1)).all():
         return "prefill"
     return "mixed"
 

@@ -6,7 +6,6 @@ whole ring behind, counted in ``waits``). On the CPU the columns are packed into
 """
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import numpy as np
@@ -28,9 +27,11 @@ class ColumnUpload:
         self._next = 0
 
     def __call__(self, *columns: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        sizes = [len(c) for c in columns]
+        """Each column: a host sequence of ints or a numpy integer array."""
+        cols = [np.asarray(c, dtype=np.int64) for c in columns]
+        sizes = [int(c.shape[0]) for c in cols]
         total = sum(sizes)
-        flat = np.fromiter(itertools.chain.from_iterable(columns), dtype=np.int64, count=total)
+        flat = np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
         if not self._pinned:
             return torch.from_numpy(flat).to(self.device).split(sizes)
         slot = self._ring[self._next]

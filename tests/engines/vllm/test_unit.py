@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from kvcanary.engines.vllm import (  # noqa: E402
     kv_transfer_config,
 )
 from kvcanary.engines.vllm.connector import KvCanaryWorkerMeta, _rank_path, canary_options  # noqa: E402
-from kvcanary.engines.vllm.forward_view import RequestRows, TokenHistory  # noqa: E402
+from kvcanary.engines.vllm.forward_view import RequestRows, TokenWrites  # noqa: E402
 from kvcanary.engines.vllm.layout import layer_kv_views, layer_number, probe_cpu_layout, token_rows  # noqa: E402
 from kvcanary.engines.vllm.metrics import KvCanaryStats  # noqa: E402
 from kvcanary.engines.vllm.plugin import register  # noqa: E402
@@ -184,13 +185,20 @@ def test_rank_paths_and_rows_and_history():
     assert rows.get("a") == 1 and rows.get("b") == 2 and rows.get("a") == 1
     with pytest.raises(RuntimeError, match=r"^kv-canary: more than max_requests=2"):
         rows.get("c")
+    rows.hist[1] = rows.computed[1] = 7
     rows.release("a")
     assert rows.get("c") == 1
-    hist = TokenHistory()
-    hist.extend("a", 0, [5, 6, 7])
-    hist.extend("a", 3, [8])
-    hist.extend("a", 2, [9])  # resent from position 2: replaces the tail
-    assert hist.tokens["a"] == [5, 6, 9]
+    assert rows.hist[1] == 0 and rows.computed[1] == 0  # a released row forgets its request
+    writes = TokenWrites()
+    a = lambda *x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    writes.add(a(3, 3, 3), a(0, 1, 2), a(5, 6, 7))
+    writes.add(a(3), a(3), a(8))
+    writes.add(a(3, 4), a(2, 0), a(9, 1))  # row 3 resent from position 2: the later value wins, each cell once
+    assert [x.tolist() for x in writes.take(16)] == [[3, 3, 3, 3, 4], [0, 1, 3, 2, 0], [5, 6, 8, 9, 1]]
+    assert [x.tolist() for x in writes.take(16)] == [[], [], []]
+    writes.add(a(3, 5), a(0, 0), a(1, 2))
+    writes.drop_rows([3])  # released: its pending cells go
+    assert [x.tolist() for x in writes.take(16)] == [[5], [0], [2]]
 
 
 def test_plugin_registers_connector_names_once():

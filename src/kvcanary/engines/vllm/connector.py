@@ -48,7 +48,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcanary.engines.vllm import ON_VIOLATION
 from kvcanary.engines.vllm.compat import check_vllm_version
-from kvcanary.engines.vllm.forward_view import WorkerView, find_model_runner, is_v2_runner, v1_step, v2_step_from_stack
+from kvcanary.engines.vllm.forward_view import (
+    TokenBatch,
+    WorkerView,
+    find_model_runner,
+    is_v2_runner,
+    v1_step,
+    v2_step_from_stack,
+)
 from kvcanary.engines.vllm.layout import (
     StripMirror,
     build_group_layouts,
@@ -77,14 +84,15 @@ ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s", "capture_can
 class KvCanaryMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step.
 
-    tokens: request id -> (first position, token ids) newly recorded by the scheduler.
+    tokens: the token ids the scheduler recorded since the last step (`TokenBatch`: request ids, first
+    positions, counts, tokens; or a dict request id -> (first position, token ids)).
     contexts: request id -> context key (`context_key` of its LoRA adapter and cache salt), sent once
     with a request's first tokens, for requests that have one.
     finished / preempted: request ids since the last step. cached_blocks: ``(block id, valid tokens,
     KV cache group index)`` of every block in the prefix cache, on sweep steps only (else None).
     """
 
-    tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    tokens: Any = field(default_factory=dict)  # a forward_view.TokenBatch (or a dict, as below)
     contexts: dict[str, int] = field(default_factory=dict)
     finished: tuple[str, ...] = ()
     preempted: tuple[str, ...] = ()
@@ -257,21 +265,27 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_pool = gpu_block_pool
 
     def build_connector_meta(self, scheduler_output) -> KvCanaryMetadata:
-        tokens: dict[str, tuple[int, list[int]]] = {}
+        ids, starts, counts, flat = [], [], [], []
         contexts: dict[str, int] = {}
+        requests, sent_of = self._requests, self._sent
         for rid in scheduler_output.num_scheduled_tokens:
-            req = self._requests.get(rid)
+            req = requests.get(rid)
             if req is None:
                 continue
-            if rid not in self._sent:
+            sent = sent_of.get(rid)
+            if sent is None:
+                sent = 0
                 key = request_context_key(req)
                 if key:
                     contexts[rid] = key
-            sent = self._sent.get(rid, 0)
             known = req.num_tokens
             if known > sent:
-                tokens[rid] = (sent, list(req.all_token_ids[sent:known]))
-                self._sent[rid] = known
+                ids.append(rid)
+                starts.append(sent)
+                counts.append(known - sent)
+                flat.extend(req.all_token_ids[sent:known])
+                sent_of[rid] = known
+        tokens = TokenBatch.from_lists(ids, starts, counts, flat)
         self._metas += 1
         cached = None
         interval = self.config.sweep_interval

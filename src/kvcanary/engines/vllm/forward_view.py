@@ -8,7 +8,7 @@ Sources, per forward (all read, nothing written):
 * the model runner's persistent batch: ``input_batch.req_ids`` (request id of each batch row, in
   the attention metadata's row order), ``input_ids`` and ``positions`` (what the model is fed);
 * the token oracle: the scheduler's own record of each request's tokens (prompt + sampled so far),
-  shipped in the connector metadata (`TokenHistory`); positions the scheduler has not seen yet
+  shipped in the connector metadata (written into the token table, `TokenWrites`); positions the scheduler has not seen yet
   (async scheduling's in-flight token) are left unknown, not guessed;
 * each request's context key (LoRA adapter, cache salt), from the same metadata: a batch row's
   ``context_keys`` entry, so KV computed under one context and served to another fails its chain.
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import gc
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from kvcanary.engines.vllm.layout import GroupLayout
@@ -80,15 +81,15 @@ def is_v2_runner(runner) -> bool:
 class StepInputs:
     """One forward as the model runner holds it, right before the model runs.
 
-    req_ids / query / prefix: per batch row (attention-metadata order), on the host: request id, tokens
-    scheduled, positions already cached. input_ids / positions: ``[>= sum(query)]`` on the engine's device
+    req_ids / query / prefix: per batch row (attention-metadata order), on the host (query / prefix: int sequences
+    or numpy arrays): request id, tokens scheduled, positions already cached. input_ids / positions: ``[>= sum(query)]`` on the engine's device
     (the runner's own buffers, not copied). attn_metadata: layer name -> the backend's metadata (block
     table, slot mapping), as attention will read it.
     """
 
     req_ids: tuple
-    query: list
-    prefix: list
+    query: object
+    prefix: object
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: dict
@@ -115,8 +116,8 @@ def v1_step(runner, attn_metadata: dict, first_layer: str) -> StepInputs:
 def v2_step(input_batch, attn_metadata: dict, graph_mode: str = "") -> StepInputs:
     """`StepInputs` of a V2 runner's forward: lengths from the batch's host arrays (no device read)."""
     n = int(input_batch.num_reqs)
-    query = [int(x) for x in input_batch.num_scheduled_tokens[:n]]
-    prefix = [int(x) for x in input_batch.num_computed_tokens_np[:n]]
+    query = np.array(input_batch.num_scheduled_tokens[:n], dtype=np.int64)  # copies: the runner reuses its arrays
+    prefix = np.array(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
     return StepInputs(req_ids=tuple(input_batch.req_ids[:n]), query=query, prefix=prefix,
                       input_ids=input_batch.input_ids, positions=input_batch.positions, attn_metadata=attn_metadata,
                       graph_mode=graph_mode)
@@ -146,12 +147,22 @@ def v2_step_from_stack(runner, depth: int = 12) -> Optional[StepInputs]:
 
 
 class RequestRows:
-    """Request id -> row of the canary's request tables (row 0 is the padding row)."""
+    """Request id -> row of the canary's request tables (row 0 is the padding row), and per row what the adapter
+    knows of its request (numpy, so a forward's rows are read and written without a Python loop per row):
+
+    hist: tokens of its history shipped so far (prompt + sampled; may exceed max_context). computed: positions
+    stored as of its latest forward (0 = no forward yet, or preempted since). preempted: preempted and not
+    forwarded since. keys: context key (LoRA adapter / cache salt; 0 = none)."""
 
     def __init__(self, max_requests: int) -> None:
         self.max_requests = max_requests
         self.row_of: dict[str, int] = {}
         self.free = list(range(max_requests, 0, -1))
+        n = max_requests + 1
+        self.hist = np.zeros(n, dtype=np.int64)
+        self.computed = np.zeros(n, dtype=np.int64)
+        self.preempted = np.zeros(n, dtype=bool)
+        self.keys = np.zeros(n, dtype=np.int64)
 
     def get(self, request_id: str) -> int:
         row = self.row_of.get(request_id)
@@ -164,29 +175,80 @@ class RequestRows:
             row = self.row_of[request_id] = self.free.pop()
         return row
 
+    def of(self, request_ids) -> np.ndarray:
+        """int64 rows of ``request_ids`` (new ids get free rows)."""
+        row_of = self.row_of
+        return np.fromiter((row_of.get(r) or self.get(r) for r in request_ids), dtype=np.int64, count=len(request_ids))
+
     def release(self, request_id: str) -> Optional[int]:
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self.free.append(row)
+            self.hist[row] = self.computed[row] = self.keys[row] = 0
+            self.preempted[row] = False
         return row
 
 
-@dataclass
-class TokenHistory:
-    """Per request: the tokens the scheduler has recorded, by position (prompt, then sampled)."""
+@dataclass(frozen=True, kw_only=True)
+class TokenBatch:
+    """Tokens the scheduler recorded since it last shipped them, for several requests at once (host, numpy):
+    request ``request_ids[i]`` gained ``counts[i]`` tokens from position ``starts[i]``; ``tokens`` holds them all,
+    request after request. Each request id at most once."""
 
-    tokens: dict[str, list[int]] = field(default_factory=dict)
+    request_ids: tuple
+    starts: np.ndarray
+    counts: np.ndarray
+    tokens: np.ndarray
 
-    def extend(self, request_id: str, start: int, new: list[int]) -> None:
-        have = self.tokens.setdefault(request_id, [])
-        if start != len(have):  # resent from scratch (e.g. after the worker lost track)
-            del have[start:]
-            if start > len(have):
-                return
-        have.extend(new)
+    @classmethod
+    def from_lists(cls, request_ids, starts, counts, tokens) -> "TokenBatch":
+        return cls(request_ids=tuple(request_ids), starts=np.asarray(starts, dtype=np.int64).reshape(-1),
+                   counts=np.asarray(counts, dtype=np.int64).reshape(-1), tokens=np.asarray(tokens, dtype=np.int64).reshape(-1))
 
-    def drop(self, request_id: str) -> None:
-        self.tokens.pop(request_id, None)
+    @classmethod
+    def from_dict(cls, tokens: dict) -> "TokenBatch":
+        """From ``{request id: (first position, token ids)}``."""
+        items = list(tokens.items())
+        flat = [t for _, (_, new) in items for t in new]
+        return cls.from_lists([r for r, _ in items], [int(s) for _, (s, _) in items], [len(new) for _, (_, new) in items],
+                              flat)
+
+
+class TokenWrites:
+    """Token-table cells learnt from the scheduler and not uploaded yet: ``(rows, columns, tokens)`` int64 arrays
+    in arrival order; `take` keeps the last value of a cell written twice (a resend), so the upload writes each
+    cell once."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, rows: np.ndarray, cols: np.ndarray, tokens: np.ndarray) -> None:
+        if rows.size:
+            self._parts.append((rows, cols, tokens))
+
+    def drop_rows(self, rows) -> None:
+        """Forget the pending cells of ``rows`` (released: their next request starts afresh)."""
+        if self._parts and rows:
+            gone = np.asarray(list(rows), dtype=np.int64)
+            kept = []
+            for r, c, t in self._parts:
+                keep = ~np.isin(r, gone)
+                kept.append((r[keep], c[keep], t[keep]))
+            self._parts = kept
+
+    def take(self, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(rows, columns, tokens)`` of every pending cell (``width``: the table's columns), and forget them."""
+        parts, self._parts = self._parts, []
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        if len(parts) == 1:
+            return parts[0]
+        rows, cols, toks = (np.concatenate(x) for x in zip(*parts))
+        key = rows * width + cols
+        _, last = np.unique(key[::-1], return_index=True)
+        pick = np.sort(key.size - 1 - last)
+        return rows[pick], cols[pick], toks[pick]
 
 
 @dataclass
@@ -213,12 +275,9 @@ class WorkerView:
         shape = (max_requests + 1, max_context)
         self.req_to_token = {g.name: torch.zeros(shape, dtype=torch.int32, device=self.device) for g in layouts}
         self.token_table = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        self.filled: dict[str, int] = {}  # request id -> token_table columns written
-        self.history = TokenHistory()
-        self.computed: dict[str, int] = {}  # request id -> positions stored as of its latest forward
-        self.preempted: set[str] = set()
-        self.contexts: dict[str, int] = {}  # request id -> context key (LoRA adapter / cache salt), when not 0
-        self.keyed = False  # a request with a context key was seen: every batch carries context keys from then on
+        self.writes = TokenWrites()
+        self.keyed = False  # a batch row with a context key was seen: every batch carries context keys from then on
+        self._any_key = False  # a context key was applied (rows' keys are read from then on)
         self.events = ForwardEvents()
         self.drafts: dict[str, int] = {}
         # per group: slots of positions < seq_len of the last forward (kept only for adapters that mirror KV)
@@ -230,68 +289,99 @@ class WorkerView:
         self._upload = ColumnUpload(self.device)
 
     # ---- scheduler events ----------------------------------------------------------------------
-    def apply(self, *, tokens: dict, finished, preempted, contexts: Optional[dict] = None,
+    def apply(self, *, tokens, finished, preempted, contexts: Optional[dict] = None,
               drafts: Optional[dict] = None) -> None:
+        """One step's scheduler events: requests preempted and finished, context keys of new requests, and each
+        request's newly known tokens — a `TokenBatch`, or ``{request id: (first position, tokens)}`` — (a resend
+        from an earlier position replaces the tail; a gap is ignored until the scheduler resends from before it)."""
         self.drafts = dict(drafts or {})  # this step's draft tokens per request (speculative decoding)
+        rows = self.rows
         for rid in preempted:
-            self.computed.pop(rid, None)
-            self.preempted.add(rid)
-        for rid in finished:
-            self.history.drop(rid)
-            self.computed.pop(rid, None)
-            self.filled.pop(rid, None)
-            self.preempted.discard(rid)
-            self.contexts.pop(rid, None)
-            self.rows.release(rid)
-        self.contexts.update(contexts or {})
-        for rid, (start, new) in tokens.items():
-            self.history.extend(rid, int(start), list(new))
+            row = rows.get(rid)
+            rows.computed[row] = 0
+            rows.preempted[row] = True
+        done = set(finished)
+        released = [r for r in (rows.release(rid) for rid in done) if r is not None]
+        for rid, key in (contexts or {}).items():
+            if rid not in done:
+                rows.keys[rows.get(rid)] = int(key)
+                self._any_key = self._any_key or bool(key)
+        if done:
+            self.writes.drop_rows(released)
+        batch = tokens if isinstance(tokens, TokenBatch) else TokenBatch.from_dict(tokens or {})
+        if not batch.request_ids:
+            return
+        ids, starts, counts = batch.request_ids, batch.starts, batch.counts
+        live = np.ones(len(ids), dtype=bool)
+        if done:
+            live = np.fromiter((r not in done for r in ids), dtype=bool, count=len(ids))
+        at = rows.of([r for r, keep in zip(ids, live) if keep]) if not live.all() else rows.of(ids)
+        row = np.zeros(len(ids), dtype=np.int64)
+        row[live] = at
+        ok = live & (starts <= rows.hist[row])  # a gap: wait for the resend from scratch
+        rows.hist[row[ok]] = (starts + counts)[ok]
+        first_tok = np.cumsum(counts) - counts
+        per_tok = np.repeat(np.arange(len(ids)), counts)
+        cols = starts[per_tok] + (np.arange(per_tok.size) - first_tok[per_tok])
+        keep = ok[per_tok] & (cols < self.max_context)
+        self.writes.add(row[per_tok][keep], cols[keep], batch.tokens[keep])
 
     # ---- one forward ---------------------------------------------------------------------------
     def describe(self, step: StepInputs) -> Optional[BatchDescription]:
         """The `BatchDescription` of the forward about to run, or None for a forward without tokens.
 
-        No device read on the way and a handful of launches whatever the batch: the host columns (rows, lengths,
-        context keys, the token history learnt since the last forward) go up in one pinned non-blocking copy, each
-        group's position -> slot table is one kernel over the block table attention reads, the runner's input ids,
-        positions and slot mapping are handed over as they are (the runtime stages them). So on a GPU the engine's
-        stream is never waited for — except on the first forward of a request that hits the prefix cache, see
-        `_same_step_shares`."""
-        req_ids, query, prefix = list(step.req_ids), list(step.query), list(step.prefix)
-        num_tokens = sum(query)
+        No device read on the way, a handful of launches and no Python loop per row whatever the batch: the host
+        columns (rows, lengths, context keys, the token history learnt since the last forward) go up in one pinned
+        non-blocking copy, each group's position -> slot table is one kernel over the block table attention reads,
+        the runner's input ids, positions and slot mapping are handed over as they are (the runtime stages them).
+        So on a GPU the engine's stream is never waited for — except on the first forward of a request that hits
+        the prefix cache, see `_same_step_shares`."""
+        req_ids = list(step.req_ids)
+        query = np.asarray(step.query, dtype=np.int64)
+        num_tokens = int(query.sum())
         if num_tokens == 0:
             return None
-        seq_l = [p + q for p, q in zip(prefix, query)]
-        max_s = max(seq_l)
+        prefix = np.asarray(step.prefix, dtype=np.int64)
+        seq = prefix + query
+        max_s = int(seq.max())
         if max_s > self.max_context:
             raise KvCanaryRuntimeError(
                 f"kv-canary: a request reaches {max_s} tokens, beyond max_context={self.max_context}"
             )
-        rows = [self.rows.get(rid) for rid in req_ids]
-        first = [rid not in self.computed for rid in req_ids]
-        self._count_events(req_ids, prefix, query)
+        rs = self.rows
+        rows = rs.of(req_ids)
+        first = rs.computed[rows] == 0
+        verify = None
         if self.drafts:
-            self.events.draft_tokens += sum(self.drafts.get(rid, 0) for rid in req_ids)
-        lens, at_rows, at_cols, values = self._token_updates(req_ids, rows, seq_l)
-        keys = [self.contexts.get(rid, 0) for rid in req_ids] if self.contexts or self.keyed else None
-        self.keyed = self.keyed or any(keys or ())
-        host = (rows, seq_l, prefix, query, lens, at_rows, at_cols, values) + ((keys,) if self.keyed else ())
+            ndraft = np.fromiter((self.drafts.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
+            self.events.draft_tokens += int(ndraft.sum())
+            verify = ndraft > 0
+        self._count_events(rows, first, prefix, query, verify)
+        lens = np.minimum(np.minimum(rs.hist[rows], self.max_context), seq)
+        at_rows, at_cols, values = self.writes.take(self.max_context)
+        keys = rs.keys[rows] if self._any_key else None
+        self.keyed = self.keyed or bool(keys is not None and keys.any())
+        host = (rows, seq, prefix, query, lens, at_rows, at_cols, values)
+        if self.keyed:
+            host += (keys if keys is not None else np.zeros(len(req_ids), dtype=np.int64),)
         rows_t, seq_t, prefix_t, extend_t, lens_t, at_r, at_c, at_v, *keys_t = self._upload(*host)
-        if values:
+        if values.size:
             self.token_table[at_r, at_c] = at_v.to(torch.int32)
         tables, written = self._tables(step, rows_t, seq_t, max_s, num_tokens)
         input_ids = step.input_ids[:num_tokens]
         positions = step.positions[:num_tokens]
         if input_ids.device != self.device:
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
-        shared = self._same_step_shares(rows, prefix, first, written, positions)
-        if any(shared):
-            input_ids, positions, written = self._claim_shared(rows, prefix, shared, query, input_ids, positions, written)
-            prefix_t, extend_t = self._upload([p - k for p, k in zip(prefix, shared)],
-                                              [q + k for q, k in zip(query, shared)])
-            self.events.same_step_shared += sum(1 for k in shared if k)
-        for rid, n in zip(req_ids, seq_l):
-            self.computed[rid] = n
+        todo = np.flatnonzero(first & (prefix > 0))
+        if todo.size:
+            shared = self._same_step_shares(rows.tolist(), prefix.tolist(), todo.tolist(), written, positions)
+            if any(shared):
+                input_ids, positions, written = self._claim_shared(rows.tolist(), prefix.tolist(), shared, query.tolist(),
+                                                                   input_ids, positions, written)
+                k = np.asarray(shared, dtype=np.int64)
+                prefix_t, extend_t = self._upload(prefix - k, query + k)
+                self.events.same_step_shared += int((k > 0).sum())
+        rs.computed[rows] = seq
         if self.track_read_slots:
             for name, w in written.items():  # TAIL re-hashes the slots actually written, too
                 self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
@@ -306,7 +396,7 @@ class WorkerView:
             request_ids=tuple(req_ids),
             token_table=self.token_table,
             token_table_lens=lens_t,
-            forward_kind=classify_forward(prefix, query, [bool(self.drafts.get(rid)) for rid in req_ids]),
+            forward_kind=classify_forward(prefix, query, verify),
             context_keys=keys_t[0] if keys_t else None,
         )
 
@@ -340,17 +430,15 @@ class WorkerView:
         """Full-attention slots written again after their block was freed (a device read)."""
         return int(self._reused[0])
 
-    def _same_step_shares(self, rows, prefix, first, written, positions) -> list[int]:
+    def _same_step_shares(self, rows, prefix, todo, written, positions) -> list[int]:
         """Per batch row: how many trailing prefix positions this same forward writes (a prefix-cache
         hit on blocks another row computes in this forward — vLLM caches a block when it is scheduled,
-        and within each layer all KV writes precede attention, so the read is legitimate).
+        and within each layer all KV writes precede attention, so the read is legitimate). ``todo``: the
+        batch rows to look at (a first forward past position 0); host lists.
 
         A position counts only if, in every group, the row's table slot is written by this forward *at
         that position*; anything else stays in the verified prefix (and fails there if it is wrong)."""
         out = [0] * len(rows)
-        todo = [i for i, (p, f) in enumerate(zip(prefix, first)) if f and p > 0]
-        if not todo:
-            return out
         maps = {}
         for g in self.layouts:
             w = written[g.name]
@@ -400,51 +488,38 @@ class WorkerView:
                 slot_parts[name].append(written[name][a:b])
         return torch.cat(ids_parts), torch.cat(pos_parts), {n: torch.cat(p) for n, p in slot_parts.items()}
 
-    def _token_updates(self, req_ids: list[str], rows: list[int], seq: list[int]) -> tuple[list, list, list, list]:
-        """Newly known history for the token table, as ``(known length per batch row, table rows, columns, tokens)``
-        (host lists; one upload with the rest of the forward's columns)."""
-        lens, at_rows, at_cols, values = [], [], [], []
-        tokens = self.history.tokens
-        for rid, row, s in zip(req_ids, rows, seq):
-            hist = tokens.get(rid, ())
-            known = min(len(hist), self.max_context)
-            have = self.filled.get(rid, 0)
-            if have > known:
-                have = 0
-            if known > have:
-                at_rows.extend([row] * (known - have))
-                at_cols.extend(range(have, known))
-                values.extend(hist[have:known])
-                self.filled[rid] = known
-            lens.append(min(known, s))
-        return lens, at_rows, at_cols, values
-
-    def _count_events(self, req_ids, prefix, query) -> None:
-        for rid, p, q in zip(req_ids, prefix, query):
-            first = rid not in self.computed
-            if first and rid in self.preempted:
-                self.events.resumed += 1
-                self.preempted.discard(rid)
-            elif first and p > 0:
-                self.events.prefix_hits += 1
-            elif not first and p > 0 and q > 1 and not self.drafts.get(rid):  # a verify row is no prefill chunk
-                self.events.chunked += 1
+    def _count_events(self, rows: np.ndarray, first: np.ndarray, prefix: np.ndarray, query: np.ndarray,
+                      verify: Optional[np.ndarray]) -> None:
+        rs = self.rows
+        resumed = first & rs.preempted[rows]
+        self.events.resumed += int(resumed.sum())
+        self.events.prefix_hits += int((first & ~resumed & (prefix > 0)).sum())
+        chunked = ~first & (prefix > 0) & (query > 1)  # a verify row is no prefill chunk
+        if verify is not None:
+            chunked &= ~verify
+        self.events.chunked += int(chunked.sum())
+        rs.preempted[rows[first]] = False
 
     # ---- sweep ---------------------------------------------------------------------------------
     def live_slots(self, cached_blocks: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
         """Slots holding live KV: stored positions of running requests, plus the valid tokens of the
         blocks the scheduler keeps in its prefix cache (``(block id, tokens, group index)``)."""
         out = {}
+        rs = self.rows
+        live = np.flatnonzero(rs.computed > 0)  # rows of requests with stored positions (released rows read 0)
+        if live.size:
+            n = rs.computed[live]
+            width = int(n.max())
+            rows_t, n_t = self._upload(live, n)
+            cols = torch.arange(width, device=self.device)[None, :]
         for g in self.layouts:
-            table = self.req_to_token[g.name]
             parts = []
-            for rid, n in self.computed.items():
-                row = self.rows.row_of.get(rid)
-                if row is None or n <= 0:
-                    continue
-                lo = max(0, n - g.window_left) if g.sliding_window else 0  # what its next query reads
-                parts.append(table[row, lo:n].to(torch.int64))
-            mine = [(b, n) for b, n, gi in cached_blocks if gi == g.index and not g.sliding_window]
+            if live.size:
+                mask = cols < n_t[:, None]
+                if g.sliding_window:
+                    mask &= cols >= (n_t - g.window_left)[:, None]  # what its next query reads
+                parts.append(self.req_to_token[g.name][rows_t, :width][mask].to(torch.int64))
+            mine = [(b, k) for b, k, gi in cached_blocks if gi == g.index and not g.sliding_window]
             if mine:
                 parts.append(g.manager_block_slots(mine, self.device))
             slots = torch.cat(parts).unique() if parts else torch.zeros(0, dtype=torch.int64, device=self.device)

