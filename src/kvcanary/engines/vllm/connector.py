@@ -5,7 +5,7 @@ vLLM builds one instance per process and role:
 * scheduler role (engine-core process) — keeps each scheduled request's `Request` (from
   ``update_state_after_alloc``) and, per step, ships in `KvCanaryMetadata` the tokens the scheduler
   has recorded since the last step (the token oracle), the finished and preempted request ids and,
-  every ``sweep_interval`` steps, the blocks its prefix cache holds (for the sweep). It never offers
+  every ``sweep_interval`` steps, the idle blocks its prefix cache holds (for the sweep). It never offers
   external tokens (``get_num_new_matched_tokens`` -> 0), so scheduling is exactly vLLM's own.
   Violations reported by the workers (`KvCanaryWorkerMeta`) are summed per request and returned when
   the request finishes as ``RequestOutput.kv_transfer_params["kv_canary"]``.
@@ -89,7 +89,8 @@ class KvCanaryMetadata(KVConnectorMetadata):
     contexts: request id -> context key (`context_key` of its LoRA adapter and cache salt), sent once
     with a request's first tokens, for requests that have one.
     finished / preempted: request ids since the last step. cached_blocks: ``(block id, valid tokens,
-    KV cache group index)`` of every block in the prefix cache, on sweep steps only (else None).
+    KV cache group index)`` of every idle block in the prefix cache (no running request holds it: those are swept
+    from the requests' tables), on sweep steps only (else None).
     """
 
     tokens: Any = field(default_factory=dict)  # a forward_view.TokenBatch (or a dict, as below)
@@ -307,6 +308,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
         out = []
         for block in self._prefix_cache_blocks():
+            if block.ref_cnt:
+                continue  # held by a running request: the worker sweeps its slots from the request's table
             key = block.block_hash
             if key is None or block.is_null:
                 continue
@@ -590,7 +593,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def sweep(self, cached_blocks: list[tuple[int, int, int]]):
         """Verify every live slot now — the running requests' stored positions and the valid tokens of
-        ``cached_blocks`` (``(block id, valid tokens, group index)``, the scheduler's prefix cache) —
+        ``cached_blocks`` (``(block id, valid tokens, group index)``, the scheduler's idle prefix-cache blocks) —
         between forwards; returns the runtime's `SweepReport`."""
         live = self.view.live_slots(cached_blocks)
         self._refresh_mirrors(live)

@@ -503,7 +503,7 @@ class WorkerView:
     # ---- sweep ---------------------------------------------------------------------------------
     def live_slots(self, cached_blocks: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
         """Slots holding live KV: stored positions of running requests, plus the valid tokens of the
-        blocks the scheduler keeps in its prefix cache (``(block id, tokens, group index)``)."""
+        idle blocks the scheduler keeps in its prefix cache (``(block id, tokens, group index)``)."""
         out = {}
         rs = self.rows
         live = np.flatnonzero(rs.computed > 0)  # rows of requests with stored positions (released rows read 0)
