@@ -42,7 +42,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA
 
 from kvcanary.engines.vllm.config import canary_transfer_config, failure_policy
-from kvcanary.engines.vllm.forward_view import find_model_runner, is_v2_runner, v1_step, v2_step_from_stack
+from kvcanary.engines.vllm.compat import find_model_runner, is_v2_runner
+from kvcanary.engines.vllm.forward_view import v1_step, v2_step_from_stack
 from kvcanary.engines.vllm.layout import (
     FULL,
     build_group_layouts,

@@ -47,12 +47,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcanary.engines.vllm import ON_VIOLATION
-from kvcanary.engines.vllm.compat import check_vllm_version
+from kvcanary.engines.vllm.compat import check_vllm_version, find_model_runner, is_v2_runner
 from kvcanary.engines.vllm.forward_view import (
     TokenBatch,
     WorkerView,
-    find_model_runner,
-    is_v2_runner,
     v1_step,
     v2_step_from_stack,
 )

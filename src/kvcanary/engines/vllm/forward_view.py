@@ -19,7 +19,6 @@ the canary verify the wrong slot and fail there. Slot 0 (null block) is the padd
 """
 from __future__ import annotations
 
-import gc
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -27,54 +26,12 @@ from typing import Optional
 import numpy as np
 import torch
 
+from kvcanary.engines.vllm.compat import find_model_runner, is_v2_runner  # noqa: F401  (their old home)
 from kvcanary.engines.vllm.layout import GroupLayout
 from kvcanary.errors import KvCanaryRuntimeError
 from kvcanary.ops.paged import launch_block_table_slots_kernel, launch_mark_written_slots_kernel
 from kvcanary.runtime.batch import BatchDescription, GroupBatch, classify_forward
 from kvcanary.runtime.upload import ColumnUpload
-
-
-def find_model_runner(kv_tensor: Optional[torch.Tensor] = None):
-    """The worker's model runner — V1 ``GPUModelRunner`` (``CPUModelRunner`` on CPU) or the V2 runner
-    (``vllm.v1.worker.gpu.model_runner``, vLLM's default on CUDA) — found once, read only (the connector API
-    hands out no runner): first up the call stack — the connector is called from the runner's
-    ``execute_model`` — then among the garbage collector's objects (which miss objects vLLM froze with
-    ``gc.freeze``). With several candidates, the one holding ``kv_tensor`` among its ``kv_caches``."""
-    from kvcanary.engines.vllm.compat import model_runner_classes
-
-    classes = model_runner_classes()
-
-    def is_runner(obj) -> bool:
-        mro = type(obj).__mro__
-        return any(c in mro for c in classes)
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if candidate is not None and is_runner(candidate):
-            return candidate
-        frame = frame.f_back
-    found = [o for o in gc.get_objects() if is_runner(o)]
-    if kv_tensor is not None and len(found) > 1:
-        ptr = kv_tensor.data_ptr()
-        found = [r for r in found if any(t.data_ptr() == ptr for t in _runner_kv_tensors(r))] or found
-    if len(found) != 1:
-        raise KvCanaryRuntimeError(
-            f"kv-canary: expected one vLLM model runner in this worker, found {len(found)}; "
-            "the vLLM adapter supports vLLM's V1 and V2 model runners"
-        )
-    return found[0]
-
-
-def _runner_kv_tensors(runner) -> list:
-    caches = getattr(runner, "kv_caches", None) or []
-    return list(caches.values()) if isinstance(caches, dict) else list(caches)
-
-
-def is_v2_runner(runner) -> bool:
-    """True for vLLM's V2 model runner (``vllm.v1.worker.gpu``): its batch is a per-step ``InputBatch``."""
-    return type(runner).__module__.startswith("vllm.v1.worker.gpu.") or any(
-        c.__module__.startswith("vllm.v1.worker.gpu.") for c in type(runner).__mro__)
 
 
 @dataclass(frozen=True, kw_only=True)
