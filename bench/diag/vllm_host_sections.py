@@ -1,0 +1,114 @@
+"""Diagnostic (device): the vLLM adapter's host time per decode forward, section by section, without a profiler.
+
+1B-shaped dummy Llama, in-process engine core, 64 requests of 2-3 k prompts, 96 new tokens (round 0 warms up). Each
+section below is wrapped with a ``perf_counter`` pair (~0.3 us each); per section: calls per forward and the median and
+mean time per forward over round 1's decode forwards (forwards with one token per row). Nested sections overlap (a
+parent's time includes its children's). Also: vLLM's own step time and the canary's ``canary_seconds`` per forward.
+
+    python bench/diag/vllm_host_sections.py
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from vllm_gpu_overhead import SHAPES, VOCAB, _reinit, prompts  # noqa: E402
+
+
+def main() -> int:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    import kvcanary.engines.vllm.forward_view as fv
+    from kvcanary.engines.vllm import kv_transfer_config
+    from kvcanary.engines.vllm.connector import KvCanaryConnector
+    from kvcanary.runtime import upload
+    from kvcanary.runtime.canary import Canary
+    from kvcanary.runtime.drain import ViolationDrain
+    from kvcanary.runtime.staging import StaticBatch
+
+    mdir = tempfile.mkdtemp()
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, rope_theta=500000.0,
+               rms_norm_eps=1e-5, max_position_embeddings=8192, torch_dtype="bfloat16", **SHAPES["1b"])
+    with open(os.path.join(mdir, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    llm = LLM(model=mdir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=3200,
+              max_num_seqs=64, gpu_memory_utilization=0.5,
+              kv_transfer_config=kv_transfer_config(**json.loads(os.environ.get("KVC_OPTIONS", "{}"))))
+    llm.collective_rpc(_reinit)
+    state = {"on": False, "fw": -1, "decode": False}
+    spent: dict[str, dict[int, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    calls: dict[str, int] = collections.Counter()
+
+    def wrap(owner, name, label):
+        orig = getattr(owner, name)
+
+        def timed(*a, **k):
+            if not state["on"]:
+                return orig(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                spent[label][state["fw"]] += time.perf_counter() - t0
+                calls[label] += 1
+        setattr(owner, name, timed)
+
+    orig_describe = fv.WorkerView.describe
+
+    def describe(self, step):
+        if state["on"]:
+            state["fw"] += 1
+            state.setdefault("decode_fw", set())
+            if len(step.query) and max(step.query) == 1:
+                state["decode_fw"].add(state["fw"])
+        return orig_describe(self, step)
+    fv.WorkerView.describe = describe
+    for owner, name, label in [
+        (KvCanaryConnector, "build_connector_meta", "sched.build_connector_meta"),
+        (KvCanaryConnector, "bind_connector_metadata", "bind"),
+        (KvCanaryConnector, "_step", "bind.step"),
+        (fv.WorkerView, "apply", "bind.apply"),
+        (fv.WorkerView, "describe", "bind.describe"),
+        (upload.ColumnUpload, "__call__", "bind.describe.upload"),
+        (fv.WorkerView, "_tables", "bind.describe.tables"),
+        (fv, "launch_block_table_slots_kernel", "bind.describe.tables.block_table_kernel"),
+        (fv, "launch_mark_written_slots_kernel", "bind.describe.tables.mark_written_kernel"),
+        (Canary, "before_forward", "bind.before_forward"),
+        (Canary, "begin_step", "bind.before_forward.begin_step"),
+        (StaticBatch, "stage", "bind.before_forward.stage"),
+        (Canary, "launch_head", "bind.before_forward.launch_head"),
+        (KvCanaryConnector, "wait_for_save", "save"),
+        (Canary, "after_forward", "save.after_forward"),
+        (Canary, "launch_tail", "save.after_forward.launch_tail"),
+        (Canary, "end_step", "save.after_forward.end_step"),
+        (ViolationDrain, "end_step", "save.after_forward.end_step.drain"),
+        (KvCanaryConnector, "sweep", "save.sweep"),
+        (KvCanaryConnector, "get_kv_connector_stats", "stats"),
+    ]:
+        wrap(owner, name, label)
+    sp = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True, detokenize=False)
+    conn = []
+    for r in range(2):
+        state["on"] = r == 1
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts(700 + r)], sp, use_tqdm=False)
+        print(f"round {r}: {time.perf_counter() - t0:.2f} s", flush=True)
+    dec = sorted(state.get("decode_fw", ()))
+    print(f"round 1: {state['fw'] + 1} forwards, {len(dec)} decode forwards (one token per row)")
+    print(f"{'section':48s} {'calls/fw':>8s} {'median us':>10s} {'mean us':>9s}  (per decode forward)")
+    for label in spent:
+        per = [1e6 * spent[label].get(f, 0.0) for f in dec]
+        print(f"{label:48s} {calls[label] / max(state['fw'] + 1, 1):8.2f} {statistics.median(per):10.1f} "
+              f"{statistics.fmean(per):9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
