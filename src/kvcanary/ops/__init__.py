@@ -34,6 +34,7 @@ from kvcanary.ops.copy_format import (
     canary_records_to_bytes,
 )
 from kvcanary.ops.hashing import splitmix64, splitmix64_mix3
+from kvcanary.ops.jitter import KernelJitter
 from kvcanary.ops.paged import launch_block_table_slots_kernel, launch_mark_written_slots_kernel
 from kvcanary.ops.plan import launch_canary_plan_kernels
 from kvcanary.ops.records import RealKvSource, VerifyOrWriteContext, VerifyPlan, WritePlan
@@ -62,7 +63,7 @@ __all__ = [
     "VIOLATION_FIELD_STORED_CHAIN_HASH", "VIOLATION_FIELD_EXPECTED_AUX", "VIOLATION_FIELD_FAIL_REASON_BITS",
     "MAX_REAL_KV_SOURCES", "FailReason", "RealKvHashMode", "CanaryLaunchTag",
     "splitmix64", "splitmix64_mix3",
-    "RealKvSource", "VerifyOrWriteContext", "VerifyPlan", "WritePlan",
+    "RealKvSource", "VerifyOrWriteContext", "VerifyPlan", "WritePlan", "KernelJitter",
     "launch_canary_plan_kernels", "launch_canary_write_kernel", "launch_canary_verify_kernel",
     "launch_canary_verify_kernels", "launch_canary_write_kernels",
     "launch_block_table_slots_kernel", "launch_mark_written_slots_kernel", "block_table_slots_torch_reference",

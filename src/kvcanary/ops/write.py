@@ -8,6 +8,7 @@ import torch
 from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.checks import INDEX_DTYPES, check_context, check_tensor, check_write_plan
 from kvcanary.ops.dispatch import triton_backend
+from kvcanary.ops.jitter import KernelJitter, check_jitter
 from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
 from kvcanary.ops.reference.write import launch_canary_write_kernel_torch_reference
 
@@ -24,6 +25,7 @@ def launch_canary_write_kernel(
     enable_write_input_assert: bool,
     expected_input_tokens: Optional[torch.Tensor],
     expected_input_positions: Optional[torch.Tensor],
+    jitter: Optional[KernelJitter] = None,
 ) -> None:
     """Write canary records for the plan's requests (sequential chain per request).
 
@@ -41,10 +43,14 @@ def launch_canary_write_kernel(
     Slots ``>= num_slots`` in ``out_cache_loc`` never raise: each is a
     ``FailReason.WRITE_SLOT_OUT_OF_RANGE`` row and is not stored; a seed past the buffer reads as
     an all-zero record (see ``FailReason``). Negative slots are skipped, as before.
+
+    ``jitter`` (*extension*, docs/design.md §3.11): a `KernelJitter` stalls seeded entries on the GPU and counts
+    them in its counters; nothing else changes. None (default): the launch is the one without jitter.
     """
     dev = check_context(_OP, context)
     _check_write_args(_OP, dev, plan, input_ids, positions, out_cache_loc, expected_input_tokens,
                       expected_input_positions)
+    check_jitter(_OP, jitter, dev)
     backend = triton_backend(dev)
     impl = backend.launch_write if backend else launch_canary_write_kernel_torch_reference
     impl(
@@ -56,6 +62,7 @@ def launch_canary_write_kernel(
         enable_write_input_assert=bool(enable_write_input_assert),
         expected_input_tokens=expected_input_tokens,
         expected_input_positions=expected_input_positions,
+        jitter=jitter,
     )
 
 
@@ -69,11 +76,13 @@ def launch_canary_write_kernels(
     enable_write_input_assert: bool,
     expected_input_tokens: Optional[torch.Tensor],
     expected_input_positions: Optional[torch.Tensor],
+    jitter: Optional[KernelJitter] = None,
 ) -> None:
     """`launch_canary_write_kernel` for each of ``contexts`` in order, on the same entries: the same buffers,
     counters and rings as one call per context. On CUDA a decode-sized write stores two contexts per launch
     (other buffers of as many rows, other rings). Every context and argument is checked before anything
-    runs; a lazy error stops the sequence at its context, as the loop would."""
+    runs; a lazy error stops the sequence at its context, as the loop would. ``jitter``: as for
+    `launch_canary_write_kernel`, drawn per context (each under its own tag)."""
     op = "launch_canary_write_kernels"
     if isinstance(contexts, (VerifyOrWriteContext, str, bytes)) or not isinstance(contexts, Sequence):
         raise KvCanaryTypeError(f"kv-canary: {op} contexts must be a sequence of VerifyOrWriteContext, "
@@ -85,9 +94,10 @@ def launch_canary_write_kernels(
         raise KvCanaryValueError(f"kv-canary: {op} contexts must share one device, got {sorted(set(map(str, devices)))}")
     _check_write_args(op, devices[0], plan, input_ids, positions, out_cache_loc, expected_input_tokens,
                       expected_input_positions)
+    check_jitter(op, jitter, devices[0])
     kw = dict(plan=plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
               enable_write_input_assert=bool(enable_write_input_assert), expected_input_tokens=expected_input_tokens,
-              expected_input_positions=expected_input_positions)
+              expected_input_positions=expected_input_positions, jitter=jitter)
     backend = triton_backend(devices[0])
     if backend is not None:
         backend.launch_write_many(contexts=tuple(contexts), **kw)

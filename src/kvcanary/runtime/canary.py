@@ -84,6 +84,7 @@ from kvcanary.runtime.counters import LaunchCounters
 from kvcanary.runtime.cuda_host import capturing
 from kvcanary.runtime.device_probe import DevicePath, prove_device_path
 from kvcanary.runtime.drain import Harvest, ViolationDrain, ViolationRings
+from kvcanary.runtime.fail_together import FailTogether
 from kvcanary.runtime.graphs import CanaryGraphs, GraphSet, capture_sweep_slice
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import CanaryHealthError, HealthWatchdog
@@ -553,6 +554,9 @@ class Canary:
         out["coverage"] = self.coverage()
         out["suspended"] = self.suspended
         out["device_path"] = self.device_path.path
+        if self.config.jitter:
+            snap = self.launch_counters.snapshot()
+            out["jitter"] = {"stalls": snap.jitter_stalls, "cycles": snap.jitter_cycles}
         return out
 
     @property
@@ -752,26 +756,20 @@ class Canary:
 
     def raise_with(self, group) -> None:
         """``raise`` mode across ranks (tensor parallelism): at the end of every step (and sweep) the ranks of the
-        ``torch.distributed`` process ``group`` (a backend that reduces CPU tensors, e.g. gloo) sum how many violations
+        ``torch.distributed`` process ``group`` (gloo, or NCCL: `runtime.fail_together.FailTogether`) sum how many violations
         each found — one all-reduce of one int64 — and every rank raises `CanaryViolationError` together, a rank that
         found none naming how many the others found. So a tensor-parallel group fails in one step instead of rank by
         rank. Every rank of the group must run the same forwards and sweeps with its canary checking (a suspended
         rank no longer answers). ``None`` turns it off."""
         if group is not None and self.config.mode != "raise":
             raise KvCanaryValueError(f"kv-canary: raise_with() needs mode='raise', the canary runs in mode {self.config.mode!r}")
-        self._peers = group
+        self._peers = None if group is None else FailTogether(group)
 
     def _raise_if_needed(self, step: int) -> None:
         if self.config.mode != "raise":
             return
         found = self.ledger.take_unraised()
-        total = 0
-        if self._peers is not None:
-            import torch.distributed as dist
-
-            count = torch.tensor([len(found)], dtype=torch.int64)
-            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self._peers)
-            total = int(count)
+        total = self._peers.agree(len(found)).violations if self._peers is not None else 0
         if found or total:
             raise CanaryViolationError(found, step=step, elsewhere=total)
 

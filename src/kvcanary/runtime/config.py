@@ -6,6 +6,7 @@ below the config receives a `CanaryConfig`.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import warnings
 from dataclasses import dataclass, fields, replace
@@ -13,6 +14,7 @@ from typing import Mapping, Optional
 
 from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
 from kvcanary.ops.constants import MAX_REAL_KV_SOURCES, RealKvHashMode
+from kvcanary.ops.jitter import JITTER_MAX_CYCLES_LIMIT
 
 MODES = ("none", "log", "raise")
 REAL_KV_HASH_MODES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL, "all": RealKvHashMode.ALL}
@@ -59,6 +61,16 @@ class CanaryConfig:
     drain_interval: ``log`` mode on CUDA: look at the device's violation counters every N forwards (one
         non-blocking copy, read a look later), so violations reach the log about 2N forwards after they were
         found, plus the device's lag; 1 = every forward. Counts stay exact whatever N; ``raise`` mode and the CPU look every forward.
+    jitter_fire_prob: timing jitter (docs/design.md §3.11, §4.9), off at 0.0 (default): the probability, in [0, 1] and
+        quantised to 1/65536, that a HEAD / TAIL verify or write entry stalls its GPU program before it reads the
+        records and KV, so the engine's own kernels interleave differently and a rare KV race can show up more
+        often (the intent; the gain is a matter of measurement on a GPU, per race).
+        Draws are seeded and counter-based (same on every device); stalls and cycles drawn are counted in
+        ``stats().jitter_stalls`` / ``jitter_cycles``. Only the Triton kernels on a GPU spin; the torch twins (the
+        CPU, the eager fallback) count the same stalls without waiting.
+        Refused with ``mode="none"`` (nothing runs to stall).
+    jitter_max_cycles: longest stall, in SM clock cycles (a draw is uniform in [1, jitter_max_cycles]).
+    jitter_seed: seed of the draws (any integer); with the step number and the launch tag it decides every stall.
     """
 
     mode: str = "log"
@@ -77,6 +89,9 @@ class CanaryConfig:
     deep_fingerprints: bool = True
     drain_interval: int = 4
     allow_eager_fallback: bool = False
+    jitter_fire_prob: float = 0.0
+    jitter_max_cycles: int = 2000
+    jitter_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -111,6 +126,22 @@ class CanaryConfig:
                 raise KvCanaryValueError(f"kv-canary: {name} must be True or False, got {getattr(self, name)!r}")
         if self.jsonl_path is not None:
             object.__setattr__(self, "jsonl_path", _check_sink_path("jsonl_path", self.jsonl_path))
+        self._check_jitter()
+
+    def _check_jitter(self) -> None:
+        prob = self.jitter_fire_prob
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not math.isfinite(prob) or not 0 <= prob <= 1:
+            raise KvCanaryValueError(f"kv-canary: jitter_fire_prob must be a number in [0, 1], got {prob!r}")
+        object.__setattr__(self, "jitter_fire_prob", float(prob))
+        cycles = self.jitter_max_cycles
+        if isinstance(cycles, bool) or not isinstance(cycles, int) or not 1 <= cycles <= JITTER_MAX_CYCLES_LIMIT:
+            raise KvCanaryValueError(
+                f"kv-canary: jitter_max_cycles must be an integer in [1, {JITTER_MAX_CYCLES_LIMIT}], got {cycles!r}")
+        if isinstance(self.jitter_seed, bool) or not isinstance(self.jitter_seed, int):
+            raise KvCanaryValueError(f"kv-canary: jitter_seed must be an integer, got {self.jitter_seed!r}")
+        if self.jitter and self.mode == "none":
+            raise KvCanaryValueError("kv-canary: jitter_fire_prob > 0 needs the canary on (mode 'log' or 'raise'); "
+                                     "mode 'none' runs no kernel to stall")
 
     @property
     def real_kv_hash_mode(self) -> RealKvHashMode:
@@ -119,6 +150,11 @@ class CanaryConfig:
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def jitter(self) -> bool:
+        """True when timing jitter is on (``jitter_fire_prob > 0``)."""
+        return self.jitter_fire_prob > 0
 
     def with_options(self, **overrides: object) -> "CanaryConfig":
         """A copy with some options replaced (validated again); an unknown option is a
@@ -226,6 +262,11 @@ def _parse(name: str, raw: str, default: object) -> object:
             return int(raw)
         except ValueError:
             raise KvCanaryValueError(f"kv-canary: {var} ({name}) must be an integer, got {raw!r}") from None
+    if isinstance(default, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise KvCanaryValueError(f"kv-canary: {var} ({name}) must be a number, got {raw!r}") from None
     if isinstance(default, tuple):
         try:
             return tuple(int(x) for x in raw.split(",") if x.strip())

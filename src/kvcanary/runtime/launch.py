@@ -9,6 +9,10 @@
              skips the positions the forward's own writes recycled, GroupSpec.ring_window) -> TAIL writes of every side (fingerprints of the KV just stored; with deep fingerprints also the ALL-mode
              fingerprints of every 4 layers, `store_deep_fingerprints`, checked later by the sweep); then stamp the step's ring rows
 
+With timing jitter on (``CanaryConfig.jitter_fire_prob > 0``, docs/design.md §4.9) the HEAD and TAIL verify and
+write launches get one `KernelJitter`: draws keyed by the device step number, counts in the launch counters'
+jitter row. The plan, the slot records, the stamps and the sweep never stall.
+
 Every launch reads the `StaticBatch` and device tensors only — no host reads — so both halves can be
 captured in a CUDA graph. Outside capture, the launches are sliced to the staged batch's size (host-known
 from its shape) so small batches cost little; inside capture they span the whole static capacity.
@@ -22,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from kvcanary.ops import (
+    KernelJitter,
     VerifyPlan,
     WritePlan,
     launch_canary_plan_kernels,
@@ -70,6 +75,11 @@ class ForwardLaunches:
         dev = static.device
         self.device = dev
         self.step = torch.zeros(1, dtype=torch.int64, device=dev)  # set by the host per step (fill_)
+        # timing jitter of the HEAD / TAIL launches (None: off, the kernels are the ones without it)
+        self.jitter: Optional[KernelJitter] = KernelJitter.create(
+            fire_prob=config.jitter_fire_prob, max_cycles=config.jitter_max_cycles, seed=config.jitter_seed,
+            launch_key=self.step, counters=counters.jitter_counters(),
+        ) if config.jitter else None
         self.chain_assert = torch.zeros(1, dtype=torch.int32, device=dev)
         self.no_chain_assert = torch.zeros(1, dtype=torch.int32, device=dev)
         self.verify_plans = {n: VerifyPlan.allocate(verify_capacity[n], dev) for n in groups}
@@ -169,13 +179,14 @@ class ForwardLaunches:
             out_loc = s.out_loc[name][:n]
             launch_canary_verify_kernel(
                 context=self._context(g, "head", "k", "verify", self.no_chain_assert),
-                plan=vplan, check_verify_expected_token=token_table is not None,
+                plan=vplan, check_verify_expected_token=token_table is not None, jitter=self.jitter,
             )
             launch_canary_write_kernel(
                 context=self._context(g, "head", "k", "write", self.chain_assert),
                 plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n], out_cache_loc=out_loc,
                 enable_write_input_assert=expected_tokens is not None,
                 expected_input_tokens=expected_tokens, expected_input_positions=expected_positions,
+                jitter=self.jitter,
             )
             if before_records is not None and gi == 0:
                 before_records()
@@ -192,14 +203,14 @@ class ForwardLaunches:
                 tplan = self._ring_tail_plan(name, g, vplan, bs) if g.spec.ring_window and bs else vplan
                 launch_canary_verify_kernels(  # every side in one launch on CUDA (the plan read once)
                     contexts=[self._context(g, "tail", side, "verify", self.no_chain_assert) for side in g.tail_sides],
-                    plan=tplan, check_verify_expected_token=False,
+                    plan=tplan, check_verify_expected_token=False, jitter=self.jitter,
                 )
                 out_loc = s.out_loc[name][:n]
                 launch_canary_write_kernels(  # K and V share a launch on CUDA
                     contexts=[self._context(g, "tail", side, "write", self.no_chain_assert) for side in g.tail_sides],
                     plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n],
                     out_cache_loc=out_loc, enable_write_input_assert=False,
-                    expected_input_tokens=None, expected_input_positions=None,
+                    expected_input_tokens=None, expected_input_positions=None, jitter=self.jitter,
                 )
                 if g.deep:  # every layer's bytes (sweep-checked), without a chain walk of their own
                     store_deep_fingerprints(targets=g.deep_targets(), out_loc=out_loc, plan=wplan)
@@ -305,4 +316,6 @@ class ForwardLaunches:
         total = sum(4 * p.capacity * 8 + 8 for p in self.verify_plans.values())
         total += sum((2 * p.capacity + 1) * 8 + 4 for p in self.write_plans.values())
         total += self.row_history.numel() * 8
+        if self.jitter is not None:
+            total += self.jitter.params.numel() * 8
         return total + sum(t.numel() * 8 for t in self._identity_luts.values())

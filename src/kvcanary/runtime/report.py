@@ -35,10 +35,11 @@ class CanaryViolationError(KvCanaryRuntimeError):
     def __init__(self, violations: Sequence[Violation], *, step: int, elsewhere: int = 0) -> None:
         self.violations = list(violations)
         self.step = step
-        self.elsewhere = elsewhere  # `Canary.raise_with`: violations the group's ranks found this step, all ranks
+        # `Canary.raise_with` / `runtime.fail_together`: violations the group's ranks found this step, all ranks
+        self.elsewhere = elsewhere
         if not self.violations and elsewhere:
             super().__init__(f"kv-canary: 0 violations on this rank by step {step}; the ranks of its group found "
-                             f"{elsewhere} (raised together, Canary.raise_with)")
+                             f"{elsewhere} (raised together: Canary.raise_with or runtime.fail_together)")
             return
         shown = "\n".join(v.log_line() for v in self.violations[:20])
         more = len(self.violations) - 20

@@ -22,7 +22,8 @@ class CanaryStats:
     run). sweep_stale: sweep rows discarded because their slot left the live set during the pass.
     write_assert_skipped: forwards whose write-input assert had no oracle. engine_forwards: forwards the engine
     ran (`Canary.engine_forwards`); unchecked_forwards: of those, forwards that ran without the canary; state:
-    ``checking``, ``eager_fallback`` or ``suspended: <cause>``."""
+    ``checking``, ``eager_fallback`` or ``suspended: <cause>``. jitter_stalls / jitter_cycles: HEAD / TAIL entries the
+    timing jitter stalled and the SM clock cycles it drew for them (0 with jitter off; docs/design.md §4.9)."""
 
     forwards: int
     slots_verified: dict[str, int]
@@ -46,6 +47,8 @@ class CanaryStats:
     engine_forwards: int = 0
     unchecked_forwards: int = 0
     state: str = "checking"
+    jitter_stalls: int = 0
+    jitter_cycles: int = 0
 
     @classmethod
     def gather(cls, *, forwards, counters: LaunchCounters, ledger, sweeper, capacity_growths: int,
@@ -84,6 +87,8 @@ class CanaryStats:
             engine_forwards=engine_forwards,
             unchecked_forwards=unchecked_forwards,
             state=state,
+            jitter_stalls=snap.jitter_stalls,
+            jitter_cycles=snap.jitter_cycles,
         )
 
     def line(self) -> str:
@@ -93,6 +98,7 @@ class CanaryStats:
             f"written={sum(self.slots_written.values())} launches={self.kernel_launches} sweeps={self.sweeps} "
             f"violations={self.violations} by_reason={reasons} ring_overflow={self.ring_overflow} "
             f"engine_forwards={self.engine_forwards} unchecked_forwards={self.unchecked_forwards} state={self.state}"
+            + (f" jitter_stalls={self.jitter_stalls} jitter_cycles={self.jitter_cycles}" if self.jitter_stalls else "")
         )
 
 

@@ -13,10 +13,12 @@ from kvcanary.ops.constants import (
     TOKEN_TO_KV_SLOT_PADDING,
     FailReason,
 )
+from kvcanary.ops.jitter import KernelJitter
 from kvcanary.ops.records import VerifyOrWriteContext, VerifyPlan
 from kvcanary.ops.reference.common import (
     append_violations, canary_fields, read_records, slot_hash, violation_rows,
 )
+from kvcanary.ops.reference.jitter import apply_jitter_torch_reference
 from kvcanary.ops.reference.real_kv import check_row_widths, fingerprint_slots
 
 CHUNK_ENTRIES = 1 << 17
@@ -24,13 +26,15 @@ CHUNK_ENTRIES = 1 << 17
 
 
 def launch_canary_verify_kernel_torch_reference(
-    *, context: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expected_token: bool
+    *, context: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expected_token: bool,
+    jitter: Optional[KernelJitter] = None,
 ) -> None:
     """Check the plan's active entries against the canary buffer; record mismatches.
 
     Mutates: ``kernel_run_counter`` (+1), ``slot_run_counter`` (+active entries), the ring and its
     write index. Never writes the canary buffer. A slot or predecessor outside the buffer is a
-    ``VERIFY_SLOT_OUT_OF_RANGE`` row (``FailReason``), never an index error.
+    ``VERIFY_SLOT_OUT_OF_RANGE`` row (``FailReason``), never an index error. ``jitter`` (*extension*,
+    `kvcanary.ops.jitter`): once the lazy checks passed, count the stalls of the entries checked (slot != 0).
     """
     ctx = context
     ctx.kernel_run_counter.add_(1)
@@ -44,6 +48,9 @@ def launch_canary_verify_kernel_torch_reference(
     fields = canary_fields(ctx.canary_buf)
     if ctx.hashing_on:
         check_row_widths(ctx.real_kv_sources)
+    if jitter is not None:
+        slots = plan.verify_slot_indices[:active]
+        apply_jitter_torch_reference(jitter, int(ctx.kernel_kind), slots[slots != TOKEN_TO_KV_SLOT_PADDING])
 
     rows = [
         r

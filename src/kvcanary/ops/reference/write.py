@@ -19,6 +19,7 @@ from kvcanary.ops.constants import (
     CANARY_FIELD_TOKEN,
     FailReason,
 )
+from kvcanary.ops.jitter import KernelJitter
 from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
 from kvcanary.ops.reference.chain_scan import chain_scan
 from kvcanary.ops.reference.common import (
@@ -30,6 +31,7 @@ from kvcanary.ops.reference.common import (
     slot_hash,
     violation_rows,
 )
+from kvcanary.ops.reference.jitter import apply_jitter_torch_reference
 from kvcanary.ops.reference.real_kv import check_row_widths, fingerprint_slots
 
 
@@ -81,12 +83,15 @@ def launch_canary_write_kernel_torch_reference(
     enable_write_input_assert: bool,
     expected_input_tokens: Optional[torch.Tensor],
     expected_input_positions: Optional[torch.Tensor],
+    jitter: Optional[KernelJitter] = None,
 ) -> None:
     """Store (token, position, prev_hash, fingerprint) for every entry with a slot >= 0.
 
     Mutates: ``kernel_run_counter`` (+1, first), the canary buffer, ``slot_run_counter``
     (+entries written), the ring and its write index. A slot or seed past the buffer is never
-    indexed: see ``FailReason.WRITE_SLOT_OUT_OF_RANGE``.
+    indexed: see ``FailReason.WRITE_SLOT_OUT_OF_RANGE``. ``jitter`` (*extension*, `kvcanary.ops.jitter`):
+    once the lazy checks passed, count the stalls of the flat entries in ``[offsets[0], offsets[a])`` whose slot is
+    inside the buffer.
     """
     ctx = context
     ctx.kernel_run_counter.add_(1)
@@ -102,6 +107,9 @@ def launch_canary_write_kernel_torch_reference(
     _check_input_assert_args(bool(enable_write_input_assert), expected_input_tokens, expected_input_positions)
     if ctx.hashing_on:
         check_row_widths(ctx.real_kv_sources)
+    if jitter is not None:
+        span = out_cache_loc[max(int(offsets[0]), 0) : end_of_work].to(torch.int64)
+        apply_jitter_torch_reference(jitter, int(ctx.kernel_kind), span[(span >= 0) & (span < fields.shape[0])])
 
     # Entries of requests [0, num_reqs), request by request; never past offsets[num_reqs].
     starts = offsets[:num_reqs]

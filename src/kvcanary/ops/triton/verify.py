@@ -9,17 +9,21 @@ One launch may verify the same plan against two contexts (``launch_verify_many``
 and TAIL V buffers of a forward): the plan is read once, both contexts' records and real-KV strips
 are loaded before either appends rows (more loads in flight per entry), and each context keeps its
 own counters and ring.
+
+With a `KernelJitter` (``JITTER``, docs/design.md §3.11) each block first draws its entries' stalls per context,
+counts them and, on a GPU, spins before loading the records; without one the branch is not compiled.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from kvcanary.errors import KvCanaryValueError
+from kvcanary.ops.jitter import KernelJitter
 from kvcanary.ops.records import VerifyOrWriteContext, VerifyPlan
 from kvcanary.ops.reference.verify import launch_canary_verify_kernel_torch_reference
 from kvcanary.ops.triton.constants import (
@@ -27,6 +31,7 @@ from kvcanary.ops.triton.constants import (
     VERIFY_SLOT_OOR, VERIFY_TOKEN,
 )
 from kvcanary.ops.triton.hashing import H0_SIGNED, as_i64, fingerprint, slot_hash_of_fields, source_args, static_error
+from kvcanary.ops.triton.jitter import jitter_args, jitter_stall
 from kvcanary.ops.dispatch import capturing
 from kvcanary.ops.triton.launch import (
     jit_batch_sized, launch_in_pairs, num_sms, pdl_enabled, pdl_release, pdl_wait, two_context_args,
@@ -117,7 +122,7 @@ def _report(ring_ptr, widx_ptr, ring_cap, kind, slot, exp_tok, bits, position, t
 
 
 @jit_batch_sized('capacity', 'kinda', 'kindb', scalar_ptrs=(
-    'num_valid_ptr', 'enable_ptr', 'widxa', 'sca', 'kca', 'widxb', 'scb', 'kcb'))
+    'num_valid_ptr', 'enable_ptr', 'widxa', 'sca', 'kca', 'widxb', 'scb', 'kcb', 'jit_params', 'jit_key', 'jit_counts'))
 def _verify_kernel(
     slot_ptr, tok_ptr, pos_ptr, prev_ptr,   # plan arrays, int64 [capacity]
     num_valid_ptr, enable_ptr,              # int32 [1] each
@@ -129,11 +134,13 @@ def _verify_kernel(
     # context B (NCTX == 2; else the same as A and unused)
     fb, swb, nsb, ringb, widxb, capb, scb, kcb, kindb,
     b_s0, b_p0, b_n0, b_r0, b_s1, b_p1, b_n1, b_r1, b_s2, b_p2, b_n2, b_r2, b_s3, b_p3, b_n3, b_r3,
+    jit_params, jit_key, jit_counts,        # timing jitter (JITTER): int64 [3], [1], [2]; else unused
     A_NSRC: tl.constexpr, A_W0: tl.constexpr, A_W1: tl.constexpr, A_W2: tl.constexpr, A_W3: tl.constexpr,
     A_ALIGNED16: tl.constexpr,
     B_NSRC: tl.constexpr, B_W0: tl.constexpr, B_W1: tl.constexpr, B_W2: tl.constexpr, B_W3: tl.constexpr,
     B_ALIGNED16: tl.constexpr,
     NCTX: tl.constexpr, CHECK_TOKEN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    JITTER: tl.constexpr, SPIN: tl.constexpr,
 ):
     pdl_wait(PDL)
     pdl_release(PDL)
@@ -159,6 +166,10 @@ def _verify_kernel(
         prev = tl.load(prev_ptr + idx, mask=m, other=SLOT_PADDING)
         exp_pos = tl.load(pos_ptr + idx, mask=m, other=0)
         live = m & (slot != SLOT_PADDING)
+        if JITTER:  # seeded stalls before the block's records and KV are read (docs/design.md §3.11)
+            jitter_stall(jit_params, jit_key, jit_counts, kinda, slot, live, SPIN)
+            if NCTX == 2:
+                jitter_stall(jit_params, jit_key, jit_counts, kindb, slot, live, SPIN)
         if CHECK_TOKEN:
             exp_tok = tl.load(tok_ptr + idx, mask=live, other=-1)
         else:
@@ -197,20 +208,23 @@ def _kernel_sources(ctx: VerifyOrWriteContext):
     return source_args(ctx.real_kv_sources, ctx.real_kv_hash_mode, ctx.canary_buf)
 
 
-def _launch_twin(ctx: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expected_token: bool) -> None:
+def _launch_twin(ctx: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expected_token: bool,
+                 jitter: Optional[KernelJitter] = None) -> None:
     """The torch twin for a launch the kernel cannot take (a lazy-check error, or sources whose rows
     are not contiguous); under capture the error is raised at once (the twin would read the host)."""
     if capturing(ctx.canary_buf.device):
         raise static_error(ctx) or KvCanaryValueError(
             "kv-canary: real-KV sources with non-contiguous rows cannot be captured in a CUDA graph")
     launch_canary_verify_kernel_torch_reference(
-        context=ctx, plan=plan, check_verify_expected_token=check_verify_expected_token
+        context=ctx, plan=plan, check_verify_expected_token=check_verify_expected_token, jitter=jitter,
     )
 
 
 def _launch(contexts: Sequence[VerifyOrWriteContext], sources: Sequence, plan: VerifyPlan,
-            check_verify_expected_token: bool, config: VerifyLaunchConfig) -> None:
+            check_verify_expected_token: bool, config: VerifyLaunchConfig,
+            jitter: Optional[KernelJitter] = None) -> None:
     ctx_args, consts = two_context_args(contexts, sources, _context_args)
+    jit_args, jit_consts = jitter_args(jitter, contexts[0].kernel_run_counter)
     buf = contexts[0].canary_buf
     capacity = plan.verify_slot_indices.shape[0]
     block = config.block
@@ -219,7 +233,7 @@ def _launch(contexts: Sequence[VerifyOrWriteContext], sources: Sequence, plan: V
     _verify_kernel[grid](
         plan.verify_slot_indices, plan.verify_expected_tokens, plan.verify_expected_positions,
         plan.verify_prev_slot_indices, plan.verify_num_valid, plan.enable, capacity, H0_SIGNED,
-        *ctx_args, **consts,
+        *ctx_args, *jit_args, **consts, **jit_consts,
         NCTX=len(contexts), CHECK_TOKEN=bool(check_verify_expected_token), BLOCK=block, PDL=pdl,
         num_warps=config.num_warps, launch_pdl=pdl,
     )
@@ -227,7 +241,7 @@ def _launch(contexts: Sequence[VerifyOrWriteContext], sources: Sequence, plan: V
 
 def launch_verify(
     *, context: VerifyOrWriteContext, plan: VerifyPlan, check_verify_expected_token: bool,
-    config: VerifyLaunchConfig = DEFAULT_VERIFY_CONFIG,
+    config: VerifyLaunchConfig = DEFAULT_VERIFY_CONFIG, jitter: Optional[KernelJitter] = None,
 ) -> None:
     """Triton twin of ``launch_canary_verify_kernel_torch_reference`` (same bytes; rows of
     different blocks may land in another order).
@@ -235,13 +249,14 @@ def launch_verify(
     A launch whose lazy checks would fail (canary stride, narrow real-KV rows: both known from
     shapes) runs the torch twin, which updates the counters and raises only if the plan has
     work. Under CUDA-graph capture that needs a host read, so the error is raised at once.
-    Sources whose rows are not contiguous in memory also take the twin (not capturable).
+    Sources whose rows are not contiguous in memory also take the twin (not capturable). ``jitter``: seeded
+    stalls (docs/design.md §3.11); None compiles the kernel without them.
     """
     srcs = _kernel_sources(context)
     if srcs is None:
-        _launch_twin(context, plan, check_verify_expected_token)
+        _launch_twin(context, plan, check_verify_expected_token, jitter)
         return
-    _launch((context,), (srcs,), plan, check_verify_expected_token, config)
+    _launch((context,), (srcs,), plan, check_verify_expected_token, config, jitter)
 
 
 def _shares_ring(a: VerifyOrWriteContext, b: VerifyOrWriteContext) -> bool:
@@ -251,7 +266,7 @@ def _shares_ring(a: VerifyOrWriteContext, b: VerifyOrWriteContext) -> bool:
 
 def launch_verify_many(
     *, contexts: Sequence[VerifyOrWriteContext], plan: VerifyPlan, check_verify_expected_token: bool,
-    config: VerifyLaunchConfig = DEFAULT_VERIFY_CONFIG,
+    config: VerifyLaunchConfig = DEFAULT_VERIFY_CONFIG, jitter: Optional[KernelJitter] = None,
 ) -> None:
     """``launch_verify`` for each context in order, two contexts per launch where both can take the kernel
     and their rings differ (the same counters, rings and bytes as one launch per context; rows of one ring
@@ -259,6 +274,6 @@ def launch_verify_many(
     its turn."""
     launch_in_pairs(
         contexts, sources=_kernel_sources, pairable=lambda a, b: not _shares_ring(a, b),
-        launch=lambda ctxs, srcs: _launch(ctxs, srcs, plan, check_verify_expected_token, config),
-        alone=lambda ctx: _launch_twin(ctx, plan, check_verify_expected_token),
+        launch=lambda ctxs, srcs: _launch(ctxs, srcs, plan, check_verify_expected_token, config, jitter),
+        alone=lambda ctx: _launch_twin(ctx, plan, check_verify_expected_token, jitter),
     )

@@ -35,6 +35,10 @@ turns (launch e adds to word e % 2 after zeroing word (e + 1) % 2, so the chain 
 their sum without knowing e). No host sync: counts are read on the device, grids come from
 capacities. Launches whose lazy checks would fail (known from shapes) run the torch twin, or
 raise at once under capture.
+
+Timing jitter (``JITTER``, docs/design.md §3.11): the prepare kernel (or the single-CTA kernel, per context) draws
+the stalls of the entries it stores, counts them and, on a GPU, spins before it fingerprints their KV; the chain
+kernel never stalls. Without a `KernelJitter` the branch is not compiled.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ import triton
 import triton.language as tl
 
 from kvcanary.errors import KvCanaryValueError
+from kvcanary.ops.jitter import KernelJitter
 from kvcanary.ops.records import VerifyOrWriteContext, WritePlan
 from kvcanary.ops.reference.write import launch_canary_write_kernel_torch_reference
 from kvcanary.ops.triton.constants import (
@@ -55,6 +60,7 @@ from kvcanary.ops.triton.hashing import (
     H0_SIGNED, as_i64, as_u64, fingerprint, mix3, slot_hash_of_fields, source_args, static_error,
 )
 from kvcanary.ops.dispatch import capturing
+from kvcanary.ops.triton.jitter import jitter_args, jitter_stall
 from kvcanary.ops.triton.launch import (
     jit_batch_sized, launch_in_pairs, num_sms, pdl_enabled, pdl_release, pdl_wait, two_context_args,
 )
@@ -95,7 +101,8 @@ _STATE_WORDS = 8
 _MAX_SMALL_LANES = 256
 
 
-@jit_batch_sized('n_entries', 'seed_cap', scalar_ptrs=('num_reqs_ptr', 'kernel_counter_ptr'))
+@jit_batch_sized('n_entries', 'seed_cap', 'kind', scalar_ptrs=(
+    'num_reqs_ptr', 'kernel_counter_ptr', 'jit_params', 'jit_key', 'jit_counts'))
 def _write_prepare_kernel(
     fields_ptr, stride_words, num_slots,       # canary buffer as int64 [num_slots, stride_words]
     slot_ptr, n_entries,                       # out_cache_loc, int32/int64 [n_entries]
@@ -103,8 +110,9 @@ def _write_prepare_kernel(
     table_ptr, state_ptr,                      # scratch: int64 [>= num_slots], int64 [8]
     kernel_counter_ptr,
     s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
+    kind, jit_params, jit_key, jit_counts,     # launch tag; timing jitter (JITTER): int64 [3], [1], [2]
     NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr, JITTER: tl.constexpr, SPIN: tl.constexpr,
 ):
     pdl_wait(PDL)
     pdl_release(PDL)
@@ -140,6 +148,8 @@ def _write_prepare_kernel(
         rm = r < n_req
         w = m & (s >= 0)
         inside = w & (s < num_slots)  # a slot past the buffer: reported by the chain kernel, not stored
+        if JITTER:  # seeded stalls before the KV is read (docs/design.md §3.11)
+            jitter_stall(jit_params, jit_key, jit_counts, kind, s, inside, SPIN)
         count += tl.sum(inside.to(tl.int64), 0)
         reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
         old_w = tl.atomic_max(table_ptr + s, tl.zeros([BLOCK], tl.int64) + writer_tag, mask=inside, sem="relaxed")
@@ -443,7 +453,7 @@ def _small_serial(
 
 
 @jit_batch_sized('n_entries', 'seed_cap', 'kinda', 'kindb', scalar_ptrs=(
-    'num_reqs_ptr', 'caa', 'widxa', 'sca', 'kca', 'cab', 'widxb', 'scb', 'kcb'))
+    'num_reqs_ptr', 'caa', 'widxa', 'sca', 'kca', 'cab', 'widxb', 'scb', 'kcb', 'jit_params', 'jit_key', 'jit_counts'))
 def _write_small_kernel(
     tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,   # flattened entries (<= LANES)
     off_ptr, seed_ptr, num_reqs_ptr, seed_cap,                          # write plan (seed_cap <= LANES)
@@ -455,10 +465,11 @@ def _write_small_kernel(
     # context B (NCTX == 2; else the same as A and unused)
     fb, swb, cab, ringb, widxb, capb, scb, kcb, kindb,
     b_s0, b_p0, b_n0, b_r0, b_s1, b_p1, b_n1, b_r1, b_s2, b_p2, b_n2, b_r2, b_s3, b_p3, b_n3, b_r3,
+    jit_params, jit_key, jit_counts,        # timing jitter (JITTER): int64 [3], [1], [2]; else unused
     A_NSRC: tl.constexpr, A_W0: tl.constexpr, A_W1: tl.constexpr, A_W2: tl.constexpr, A_W3: tl.constexpr,
     B_NSRC: tl.constexpr, B_W0: tl.constexpr, B_W1: tl.constexpr, B_W2: tl.constexpr, B_W3: tl.constexpr,
     NCTX: tl.constexpr, INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
-    PREFETCH: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr, JITTER: tl.constexpr, SPIN: tl.constexpr,
 ):
     """The whole write in one program: lane i holds entry i and request i. With NCTX == 2 the same
     entries are written into a second buffer of as many rows (its own records, sources, counters and
@@ -497,6 +508,10 @@ def _write_small_kernel(
     inside = w & (s < num_slots)
     rm = lanes < a
     reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
+    if JITTER:  # seeded stalls before the KV is read (docs/design.md §3.11), per context
+        jitter_stall(jit_params, jit_key, jit_counts, kinda, s, inside, SPIN)
+        if NCTX == 2:
+            jitter_stall(jit_params, jit_key, jit_counts, kindb, s, inside, SPIN)
     old_w = tl.atomic_max(table_ptr + s, tl.zeros([LANES], tl.int64) + writer_tag, mask=inside, sem="relaxed")
     old_r = tl.atomic_max(table_ptr + sd, tl.zeros([LANES], tl.int64) + seed_tag, mask=reads, sem="relaxed")
     fp_a = fingerprint(s, inside, a_s0, a_p0, a_n0, a_r0, a_s1, a_p1, a_n1, a_r1, a_s2, a_p2, a_n2, a_r2,
@@ -575,13 +590,14 @@ def _kernel_sources(ctx: VerifyOrWriteContext, assert_args: tuple):
     return source_args(ctx.real_kv_sources, ctx.real_kv_hash_mode, ctx.canary_buf)
 
 
-def _launch_twin(ctx: VerifyOrWriteContext, assert_args: tuple, plan: WritePlan, inputs: dict) -> None:
+def _launch_twin(ctx: VerifyOrWriteContext, assert_args: tuple, plan: WritePlan, inputs: dict,
+                 jitter: Optional[KernelJitter] = None) -> None:
     """The torch twin for a launch the kernels cannot take; under capture the error is raised at once (the
     twin would read the host)."""
     if capturing(ctx.canary_buf.device):
         raise static_error(ctx, check_input_assert=assert_args) or KvCanaryValueError(
             "kv-canary: real-KV sources with non-contiguous rows cannot be captured in a CUDA graph")
-    launch_canary_write_kernel_torch_reference(context=ctx, plan=plan, **inputs)
+    launch_canary_write_kernel_torch_reference(context=ctx, plan=plan, jitter=jitter, **inputs)
 
 
 def _small(plan: WritePlan, out_cache_loc: torch.Tensor, config: WriteLaunchConfig) -> bool:
@@ -597,7 +613,8 @@ def _small_context_args(ctx: VerifyOrWriteContext, srcs, prefix: str) -> tuple[t
     return args, {f"{prefix}_{k}": v for k, v in srcs.consts.items()}
 
 
-def _launch_small(contexts, sources, plan, inputs: dict, config: WriteLaunchConfig) -> None:
+def _launch_small(contexts, sources, plan, inputs: dict, config: WriteLaunchConfig,
+                  jitter: Optional[KernelJitter] = None) -> None:
     """One single-CTA launch writing the entries into one or two contexts (same row count)."""
     buf = contexts[0].canary_buf
     dev = buf.device
@@ -611,18 +628,19 @@ def _launch_small(contexts, sources, plan, inputs: dict, config: WriteLaunchConf
     exp_tok = inputs["expected_input_tokens"] if assert_on else inputs["input_ids"]
     exp_pos = inputs["expected_input_positions"] if assert_on else inputs["positions"]
     ctx_args, consts = two_context_args(contexts, sources, _small_context_args)
+    jit_args, jit_consts = jitter_args(jitter, contexts[0].kernel_run_counter)
     lanes = max(32, triton.next_power_of_2(max(seed_cap, n_entries)))
     _write_small_kernel[(1,)](
         inputs["input_ids"], inputs["positions"], out_cache_loc, exp_tok, exp_pos, n_entries,
         plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
-        table, state, num_slots, H0_SIGNED, *ctx_args, **consts,
+        table, state, num_slots, H0_SIGNED, *ctx_args, *jit_args, **consts, **jit_consts,
         NCTX=len(contexts), INPUT_ASSERT=assert_on, CHUNK=config.chunk, UNROLL=config.unroll,
         PREFETCH=config.prefetch and dev.type == "cuda", LANES=lanes, PDL=pdl, num_warps=lanes // 32, launch_pdl=pdl,
     )
 
 
 def _launch_two_kernels(ctx: VerifyOrWriteContext, srcs, plan: WritePlan, inputs: dict,
-                        config: WriteLaunchConfig) -> None:
+                        config: WriteLaunchConfig, jitter: Optional[KernelJitter] = None) -> None:
     """The prepare + chain kernel pair of one context (any size)."""
     buf = ctx.canary_buf
     dev = buf.device
@@ -640,11 +658,13 @@ def _launch_two_kernels(ctx: VerifyOrWriteContext, srcs, plan: WritePlan, inputs
     prefetch = config.prefetch and dev.type == "cuda"
     pb = config.prep_block
     grid = (max(1, min(triton.cdiv(max(n_entries, seed_cap), pb), sms * config.prep_programs_per_sm)),)
+    jit_args, jit_consts = jitter_args(jitter, ctx.kernel_run_counter)
     _write_prepare_kernel[grid](
         fields, stride_words, num_slots, out_cache_loc, n_entries,
         plan.write_offsets, plan.write_seed_slot_indices, plan.write_num_valid_reqs, seed_cap,
         table, state, ctx.kernel_run_counter,
-        *srcs.args, **srcs.consts, BLOCK=pb, PDL=pdl, num_warps=config.prep_warps, launch_pdl=pdl,
+        *srcs.args, int(ctx.kernel_kind), *jit_args, **srcs.consts, **jit_consts,
+        BLOCK=pb, PDL=pdl, num_warps=config.prep_warps, launch_pdl=pdl,
     )
     grid = (max(1, min(seed_cap, sms * config.chain_programs_per_sm)),)
     _write_chain_kernel[grid](
@@ -669,6 +689,7 @@ def launch_write(
     expected_input_tokens: Optional[torch.Tensor],
     expected_input_positions: Optional[torch.Tensor],
     config: WriteLaunchConfig = DEFAULT_WRITE_CONFIG,
+    jitter: Optional[KernelJitter] = None,
 ) -> None:
     """Triton twin of ``launch_canary_write_kernel_torch_reference`` (same bytes; violation rows
     of different requests may land in another order in parallel mode).
@@ -676,11 +697,12 @@ def launch_write(
     A launch whose lazy checks would fail (canary stride, input-assert tensors, narrow rows: all
     known from shapes) runs the torch twin, which bumps the kernel counter and raises only when
     there is work; under CUDA-graph capture that needs a host read, so the error is raised at once.
+    ``jitter``: seeded stalls (docs/design.md §3.11); None compiles the kernels without them.
     """
     launch_write_many(
         contexts=(context,), plan=plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
         enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
-        expected_input_positions=expected_input_positions, config=config,
+        expected_input_positions=expected_input_positions, config=config, jitter=jitter,
     )
 
 
@@ -695,6 +717,7 @@ def launch_write_many(
     expected_input_tokens: Optional[torch.Tensor],
     expected_input_positions: Optional[torch.Tensor],
     config: WriteLaunchConfig = DEFAULT_WRITE_CONFIG,
+    jitter: Optional[KernelJitter] = None,
 ) -> None:
     """``launch_write`` for each context in order, on the same entries. Small launches (decode batches) write
     two contexts per single-CTA launch where both can take the kernel, their buffers have as many rows and
@@ -704,11 +727,12 @@ def launch_write_many(
                   expected_input_positions=expected_input_positions)
     assert_args = (bool(enable_write_input_assert), expected_input_tokens, expected_input_positions)
     if _small(plan, out_cache_loc, config):
-        pairable, launch = _pairable, lambda ctxs, srcs: _launch_small(ctxs, srcs, plan, inputs, config)
+        pairable, launch = _pairable, lambda ctxs, srcs: _launch_small(ctxs, srcs, plan, inputs, config, jitter)
     else:  # the two-kernel path takes one context per launch pair
-        pairable, launch = (lambda a, b: False), lambda ctxs, srcs: _launch_two_kernels(ctxs[0], srcs[0], plan, inputs, config)
+        pairable, launch = (lambda a, b: False), lambda ctxs, srcs: _launch_two_kernels(
+            ctxs[0], srcs[0], plan, inputs, config, jitter)
     launch_in_pairs(contexts, sources=lambda ctx: _kernel_sources(ctx, assert_args), pairable=pairable, launch=launch,
-                    alone=lambda ctx: _launch_twin(ctx, assert_args, plan, inputs))
+                    alone=lambda ctx: _launch_twin(ctx, assert_args, plan, inputs, jitter))
 
 
 def _pairable(a: VerifyOrWriteContext, b: VerifyOrWriteContext) -> bool:
