@@ -27,11 +27,12 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from kvcanary.errors import KvCanaryValueError
+from kvcanary.engines.sim.forward_view import describe
 from kvcanary.engines.sim.pool import PADDING_SLOT, RequestTable, SlotAllocator
 from kvcanary.engines.sim.radix import RadixCache, RadixNode
 from kvcanary.engines.sim.workload import SimWorkload
 from kvcanary.ops.hashing import splitmix64_mix3_tensor, splitmix64_tensor
-from kvcanary.runtime import BatchDescription, GroupBatch, GroupSpec, classify_forward
+from kvcanary.runtime import BatchDescription, GroupSpec
 
 BatchHook = Callable[[BatchDescription], BatchDescription]
 
@@ -368,35 +369,8 @@ class SimEngine:
             self.full_to_swa[idx[2]] = torch.tensor([s for p in plan for s in p[3]], dtype=torch.int64).to(self.device)
 
     def _batch(self, plan) -> BatchDescription:
-        reqs = [p[0] for p in plan]
-        ext = [p[1] for p in plan]
-        pre = [r.num_computed for r in reqs]
-        ids = [t for r, e in zip(reqs, ext) for t in (r.tokens + r.drafts)[r.num_computed : r.num_computed + e]]
-        pos = [q for r, e in zip(reqs, ext) for q in range(r.num_computed, r.num_computed + e)]
-        kind = classify_forward(pre, ext, [bool(r.drafts) for r in reqs])
-        spec = any(r.drafts for r in reqs)
-        groups = {"full": GroupBatch(req_to_token=self.table.req_to_token,
-                                     out_cache_loc=torch.tensor([s for p in plan for s in p[2]], dtype=torch.int64))}
-        if self.swa_alloc:
-            groups["swa"] = GroupBatch(
-                req_to_token=self.table.req_to_token,
-                out_cache_loc=torch.tensor([s for p in plan for s in p[3]], dtype=torch.int64),
-                full_to_group_lut=self.full_to_swa,
-            )
-        return BatchDescription(
-            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64),
-            prefix_lens=torch.tensor(pre, dtype=torch.int64),
-            extend_lens=torch.tensor(ext, dtype=torch.int64),
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            groups=groups,
-            request_ids=tuple(r.rid for r in reqs),
-            token_table=self.table.tokens,
-            token_table_lens=torch.tensor([len(r.tokens) + len(r.drafts) for r in reqs], dtype=torch.int64),
-            committed_lens=torch.tensor([len(r.tokens) for r in reqs], dtype=torch.int64) if spec else None,
-            forward_kind=kind,
-            context_keys=torch.tensor([r.context for r in reqs], dtype=torch.int64) if self._contexts_used else None,
-        )
+        return describe(plan, table=self.table, full_to_swa=self.full_to_swa if self.swa_alloc else None,
+                        contexts=self._contexts_used)
 
     def _model(self, batch: BatchDescription) -> None:
         """Store every layer's K and V for the batch's tokens at the batch's slots."""
