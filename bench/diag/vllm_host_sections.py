@@ -113,11 +113,11 @@ def main() -> int:
         print(f"round {r}: {time.perf_counter() - t0:.2f} s", flush=True)
     dec = sorted(state.get("decode_fw", ()))
     print(f"round 1: {state['fw'] + 1} forwards, {len(dec)} decode forwards (one token per row)")
-    print(f"{'section':48s} {'calls/fw':>8s} {'median us':>10s} {'mean us':>9s}  (per decode forward)")
+    print(f"{'section':48s} {'calls/fw':>8s} {'median us':>10s} {'mean us':>9s} {'max us':>9s}  (per decode forward)")
     for label in spent:
         per = [1e6 * spent[label].get(f, 0.0) for f in dec]
         print(f"{label:48s} {calls[label] / max(state['fw'] + 1, 1):8.2f} {statistics.median(per):10.1f} "
-              f"{statistics.fmean(per):9.1f}")
+              f"{statistics.fmean(per):9.1f} {max(per):9.1f}")
     return 0
 
 
