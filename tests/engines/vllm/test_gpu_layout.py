@@ -94,3 +94,53 @@ def test_v2_batch_builds_tables_from_the_block_table_attention_reads():
     bt2[0, 0] = 9
     assert view.describe(v2_step(batch2, _metadata(bt2, [36, 37]))) is not None
     assert view.slots_reused() == 2
+
+
+def test_token_history_matches_a_reference_model_under_random_scheduler_events():
+    """Random steps of new tokens, resends from earlier positions, gaps, preemptions and finishes: after each forward,
+    the token table rows and known lengths of the batch equal a plain per-request history model."""
+    import random
+
+    rng = random.Random(7)
+    cap = 48
+    layout = GroupLayout(name=FULL, index=0, layer_names=("model.layers.0.self_attn.attn",), layer_ids=(0,),
+                         block_size=4, manager_block_size=4, num_blocks=64, sliding_window=0)
+    view = WorkerView(runner=None, layouts=[layout], max_requests=6, max_context=cap, device=torch.device("cpu"))
+    ref: dict[str, list[int]] = {}
+    live: list[str] = []
+    serial = 0
+    bt = torch.arange(1, 6 * 12 + 1, dtype=torch.int32).view(6, 12)
+    for _ in range(300):
+        tokens, finished, preempted = {}, [], []
+        if live and rng.random() < 0.15:
+            finished.append(live.pop(rng.randrange(len(live))))
+        if live and rng.random() < 0.1:
+            preempted.append(rng.choice(live))
+        while len(live) < 5 and rng.random() < 0.5:
+            serial += 1
+            live.append(f"q{serial}")
+        for rid in live:
+            have = ref.setdefault(rid, [])
+            r = rng.random()
+            start = len(have) if r < 0.7 else (rng.randrange(len(have) + 1) if r < 0.9 else len(have) + 2)  # resend / gap
+            new = [rng.randrange(1000) for _ in range(rng.randrange(1, 4))]
+            tokens[rid] = (start, new)
+            if start <= len(have):
+                del have[start:]
+                have.extend(new)
+        for rid in finished:
+            ref.pop(rid, None)
+        view.apply(tokens=tokens, finished=tuple(finished), preempted=tuple(preempted))
+        if not live:
+            continue
+        n = len(live)
+        seq = [min(len(ref[r]), cap - 1) or 1 for r in live]
+        batch = SimpleNamespace(num_reqs=n, req_ids=list(live), num_scheduled_tokens=np.ones(n, dtype=np.int32),
+                                num_computed_tokens_np=np.array([s - 1 for s in seq], dtype=np.int32),
+                                input_ids=torch.zeros(n, dtype=torch.int32), positions=torch.tensor([s - 1 for s in seq]))
+        desc = view.describe(v2_step(batch, _metadata(bt, [5] * n)))
+        for i, rid in enumerate(live):
+            row = int(desc.req_pool_indices[i])
+            want = ref[rid][:min(cap, seq[i])]
+            assert int(desc.token_table_lens[i]) == len(want)
+            assert desc.token_table[row, :len(want)].tolist() == want
