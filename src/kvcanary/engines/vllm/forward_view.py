@@ -308,22 +308,9 @@ class WorkerView:
         rs = self.rows
         rows = rs.of(req_ids)
         first = rs.computed[rows] == 0
-        verify = None
-        if self.drafts:
-            ndraft = np.fromiter((self.drafts.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
-            self.events.draft_tokens += int(ndraft.sum())
-            verify = ndraft > 0
+        verify = self._verify_rows(req_ids)
         self._count_events(rows, first, prefix, query, verify)
-        lens = np.minimum(np.minimum(rs.hist[rows], self.max_context), seq)
-        at_rows, at_cols, values = self.writes.take(self.max_context)
-        keys = rs.keys[rows] if self._any_key else None
-        self.keyed = self.keyed or bool(keys is not None and keys.any())
-        host = (rows, seq, prefix, query, lens, at_rows, at_cols, values)
-        if self.keyed:
-            host += (keys if keys is not None else np.zeros(len(req_ids), dtype=np.int64),)
-        rows_t, seq_t, prefix_t, extend_t, lens_t, at_r, at_c, at_v, *keys_t = self._upload(*host)
-        if values.size:
-            self.token_table[at_r, at_c] = at_v.to(torch.int32)
+        rows_t, seq_t, prefix_t, extend_t, lens_t, keys_t = self._upload_columns(rows, seq, prefix, query)
         tables, written = self._tables(step, rows_t, seq_t, max_s, num_tokens)
         input_ids = step.input_ids[:num_tokens]
         positions = step.positions[:num_tokens]
@@ -333,11 +320,8 @@ class WorkerView:
         if todo.size:
             shared = self._same_step_shares(rows.tolist(), prefix.tolist(), todo.tolist(), written, positions)
             if any(shared):
-                input_ids, positions, written = self._claim_shared(rows.tolist(), prefix.tolist(), shared, query.tolist(),
-                                                                   input_ids, positions, written)
-                k = np.asarray(shared, dtype=np.int64)
-                prefix_t, extend_t = self._upload(prefix - k, query + k)
-                self.events.same_step_shared += int((k > 0).sum())
+                input_ids, positions, written, prefix_t, extend_t = self._share(rows, prefix, query, shared, input_ids,
+                                                                                positions, written)
         rs.computed[rows] = seq
         if self.track_read_slots:
             for name, w in written.items():  # TAIL re-hashes the slots actually written, too
@@ -354,8 +338,42 @@ class WorkerView:
             token_table=self.token_table,
             token_table_lens=lens_t,
             forward_kind=classify_forward(prefix, query, verify),
-            context_keys=keys_t[0] if keys_t else None,
+            context_keys=keys_t,
         )
+
+    def _upload_columns(self, rows, seq, prefix, query) -> tuple:
+        """The forward's host columns in one upload, and the token-table cells learnt since the last forward
+        written: ``(rows, seq lens, prefix lens, extend lens, token-table lens, context keys or None)`` on the device."""
+        rs = self.rows
+        lens = np.minimum(np.minimum(rs.hist[rows], self.max_context), seq)
+        at_rows, at_cols, values = self.writes.take(self.max_context)
+        keys = rs.keys[rows] if self._any_key else None
+        self.keyed = self.keyed or bool(keys is not None and keys.any())
+        host = (rows, seq, prefix, query, lens, at_rows, at_cols, values)
+        if self.keyed:
+            host += (keys if keys is not None else np.zeros(rows.shape[0], dtype=np.int64),)
+        rows_t, seq_t, prefix_t, extend_t, lens_t, at_r, at_c, at_v, *keys_t = self._upload(*host)
+        if values.size:
+            self.token_table[at_r, at_c] = at_v.to(torch.int32)
+        return rows_t, seq_t, prefix_t, extend_t, lens_t, (keys_t[0] if keys_t else None)
+
+    def _verify_rows(self, req_ids: list) -> Optional[np.ndarray]:
+        """Speculative decoding: which batch rows verify drafts this forward (None without drafts); counts them."""
+        if not self.drafts:
+            return None
+        ndraft = np.fromiter((self.drafts.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        self.events.draft_tokens += int(ndraft.sum())
+        return ndraft > 0
+
+    def _share(self, rows, prefix, query, shared, input_ids, positions, written):
+        """Rows reading blocks this same forward writes claim those positions (`_claim_shared`); their prefix and
+        extend lengths move by as many (uploaded again)."""
+        input_ids, positions, written = self._claim_shared(rows.tolist(), prefix.tolist(), shared, query.tolist(),
+                                                           input_ids, positions, written)
+        k = np.asarray(shared, dtype=np.int64)
+        prefix_t, extend_t = self._upload(prefix - k, query + k)
+        self.events.same_step_shared += int((k > 0).sum())
+        return input_ids, positions, written, prefix_t, extend_t
 
     def _tables(self, step: StepInputs, rows_t, seq_t, max_s: int, num_tokens: int) -> tuple[dict, dict]:
         """Per group: the position -> slot table (from the block table attention reads) and the slots written."""
