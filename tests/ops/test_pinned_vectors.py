@@ -174,7 +174,9 @@ def test_enums():
         "VERIFY_CHAIN_HASH_MISMATCH": 1, "VERIFY_POSITION_MISMATCH": 2, "VERIFY_REAL_KV_HASH_MISMATCH": 4,
         "WRITE_TOKEN_MISMATCH": 8, "WRITE_POSITION_MISMATCH": 16, "VERIFY_TOKEN_MISMATCH": 32,
         # appended (issue 10 item 5): slots outside the canary buffer
-        "VERIFY_SLOT_OUT_OF_RANGE": 64, "WRITE_SLOT_OUT_OF_RANGE": 128}
+        "VERIFY_SLOT_OUT_OF_RANGE": 64, "WRITE_SLOT_OUT_OF_RANGE": 128,
+        # appended (issue 36 item 4): a live read through the padding slot (set by the padding-read check only)
+        "VERIFY_PADDING_SLOT_READ": 256}
     assert {m.name: int(m) for m in RealKvHashMode} == {"NONE": 0, "PARTIAL": 1, "ALL": 2}
     assert [m.name for m in sorted(CanaryLaunchTag)] == [
         "HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL", "SWEEP_K_FULL", "SWEEP_V_FULL",

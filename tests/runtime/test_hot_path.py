@@ -25,7 +25,7 @@ from tests.runtime.conftest import QUIET, CountTorchCalls, make_sim
 META = torch.device("meta")
 OPS = ("launch_canary_plan_kernels", "launch_canary_verify_kernel", "launch_canary_verify_kernels",
        "launch_canary_write_kernel", "launch_canary_write_kernels", "launch_stamp_violation_rows",
-       "store_deep_fingerprints")
+       "store_deep_fingerprints", "launch_padding_read_check_kernel")
 
 
 @pytest.fixture
@@ -85,9 +85,10 @@ def test_device_halves_read_nothing_back_and_cost_the_same_for_any_batch(op_call
         with mode:
             _device_halves(c, _meta_batch(bs, tables))
         counts.append((mode.n, len(op_calls) - calls_before))
-    # per group: plan, HEAD verify + write, TAIL verify and TAIL writes (both sides: one call), the deep buffers'
-    # fingerprints (one call), one stamp call for the HEAD / TAIL rings; sweep: one verify call, one stamp call
-    assert counts[1][1] == 2 * (3 + 1 + 1 + 1 + 1 + 1 + 1)
+    # per group: the padding-read check, plan, HEAD verify + write, TAIL verify and TAIL writes (both sides: one
+    # call), the deep buffers' fingerprints (one call), one stamp call for the HEAD / TAIL rings; sweep: one verify
+    # call, one stamp call
+    assert counts[1][1] == 2 * (1 + 3 + 1 + 1 + 1 + 1 + 1 + 1)
     assert c.sweeper.slices_run == 4  # one slice per forward, run by launch_head
     # steady state (same batch size as the step before: no stale padding to clear) costs the same torch calls
     # whatever the batch size: O(1) Python per forward

@@ -35,7 +35,7 @@ def test_per_forward_kernels_compile_for_sm90(all_triton, tmp_path):
         _prefill_sized_write_and_verify()
     assert canary.stats().violations == 0
     assert {"_verify_kernel", "_write_small_kernel", "_write_prepare_kernel", "_write_chain_kernel", "_tile_plan_kernel",
-            "_stamp_kernel", "_sweep_slice_kernel", "_record_store_kernel"} <= set(variants)
+            "_stamp_kernel", "_sweep_slice_kernel", "_record_store_kernel", "_padding_read_kernel"} <= set(variants)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
     out = subprocess.run([sys.executable, "-c", COMPILE_SM90], input=json.dumps(list(specs.values())), env=env,

@@ -1,6 +1,6 @@
 """`StaticBatch`: the host-upload route (pinned mirrors + one upload; forced on the CPU here) leaves the
 device buffers exactly as the device-copy route does, padding included, over batches that grow, shrink,
-change shape and gain context keys; and it costs the same torch calls whatever the batch size."""
+change shape and gain context keys and shared lengths; and it costs the same torch calls whatever the batch size."""
 from __future__ import annotations
 
 import random
@@ -19,7 +19,8 @@ LUT = torch.arange(512, dtype=torch.int64)
 TOKENS = torch.zeros(9, 64, dtype=torch.int32)
 
 
-def _batch(rng: random.Random, bs: int, *, oracle: bool, context: bool, short_loc: bool, dtype=torch.int64):
+def _batch(rng: random.Random, bs: int, *, oracle: bool, context: bool, short_loc: bool, dtype=torch.int64,
+           shared: bool = False):
     ext = [rng.randint(1, 5) for _ in range(bs)]
     n = sum(ext)
 
@@ -34,6 +35,7 @@ def _batch(rng: random.Random, bs: int, *, oracle: bool, context: bool, short_lo
                 "swa": GroupBatch(req_to_token=TABLE, out_cache_loc=col(loc_n), full_to_group_lut=LUT)},
         request_ids=tuple(f"r{i}" for i in range(bs)), token_table=TOKENS, token_table_lens=col(bs),
         expected_input_ids=col(n) if oracle else None, context_keys=col(bs) if context else None,
+        shared_lens=col(bs) if shared else None,
     )
 
 
@@ -43,6 +45,8 @@ def _used(s: StaticBatch, batch: BatchDescription) -> dict[str, torch.Tensor]:
            "token_lens": s.token_lens[: batch.batch_size], **{f"out_loc:{g}": t for g, t in s.out_loc.items()}}
     if s.has_context:
         out["context_keys"] = s.context_keys
+    if s.has_shared:
+        out["shared"] = s.shared
     if batch.expected_input_ids is not None:
         out["expected_ids"] = s.expected_ids[: batch.num_tokens]
     return {k: v.clone() for k, v in out.items()}
@@ -61,9 +65,12 @@ def test_host_upload_matches_device_copies_padding_included(seed, rows, tokens, 
     for i in range(40):
         bs = rng.choice([1, 1, 2, 5, 8, 12])  # 12 rows (up to 60 tokens) grows both
         batch = _batch(rng, bs, oracle=rng.random() < 0.5, context=i >= 20 and rng.random() < 0.7,
-                       short_loc=rng.random() < 0.3, dtype=rng.choice([torch.int32, torch.int64]))
+                       short_loc=rng.random() < 0.3, dtype=rng.choice([torch.int32, torch.int64]),
+                       shared=i >= 10 and rng.random() < 0.5)
         copies.stage(batch)
         upload.stage(batch)
+        if batch.shared_lens is None:  # once seen, staged every step: all padding (0) in a step without shares
+            assert not upload.has_shared or not upload.shared.any()
         assert copies.active == upload.active == ("small" if "small" in upload.sets and batch.num_tokens <= small
                                                   else "full")
         used.add(upload.active)
@@ -102,11 +109,11 @@ def test_decode_sized_set_holds_only_small_token_capacities():
     s = StaticBatch(groups=GROUPS, max_rows=64, max_tokens=8192, device=torch.device("cpu"), host_upload=True)
     assert set(s.sets) == {"full", "small"}
     small, full = s.sets["small"].packed.numel(), s.sets["full"].packed.numel()
-    assert small == 5 * 64 + 5 * 256 and full == 5 * 64 + 5 * 8192  # rows fields, then 3 token fields + 2 out_loc
+    assert small == 6 * 64 + 5 * 256 and full == 6 * 64 + 5 * 8192  # 6 row fields, then 3 token fields + 2 out_loc
     s.stage(_batch(random.Random(1), 64, oracle=True, context=False, short_loc=False))  # <= 320 tokens
     assert s.active == ("small" if s.num_tokens <= 256 else "full")
     assert s.input_ids.data_ptr() == s.sets[s.active].views["input_ids"].data_ptr()
     s.stage(_batch(random.Random(2), 8, oracle=True, context=False, short_loc=False))  # <= 40 tokens
-    assert s.active == "small" and s.input_ids.data_ptr() == s.sets["small"].packed[5 * 64 :].data_ptr()
+    assert s.active == "small" and s.input_ids.data_ptr() == s.sets["small"].packed[6 * 64 :].data_ptr()
     wide = StaticBatch(groups=GROUPS, max_rows=512, max_tokens=8192, device=torch.device("cpu"))
     assert set(wide.sets) == {"full"}  # rows past the decode bucket: no small set

@@ -32,6 +32,7 @@ FAMILY = {
     "write_token": "write",
     "write_position": "write",
     "read_table_mismatch": "mapping",
+    "verify_padding_slot_read": "mapping",
 }
 FAMILY_HINT = {
     "bytes": "K/V bytes changed in place: memory corruption, a copy/offload/transfer, or another request's write",

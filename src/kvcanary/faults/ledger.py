@@ -23,6 +23,7 @@ CHECK_OF_REASON = {  # which check produced a reason label
     "verify_chain_hash": "chain", "verify_position": "position", "verify_token": "token",
     "verify_real_kv_hash": "fingerprint", "write_token": "write_input", "write_position": "write_input",
     "verify_slot_out_of_range": "slot_range", "write_slot_out_of_range": "slot_range",
+    "verify_padding_slot_read": "padding_read",
 }
 
 

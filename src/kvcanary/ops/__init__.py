@@ -35,6 +35,7 @@ from kvcanary.ops.copy_format import (
 )
 from kvcanary.ops.hashing import splitmix64, splitmix64_mix3
 from kvcanary.ops.jitter import KernelJitter
+from kvcanary.ops.padding_reads import launch_padding_read_check_kernel
 from kvcanary.ops.paged import launch_block_table_slots_kernel, launch_mark_written_slots_kernel
 from kvcanary.ops.plan import launch_canary_plan_kernels
 from kvcanary.ops.records import RealKvSource, VerifyOrWriteContext, VerifyPlan, WritePlan
@@ -43,6 +44,7 @@ from kvcanary.ops.reference.copy import (
     export_canary_records_torch_reference,
     import_canary_records_torch_reference,
 )
+from kvcanary.ops.reference.padding_reads import padding_read_check_torch_reference
 from kvcanary.ops.reference.paged import block_table_slots_torch_reference, mark_written_slots_torch_reference
 from kvcanary.ops.reference.plan import launch_canary_plan_kernels_torch_reference
 from kvcanary.ops.reference.scatter import scatter_req_token_ids_torch_reference
@@ -68,6 +70,7 @@ __all__ = [
     "launch_canary_verify_kernels", "launch_canary_write_kernels",
     "launch_block_table_slots_kernel", "launch_mark_written_slots_kernel", "block_table_slots_torch_reference",
     "mark_written_slots_torch_reference",
+    "launch_padding_read_check_kernel", "padding_read_check_torch_reference",
     "launch_scatter_req_token_ids_kernel", "launch_stamp_violation_rows", "stamp_violation_rows_torch_reference",
     "launch_canary_plan_kernels_torch_reference", "launch_canary_write_kernel_torch_reference",
     "launch_canary_verify_kernel_torch_reference", "scatter_req_token_ids_torch_reference",

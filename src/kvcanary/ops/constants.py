@@ -63,6 +63,17 @@ class FailReason(enum.IntFlag):
       gets). A write row (``WRITE_FAIL_REASONS``), so stamps attribute it to the writing batch row.
       A *seed* ``>= num_slots`` is read as an all-zero record (token 0, position 0, prev_hash 0);
       the HEAD verify of the same plan reports that slot with ``VERIFY_SLOT_OUT_OF_RANGE``.
+
+    Extension (issue 36 item 4): the verify op skips every entry whose slot is the padding slot 0 (and the
+    chain link of the next position with it), as SGLang's contract pins; a read through the padding slot is
+    judged beside the ops, by the padding-read check (``kvcanary.ops.padding_reads``).
+
+    * ``VERIFY_PADDING_SLOT_READ`` (256, label ``verify_padding_slot_read``): a position inside a live
+      request's read range (full attention: its prefix ``[0, P)``; a sliding window: the positions of its
+      window before the row's first query token) whose slot resolves to the padding slot 0. Set only by
+      ``launch_padding_read_check_kernel``, never by verify or write. Row: ``[kind, 0, position, 0, -1, 0,
+      raw_slot, bits]`` (``raw_slot``: the table's entry before the LUT); the check stamps it itself with
+      ``(step, batch row, position)``. A verify row (not in ``WRITE_FAIL_REASONS``).
     """
 
     VERIFY_CHAIN_HASH_MISMATCH = 1
@@ -73,6 +84,7 @@ class FailReason(enum.IntFlag):
     VERIFY_TOKEN_MISMATCH = 32
     VERIFY_SLOT_OUT_OF_RANGE = 64
     WRITE_SLOT_OUT_OF_RANGE = 128
+    VERIFY_PADDING_SLOT_READ = 256  # appended (issue 36 item 4): set by the padding-read check only
 
     @property
     def label(self) -> str:

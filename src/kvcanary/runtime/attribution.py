@@ -37,6 +37,8 @@ REASON_MEANING = {
     FailReason.VERIFY_TOKEN_MISMATCH: "the slot's token differs from the request's token history",
     FailReason.VERIFY_SLOT_OUT_OF_RANGE: "the plan names a slot outside the canary buffer (a garbage slot index)",
     FailReason.WRITE_SLOT_OUT_OF_RANGE: "the engine stored KV at a slot outside the canary buffer",
+    FailReason.VERIFY_PADDING_SLOT_READ: "a position the request still reads (its prefix, or inside its sliding "
+    "window) maps to the padding / null slot: attention reads KV nobody wrote for it, and the verify skips that slot",
     READ_TABLE_MISMATCH: "attention reads entries the request does not own there (a surplus or missing page, or a "
     "new token read from another slot than the one written), so the canary's table does not cover what is read",
 }
@@ -64,6 +66,9 @@ class Violation:
     stored_token what that slot's HEAD record holds, expected_position the position the read stands for;
     reads / owned_reads the entries attention reads for the row and the entries the row owns; expected_slot the
     slot the row owns at that position (None: no such position); stored_hash is 0 and expected_hash None.
+    ``verify_padding_slot_read`` rows (`kvcanary.ops.padding_reads`): slot is the padding slot 0, stored_position and
+    expected_position the position read, expected_slot the table's raw entry there (a full-space slot before the
+    group's LUT; 0 without one); stored_token and stored_hash are 0, expected_token and expected_hash None.
     """
 
     launch_tag: CanaryLaunchTag
@@ -140,6 +145,9 @@ class Violation:
             owns = "no such position" if self.expected_slot is None else f"slot {self.expected_slot} there"
             lines.append(f"  reads:    {self.reads} entries for {self.owned_reads} owned; the read of position "
                          f"{self.expected_position} is slot {self.slot}, the request owns {owns}")
+        if self.reasons & FailReason.VERIFY_PADDING_SLOT_READ:
+            lines.append(f"  read:     position {self.position} resolves to the padding slot (table entry "
+                         f"{self.expected_slot})")
         lines += [f"  meaning:  {REASON_MEANING[bit]}" for bit in (*FailReason, *RUNTIME_REASONS) if int(self.reasons) & int(bit)]
         return "\n".join(lines)
 
@@ -305,6 +313,13 @@ class Attributor:
                 expected_hash=None, reasons=r.reasons, request_id=rid, request_row=rrow, step=r.step,
                 forward_kind=kind, reads=r.expected_token, owned_reads=r.stored_hash,
                 expected_slot=None if r.expected_aux < 0 else r.expected_aux,
+            )
+        if int(r.reasons) & FailReason.VERIFY_PADDING_SLOT_READ:  # field layout of `ops.padding_reads`
+            return Violation(
+                launch_tag=r.tag, group=r.tag.group, op="verify", slot=r.slot, stored_position=r.position,
+                expected_position=expected_pos, stored_token=r.stored_token, expected_token=None,
+                stored_hash=r.stored_hash, expected_hash=None, reasons=r.reasons, request_id=rid, request_row=rrow,
+                step=r.step, forward_kind=kind, expected_slot=r.expected_aux,
             )
         return Violation(
             launch_tag=r.tag,

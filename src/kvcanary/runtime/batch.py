@@ -135,6 +135,11 @@ class BatchDescription:
     on them, and the engine rolls back the rejected ones (`Canary.release_slots`). None: every written position is
     committed (or will be, as the forward's own sample).
 
+    shared_lens: optional int64 [bs], how many of a row's first extend tokens another row of the same forward computes
+    (a prefix-cache hit on blocks scheduled in this step: the row claims those positions and only reads them). The
+    row's own first query then sits at ``prefix_lens + shared_lens``, so a sliding window's read range starts that much
+    later for the padding-read check (docs/design.md §3.12); None: 0 for every row.
+
     Host syncs: the runtime reads prefix_lens, extend_lens and req_pool_indices on the host once
     per forward (to size and attribute); pass CPU copies of those three if the engine has them.
     """
@@ -152,6 +157,7 @@ class BatchDescription:
     expected_input_ids: Optional[torch.Tensor] = None
     context_keys: Optional[torch.Tensor] = None
     committed_lens: Optional[torch.Tensor] = None
+    shared_lens: Optional[torch.Tensor] = None
     extra: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -184,6 +190,8 @@ class BatchDescription:
         if self.committed_lens is not None and int(self.committed_lens.shape[0]) != bs:
             raise KvCanaryValueError(f"kv-canary: BatchDescription.committed_lens has {self.committed_lens.shape[0]} rows "
                                      f"for {bs}")
+        if self.shared_lens is not None and int(self.shared_lens.shape[0]) != bs:
+            raise KvCanaryValueError(f"kv-canary: BatchDescription.shared_lens has {self.shared_lens.shape[0]} rows for {bs}")
         if (self.token_table is None) != (self.token_table_lens is None):
             raise KvCanaryValueError("kv-canary: BatchDescription token_table and token_table_lens go together")
 

@@ -71,6 +71,9 @@ class CanaryConfig:
         Refused with ``mode="none"`` (nothing runs to stall).
     jitter_max_cycles: longest stall, in SM clock cycles (a draw is uniform in [1, jitter_max_cycles]).
     jitter_seed: seed of the draws (any integer); with the step number and the launch tag it decides every stall.
+    padding_read_check: report, at HEAD, every position a live request reads (its prefix, or its sliding window)
+        whose slot resolves to the padding slot 0 (``verify_padding_slot_read``, docs/design.md §3.12): the verify
+        op skips those entries, so such a read would otherwise go unchecked. On by default.
     """
 
     mode: str = "log"
@@ -92,6 +95,7 @@ class CanaryConfig:
     jitter_fire_prob: float = 0.0
     jitter_max_cycles: int = 2000
     jitter_seed: int = 0
+    padding_read_check: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -121,7 +125,8 @@ class CanaryConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise KvCanaryValueError(f"kv-canary: {name} must be an integer >= {low}, got {value!r}")
-        for name in ("verify_token", "write_input_assert", "deep_fingerprints", "allow_eager_fallback"):
+        for name in ("verify_token", "write_input_assert", "deep_fingerprints", "allow_eager_fallback",
+                     "padding_read_check"):
             if not isinstance(getattr(self, name), bool):
                 raise KvCanaryValueError(f"kv-canary: {name} must be True or False, got {getattr(self, name)!r}")
         if self.jsonl_path is not None:

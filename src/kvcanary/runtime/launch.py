@@ -2,7 +2,8 @@
 
 ::
 
-    head()   per group: plan (the first group's token -> row map also marks the rings) -> HEAD verify (prefix vs. the table)
+    head()   per group: padding-read check (live read positions mapped to the padding slot; before the rings are marked)
+             per group: plan (the first group's token -> row map also marks the rings) -> HEAD verify (prefix vs. the table)
              -> HEAD write (new tokens) -> slot records (position, predecessor, step, owner)
     ... engine forward: stores K/V into the staged out_loc slots ...
     tail()   per group: TAIL verify of every hashed side in one launch (prefix, real KV re-hashed; a ring window
@@ -34,6 +35,7 @@ from kvcanary.ops import (
     launch_canary_verify_kernels,
     launch_canary_write_kernel,
     launch_canary_write_kernels,
+    launch_padding_read_check_kernel,
     launch_stamp_violation_rows,
 )
 from kvcanary.runtime import kernels
@@ -142,6 +144,12 @@ class ForwardLaunches:
         rows, prefix, extend = s.rows[:bs], s.prefix[:bs], s.extend[:bs]
         token_table = s.token_table if self.config.verify_token else None
         oracle = self._oracle(bs, n)
+        if self.config.padding_read_check:  # before the step opens: the stamp launches never restamp its rows
+            try:
+                self._check_padding_reads(rows, prefix)
+            except BaseException:
+                self.rings.mark()  # not opened: the stamps must not re-stamp the step before's rows
+                raise
         tokens_row = expected_tokens = expected_positions = None
         for gi, (name, g) in enumerate(self.groups.items()):
             vplan, wplan = self.verify_plans[name], self.write_plans[name]
@@ -241,6 +249,24 @@ class ForwardLaunches:
                           verify_expected_positions=vplan.verify_expected_positions,
                           verify_prev_slot_indices=vplan.verify_prev_slot_indices,
                           verify_num_valid=vplan.verify_num_valid, enable=vplan.enable)
+
+    def _check_padding_reads(self, rows: torch.Tensor, prefix: torch.Tensor) -> None:
+        """Per group, the live rows' read positions whose slot resolves to the padding slot become
+        ``verify_padding_slot_read`` rows of the group's HEAD ring, stamped with their batch row
+        (`launch_padding_read_check_kernel`; the verify op skips slot 0, docs/design.md §3.12): a window from the
+        row's own first query (``StaticBatch.shared``), a ring's from ``P - W + 1``. One launch per group, device
+        only; it runs before the step's first plan, so before the rings are marked."""
+        s = self.static
+        for name, g in self.groups.items():
+            tag = g.tag("head")
+            ring, write_index = self.rings.ring_for(tag)
+            inputs = s.inputs[name]
+            launch_padding_read_check_kernel(
+                req_pool_indices=rows, prefix_lens=prefix, req_to_token=inputs.req_to_token, swa_window_size=g.window,
+                full_to_swa_index_mapping=inputs.lut, violation_ring=ring, violation_write_index=write_index,
+                stamps=self.rings.stamps[self.rings.index[tag]], step=self.step, kernel_kind=tag,
+                ring_window=bool(g.spec.ring_window), shared_lens=s.shared[: rows.shape[0]] if g.window else None,
+            )
 
     def _context(self, g: CanaryGroup, phase: str, side: str, op: str, chain_assert: torch.Tensor):
         return g.context(phase, side, op, rings=self.rings, counters=self.counters, chain_assert=chain_assert)

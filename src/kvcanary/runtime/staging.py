@@ -3,8 +3,8 @@
 Every per-forward launch reads these buffers and nothing else that changes shape, so the launches
 can be captured once in a CUDA graph and replayed for any batch that fits:
 
-* ``rows`` / ``prefix`` / ``extend`` / ``token_lens`` / ``context_keys``: int64 ``[max_rows]`` — the batch
-  rows, padded with request row 0 (the padding row: inactive whatever its lengths say) and zero lengths;
+* ``rows`` / ``prefix`` / ``extend`` / ``token_lens`` / ``context_keys`` / ``shared``: int64 ``[max_rows]`` — the
+  batch rows, padded with request row 0 (the padding row: inactive whatever its lengths say) and zero lengths;
 * ``input_ids`` / ``positions`` / ``expected_ids``: int64 ``[max_tokens]``;
 * ``out_loc[group]``: int64 ``[max_tokens]`` — slots written, padded with -1 (not stored);
 * per group, the engine's position -> slot table, LUT and token history are held *by reference*
@@ -44,7 +44,7 @@ from kvcanary.runtime.cuda_host import capturing, current_stream
 logger = logging.getLogger("kvcanary")
 
 NOT_STORED = -1  # out_loc padding: the write op skips negative slots
-ROW_FIELDS = ("rows", "prefix", "extend", "token_lens", "context_keys")
+ROW_FIELDS = ("rows", "prefix", "extend", "token_lens", "context_keys", "shared")
 TOKEN_FIELDS = ("input_ids", "positions", "expected_ids")
 MIRRORS = 4  # pinned host mirrors in the upload ring
 SMALL_TOKENS = 256  # the decode-sized buffer set's token capacity (and the canary graphs' decode bucket)
@@ -119,6 +119,7 @@ class StaticBatch:
         self.token_table: Optional[torch.Tensor] = None
         self.has_oracle = False
         self.has_context = False  # a batch carried context keys (from then on they are staged every step)
+        self.has_shared = False  # a batch carried shared_lens (from then on staged every step, zeros when absent)
         # host-memory batches go through pinned mirrors + one upload (CUDA; a test may force it on the CPU)
         self.host_upload = device.type == "cuda" if host_upload is None else host_upload
         self._allocate(max_rows, max_tokens)
@@ -145,7 +146,7 @@ class StaticBatch:
         views = self.sets[name].views
         self.active = name
         self.packed = self.sets[name].packed
-        self.rows, self.prefix, self.extend, self.token_lens, self.context_keys = (views[f] for f in ROW_FIELDS)
+        self.rows, self.prefix, self.extend, self.token_lens, self.context_keys, self.shared = (views[f] for f in ROW_FIELDS)
         self.input_ids, self.positions, self.expected_ids = (views[f] for f in TOKEN_FIELDS)
         self.out_loc = {g: views[f"out_loc:{g}"] for g in self.groups}
 
@@ -228,6 +229,11 @@ class StaticBatch:
             fields["context_keys"] = batch.req_pool_indices.new_zeros(0)  # no keys this step: all padding
         if batch.token_table_lens is not None:
             fields["token_lens"] = batch.token_table_lens
+        if batch.shared_lens is not None:
+            self.has_shared = True
+            fields["shared"] = batch.shared_lens
+        elif self.has_shared:
+            fields["shared"] = batch.req_pool_indices.new_zeros(0)  # no shares this step: all padding (0)
         return fields
 
     def _copy(self, target: _BufferSet, fields: dict[str, torch.Tensor], n: int, cap: bool) -> None:

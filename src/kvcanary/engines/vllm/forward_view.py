@@ -317,11 +317,12 @@ class WorkerView:
         if input_ids.device != self.device:
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         todo = np.flatnonzero(first & (prefix > 0))
+        shared_t = None
         if todo.size:
             shared = self._same_step_shares(rows.tolist(), prefix.tolist(), todo.tolist(), written, positions)
             if any(shared):
-                input_ids, positions, written, prefix_t, extend_t = self._share(rows, prefix, query, shared, input_ids,
-                                                                                positions, written)
+                input_ids, positions, written, prefix_t, extend_t, shared_t = self._share(
+                    rows, prefix, query, shared, input_ids, positions, written)
         rs.computed[rows] = seq
         if self.track_read_slots:
             for name, w in written.items():  # TAIL re-hashes the slots actually written, too
@@ -339,6 +340,7 @@ class WorkerView:
             token_table_lens=lens_t,
             forward_kind=classify_forward(prefix, query, verify),
             context_keys=keys_t,
+            shared_lens=shared_t,
         )
 
     def _upload_columns(self, rows, seq, prefix, query) -> tuple:
@@ -367,13 +369,14 @@ class WorkerView:
 
     def _share(self, rows, prefix, query, shared, input_ids, positions, written):
         """Rows reading blocks this same forward writes claim those positions (`_claim_shared`); their prefix and
-        extend lengths move by as many (uploaded again)."""
+        extend lengths move by as many (uploaded again, with the claimed counts: `BatchDescription.shared_lens`,
+        where a sliding window's reads start)."""
         input_ids, positions, written = self._claim_shared(rows.tolist(), prefix.tolist(), shared, query.tolist(),
                                                            input_ids, positions, written)
         k = np.asarray(shared, dtype=np.int64)
-        prefix_t, extend_t = self._upload(prefix - k, query + k)
+        prefix_t, extend_t, shared_t = self._upload(prefix - k, query + k, k)
         self.events.same_step_shared += int((k > 0).sum())
-        return input_ids, positions, written, prefix_t, extend_t
+        return input_ids, positions, written, prefix_t, extend_t, shared_t
 
     def _tables(self, step: StepInputs, rows_t, seq_t, max_s: int, num_tokens: int) -> tuple[dict, dict]:
         """Per group: the position -> slot table (from the block table attention reads) and the slots written."""
