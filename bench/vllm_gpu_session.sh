@@ -36,6 +36,9 @@ for stage in ${STAGES:-tests bench1b}; do
       ( PYTHONPATH=/tmp/tf524:$PWD/src timeout ${DIAG37_S:-240} python3 bench/diag/capture_recovery_gpu.py > "$OUT/diag37.log" 2>&1
         echo "diag37 rc=$? ended at $(( $(date +%s) - T0 )) s" >> "$OUT/diag37.log" ) &
       [ "$stage" = diag37 ] && wait ;;
+    sections)  # the adapter's host time per decode forward by section, and each explicit sweep's parts
+      timeout $(( $(left) - 10 )) python3 bench/diag/vllm_host_sections.py > "$OUT/sections.log" 2>&1
+      echo "sections rc=$?"; grep -E "^round|^section|^bind|^save|^sched|^stats|^sweep|^explicit" "$OUT/sections.log" | head -60 ;;
     diag)
       timeout $(( $(left) - 10 )) python3 bench/diag/vllm_sync_profile.py > "$OUT/diag.log" 2>&1
       echo "diag rc=$?"; grep -vE "^\[|^INFO|^WARNING|^\(|Warning|warn" "$OUT/diag.log" | grep -A200 "^round" | head -90 ;;

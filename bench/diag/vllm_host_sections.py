@@ -23,6 +23,8 @@ from vllm_gpu_overhead import SHAPES, VOCAB, _reinit, prompts  # noqa: E402
 
 def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if os.environ.get("KVC_TINY"):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
 
     import kvcanary.engines.vllm.forward_view as fv
@@ -34,7 +36,7 @@ def main() -> int:
     from kvcanary.runtime.staging import StaticBatch
 
     options = kv_transfer_config(**json.loads(os.environ.get("KVC_OPTIONS", "{}")))
-    if os.environ.get("KVC_TINY"):  # a CPU smoke run of this script (vllm-cpu): tiny model, short prompts
+    if os.environ.get("KVC_TINY"):  # a CPU smoke run (VLLM_CPU_KVCACHE_SPACE=2) of this script (vllm-cpu): tiny model, short prompts
         from kvcanary.faults.vllm_workload import write_tiny_model
 
         llm = LLM(model=write_tiny_model(tempfile.mkdtemp(), "llama", layers=4), load_format="dummy",
@@ -53,7 +55,8 @@ def main() -> int:
         make_prompts, new_tokens = prompts, 96
     if not os.environ.get("KVC_TINY"):
         llm.collective_rpc(_reinit)
-    state = {"on": False, "fw": -1, "decode": False}
+    state = {"on": False, "fw": -1, "decode": False, "in_sweep": False}
+    sweep_spent: dict[str, list[float]] = collections.defaultdict(list)  # per explicit sweep, device-synchronised
     spent: dict[str, dict[int, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     calls: dict[str, int] = collections.Counter()
 
@@ -69,6 +72,27 @@ def main() -> int:
             finally:
                 spent[label][state["fw"]] += time.perf_counter() - t0
                 calls[label] += 1
+        setattr(owner, name, timed)
+
+    def wrap_synced(owner, name, label, outer=False):
+        """Inside an explicit sweep: wall time with the device synchronised before and after (the sweep's parts)."""
+        orig = getattr(owner, name)
+
+        def timed(*a, **k):
+            if not (state["on"] and (outer or state["in_sweep"])):
+                return orig(*a, **k)
+            import torch
+            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+            sync()
+            state["in_sweep"] = True
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                sync()
+                sweep_spent[label].append(time.perf_counter() - t0)
+                if outer:
+                    state["in_sweep"] = False
         setattr(owner, name, timed)
 
     orig_describe = fv.WorkerView.describe
@@ -104,6 +128,18 @@ def main() -> int:
         (KvCanaryConnector, "get_kv_connector_stats", "stats"),
     ]:
         wrap(owner, name, label)
+    from kvcanary.runtime import kernels
+    from kvcanary.runtime import sweep as sweep_mod
+    for owner, name, label in [
+        (fv.WorkerView, "live_slots", "sweep.live_slots"),
+        (KvCanaryConnector, "_refresh_mirrors", "sweep.refresh_mirrors"),
+        (Canary, "_flush", "sweep.flush"),
+        (sweep_mod.Sweeper, "run", "sweep.run"),
+        (kernels, "fill_sweep_plan", "sweep.run.fill_plan"),
+        (sweep_mod.Sweeper, "_launch", "sweep.run.launch_kernels"),
+    ]:
+        wrap_synced(owner, name, label)
+    wrap_synced(KvCanaryConnector, "sweep", "sweep(total)", outer=True)
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     conn = []
     for r in range(2):
@@ -118,6 +154,10 @@ def main() -> int:
         per = [1e6 * spent[label].get(f, 0.0) for f in dec]
         print(f"{label:48s} {calls[label] / max(state['fw'] + 1, 1):8.2f} {statistics.median(per):10.1f} "
               f"{statistics.fmean(per):9.1f} {max(per):9.1f}")
+    if sweep_spent:
+        print(f"explicit sweeps in round 1 (device synchronised around each part): {len(sweep_spent['sweep(total)'])}")
+        for label, ts in sweep_spent.items():
+            print(f"{label:48s} calls {len(ts):3d}  ms each: " + " ".join(f"{1e3 * t:.2f}" for t in ts[:8]))
     return 0
 
 
