@@ -489,6 +489,22 @@ class Canary:
         self._raise_if_needed(self._step)
         return report
 
+    def launch_sweep(self, masks: Mapping[str, torch.Tensor]) -> None:
+        """`sweep` without waiting: verify the live slots of each group's bool mask (``[num_slots]`` on the device,
+        True = live) now, between forwards, with no host read; the rows are drained by the following steps (or
+        `violations()` / `counters()`), named from the slot records. `Sweeper.last` reads the counts when asked."""
+        self._check_open()
+        if self._depth:
+            raise KvCanaryRuntimeError("kv-canary: launch_sweep() inside an open forward; sweeps run between forwards")
+        if self.suspended is not None:
+            return
+        try:
+            self.sweeper.run_masks(masks, self._step)
+        except KvCanaryError:
+            raise  # misuse or bad input, raised on purpose
+        except Exception as exc:
+            self._fail_between("sweep", exc)
+
     # ---- KV moves (runtime/moves.py: copy-on-write, offload / restore, transfer) -----------
     def copy_slots(self, group: str, src, dst, **kwargs: object) -> MoveReport:
         """The engine copied the KV of ``src[i]`` to ``dst[i]``: move the canary state with it (`SlotMoves.copy_slots`).

@@ -12,6 +12,8 @@ is: no index scatter, and no index list for the engine to build).
 
 A predecessor rewritten since (freed and reused) is passed as unreachable (0), so only the slot's own
 record and real KV are judged. `run` is the explicit full sweep (`Canary.sweep`): all live slots at once.
+`run_masks` is the same sweep launched without a host read: each group's live set is a bool mask on the device,
+swept chunk by chunk with the slice machinery (a whole pass in one call); its violations come through the drain.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from kvcanary.runtime.drain import ViolationRings
 from kvcanary.runtime.groups import NEVER_WRITTEN, CanaryGroup
 
 OWNER_HISTORY = 64  # steps a swept slice's owners are remembered for late-drained rows
+MASK_SWEEP_CHUNK = 1 << 17  # plan entries per launch of an explicit sweep from live masks (`Sweeper.run_masks`)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class SweepReport:
 class _Slices:
     """One group's rotating slice: plan buffers, live mask, device cursor and pass counters."""
 
-    def __init__(self, g: CanaryGroup, interval: int) -> None:
+    def __init__(self, g: CanaryGroup, interval: int, owner_rows: int = OWNER_HISTORY) -> None:
         dev = g.device
         self.size = max(1, math.ceil(g.num_slots / interval))
         self.span = self.size * interval  # cursor wraps here: one pass == interval slices
@@ -67,7 +70,7 @@ class _Slices:
         # Stamps name a slice entry (each entry is its own "row": rows of ones); the owner of each entry's slot
         # when it was swept stays here for OWNER_HISTORY steps, so late-drained rows blame the right writer.
         self.ones = torch.ones(self.size, dtype=torch.int64, device=dev)
-        self.owner_history = torch.full((OWNER_HISTORY, self.size), -1, dtype=torch.int64, device=dev)
+        self.owner_history = torch.full((owner_rows, self.size), -1, dtype=torch.int64, device=dev)
         # host staging of live sets handed over in host memory, per dtype (int64 indices, bool masks), and the
         # event after the last upload from each
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
@@ -110,7 +113,9 @@ class Sweeper:
         self.passes = 0  # rotating passes completed
         self.slices_run = 0
         self._refreshed_at = -1  # slices_run at the last live-set refresh (a pass refreshes once)
-        self.last: Optional[SweepReport] = None
+        self._last: Optional[SweepReport] = None
+        self._mask_passes: dict[str, _Slices] = {}  # `run_masks`: one chunked pass per group, built on first use
+        self._masks_pending: Optional[int] = None  # step of a `run_masks` sweep whose counts are not read yet
         self._no_assert = torch.zeros(1, dtype=torch.int32, device=next(iter(groups.values())).device)
         self._slices = {n: _Slices(g, self.interval) for n, g in groups.items()} if self.interval > 0 else {}
 
@@ -223,6 +228,54 @@ class Sweeper:
         self.sweeps += 1
         self.last = report
         return report
+
+    def run_masks(self, masks: Mapping[str, torch.Tensor], step: int, chunk: int = MASK_SWEEP_CHUNK) -> None:
+        """Verify the live slots of each group named in ``masks`` (bool ``[num_slots]`` on the group's device; True
+        = live) now, without a host read: ``ceil(num_slots / chunk)`` chunks per group, each a plan
+        filled from the slot records on the device and verified like `run`'s (rows attributed from the slot
+        records when drained). ``step``: the host step the report names; the counts are read when `last` is."""
+        for name, mask in masks.items():
+            g = self.groups.get(name)
+            if g is None:
+                raise KvCanaryValueError(f"kv-canary: no canary group {name!r} (groups: {sorted(self.groups)})")
+            if mask.dtype != torch.bool or mask.device != g.device or mask.numel() != g.num_slots:
+                raise KvCanaryValueError(
+                    f"kv-canary: a live mask of group {name!r} must be bool [{g.num_slots}] on {g.device}, got "
+                    f"{mask.dtype} [{mask.numel()}] on {mask.device}")
+            sl = self._mask_passes.get(name)
+            if sl is None or sl.size != math.ceil(g.num_slots / math.ceil(g.num_slots / chunk)):
+                sl = self._mask_passes[name] = _Slices(g, math.ceil(g.num_slots / chunk), owner_rows=1)
+            sl.live[: g.num_slots].copy_(mask.flatten())
+            sl.live[0] = False
+            sl.live[-1] = False
+            sl.live_count.copy_(sl.live.sum().view(1))
+            sl.verified.zero_()
+            for _ in range(sl.span // sl.size):  # the cursor wraps back to 0 after the last chunk
+                self.rings.mark()  # each chunk's stamps name its own rows only
+                kernels.sweep_slice(records=g.records, plan=sl.plan, live_mask=sl.live, cursor=sl.cursor,
+                                    offsets=sl.offsets, span=sl.span, step=self.step, owner_history=sl.owner_history,
+                                    verified=sl.verified, done=sl.done)
+                self._launch(g, sl.plan)
+        self.sweeps += 1
+        self._masks_pending = step
+        self._masks_named = tuple(masks)
+
+    @property
+    def last(self) -> Optional[SweepReport]:
+        """The last explicit sweep's report (a `run_masks` sweep's counts are read from the device here, once)."""
+        if self._masks_pending is not None:
+            counts = {n: self._mask_passes[n] for n in self._masks_named}
+            live = {n: int(sl.live_count.item()) for n, sl in counts.items()}
+            verified = {n: int(sl.verified.item()) for n, sl in counts.items()}
+            self._last = SweepReport(step=self._masks_pending, live=live, verified=verified,
+                                     unrecorded={n: live[n] - verified[n] for n in live})
+            self._masks_pending = None
+        return self._last
+
+    @last.setter
+    def last(self, report: Optional[SweepReport]) -> None:
+        self._last = report
+        self._masks_pending = None
 
     # ---- helpers ------------------------------------------------------------------------------------
     @staticmethod

@@ -144,3 +144,52 @@ def test_token_history_matches_a_reference_model_under_random_scheduler_events()
             want = ref[rid][:min(cap, seq[i])]
             assert int(desc.token_table_lens[i]) == len(want)
             assert desc.token_table[row, :len(want)].tolist() == want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_live_masks_hold_exactly_the_live_slots(seed):
+    """The sweep's device masks (`WorkerView.live_masks`, built without a host read) mark the same slots as
+    `live_slots` — running requests' stored positions (a sliding group: only what the next query reads) and the
+    valid tokens of cached blocks — under random batches."""
+    import random
+
+    rng = random.Random(seed)
+    names = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+    full = GroupLayout(name=FULL, index=0, layer_names=names[:1], layer_ids=(0,), block_size=4, manager_block_size=4,
+                       num_blocks=40, sliding_window=0)
+    swa = GroupLayout(name="sliding_window", index=1, layer_names=names[1:], layer_ids=(1,), block_size=4,
+                      manager_block_size=4, num_blocks=40, sliding_window=6, window_left=5)
+    view = WorkerView(runner=None, layouts=[full, swa], max_requests=32, max_context=32, device=torch.device("cpu"))
+    for step in range(6):
+        n = rng.randrange(1, 5)
+        rids = [f"r{step}.{i}" for i in range(n)]
+        lens = [rng.randrange(1, 20) for _ in rids]
+        view.apply(tokens={r: (0, [rng.randrange(500) for _ in range(k)]) for r, k in zip(rids, lens)},
+                   finished=(), preempted=())
+        bt = torch.tensor([rng.sample(range(1, 40), 8) for _ in range(n)], dtype=torch.int32)
+        slots = [int(bt[i, p // 4]) * 4 + p % 4 for i, k in enumerate(lens) for p in range(k)]
+        batch = SimpleNamespace(num_reqs=n, req_ids=rids, num_scheduled_tokens=np.array(lens, dtype=np.int32),
+                                num_computed_tokens_np=np.zeros(n, dtype=np.int32),
+                                input_ids=torch.zeros(sum(lens), dtype=torch.int32),
+                                positions=torch.tensor([p for k in lens for p in range(k)]))
+        meta = {name: SimpleNamespace(block_table=bt, slot_mapping=torch.tensor(slots, dtype=torch.int64)) for name in names}
+        view.describe(v2_step(batch, meta))
+        view.apply(tokens={}, finished=tuple(r for r in rids if rng.random() < 0.5), preempted=())
+        cached = [(rng.randrange(1, 40), rng.randrange(0, 5), rng.randrange(2)) for _ in range(rng.randrange(4))]
+        masks = view.live_masks(cached)
+        for g in (full, swa):
+            want = torch.zeros(g.num_slots, dtype=torch.bool)
+            want[view.live_slots(cached)[g.name]] = True
+            assert torch.equal(masks[g.name], want), (step, g.name)
+
+
+@pytest.mark.parametrize("layout_name", ["vec", "amx", "plain"])
+def test_a_whole_mirror_refresh_copies_what_a_refresh_of_every_slot_copies(layout_name):
+    from kvcanary.engines.vllm.layout import StripMirror
+
+    kv = torch.randn(5, 2, 32, 2 * 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)  # [nb, H, B, 2D]
+    for side in (0, 1):
+        every, whole = (StripMirror(kv, layout_name, side, block_size=32) for _ in range(2))
+        every.refresh(torch.arange(5 * 32))
+        whole.refresh_all()
+        assert every.mirror.abs().sum() > 0 and torch.equal(whole.mirror, every.mirror)

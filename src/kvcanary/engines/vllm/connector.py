@@ -572,7 +572,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 self._capture_canary()
             meta = self._meta
             if self.suspended is None and meta is not None and meta.cached_blocks is not None:
-                self.sweep(meta.cached_blocks)
+                self._launch_sweep(meta.cached_blocks)
         except Exception as exc:
             self._failed("wait_for_save", exc)
         finally:
@@ -596,6 +596,20 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         live = self.view.live_slots(cached_blocks)
         self._refresh_mirrors(live)
         return self.canary.sweep(live)
+
+    def _launch_sweep(self, cached_blocks: list[tuple[int, int, int]]) -> None:
+        """The periodic sweep. On CUDA: `sweep`'s live set as device masks, verified without waiting for the device
+        (its rows drain with the following steps'); it runs in stream order right after this forward, so the live
+        set is exact when it runs. On the CPU (no device to wait for; the twins' cost grows with the slot space,
+        not the live set): `sweep`."""
+        if self.view.device.type != "cuda":
+            self.sweep(cached_blocks)
+            return
+        masks = self.view.live_masks(cached_blocks)
+        for mirrors in self._mirrors.values():
+            for m in mirrors:
+                m.refresh_all()
+        self.canary.launch_sweep(masks)
 
     def _refresh_mirrors(self, slots_by_group: dict[str, torch.Tensor]) -> None:
         for name, mirrors in self._mirrors.items():

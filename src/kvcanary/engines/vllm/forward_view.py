@@ -479,6 +479,36 @@ class WorkerView:
         rs.preempted[rows[first]] = False
 
     # ---- sweep ---------------------------------------------------------------------------------
+    def live_masks(self, cached_blocks: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+        """`live_slots` as bool masks ``[num_slots]`` per group, built on the device without a host read (one
+        upload of the rows' lengths and the cached blocks; the sweep's input, `Canary.launch_sweep`)."""
+        rs = self.rows
+        live = np.flatnonzero(rs.computed > 0)  # rows of requests with stored positions (released rows read 0)
+        n = rs.computed[live]
+        blocks = [[(b, k) for b, k, gi in cached_blocks if gi == g.index and not g.sliding_window] for g in self.layouts]
+        host = [live, n]
+        for mine in blocks:
+            host += [np.array([b for b, _ in mine], dtype=np.int64), np.array([k for _, k in mine], dtype=np.int64)]
+        rows_t, n_t, *cached_t = self._upload(*host)
+        width = int(n.max()) if live.size else 0
+        cols = torch.arange(width, device=self.device)[None, :]
+        out = {}
+        for g, ids_t, counts_t in zip(self.layouts, cached_t[0::2], cached_t[1::2]):
+            mask = torch.zeros(g.num_slots + 1, dtype=torch.bool, device=self.device)  # + a trash row
+            if live.size:
+                keep = cols < n_t[:, None]
+                if g.sliding_window:
+                    keep &= cols >= (n_t - g.window_left)[:, None]  # what its next query reads
+                slots = self.req_to_token[g.name][rows_t, :width].to(torch.int64).clamp(0, g.num_slots)
+                mask.index_fill_(0, torch.where(keep, slots, g.num_slots).flatten(), True)
+            if ids_t.numel():
+                offs = torch.arange(g.manager_block_size, dtype=torch.int64, device=self.device)[None, :]
+                slots = (ids_t[:, None] * g.manager_block_size + offs).clamp(0, g.num_slots)
+                mask.index_fill_(0, torch.where(offs < counts_t[:, None], slots, g.num_slots).flatten(), True)
+            mask[: g.block_size] = False  # null block slots are never live
+            out[g.name] = mask[: g.num_slots]
+        return out
+
     def live_slots(self, cached_blocks: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
         """Slots holding live KV: stored positions of running requests, plus the valid tokens of the
         idle blocks the scheduler keeps in its prefix cache (``(block id, tokens, group index)``)."""

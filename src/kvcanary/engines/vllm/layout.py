@@ -310,6 +310,12 @@ class StripMirror:
         index = blocks[:, None] * self.block_stride + self.offsets[slots % self.block_size]
         self.mirror[slots] = self.kv.view(-1)[index]
 
+    def refresh_all(self) -> None:
+        """Copy every slot's strip (no index list: one gather of the same columns from each block)."""
+        blocks = int(self.kv.shape[0])
+        cols = self.offsets.flatten()  # [block_size * n_el] element offsets inside a block
+        self.mirror.view(blocks, -1).copy_(self.kv.view(blocks, self.block_stride).index_select(1, cols))
+
 
 # ---- GPU attention backends: FlashAttention 2/3, Triton attention, FlashInfer, FlexAttention -------
 # vLLM 0.26-0.32 give every GPU backend the same logical layer shape [num_blocks, num_kv_heads, block_size,
