@@ -21,6 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from vllm_gpu_overhead import SHAPES, VOCAB, _reinit, prompts  # noqa: E402
 
 
+SHAPE = os.environ.get("KVC_SHAPE", "1b")  # or "8b"
+
+
 def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if os.environ.get("KVC_TINY"):
@@ -47,11 +50,12 @@ def main() -> int:
     else:
         mdir = tempfile.mkdtemp()
         cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, rope_theta=500000.0,
-                   rms_norm_eps=1e-5, max_position_embeddings=8192, torch_dtype="bfloat16", **SHAPES["1b"])
+                   rms_norm_eps=1e-5, max_position_embeddings=8192, torch_dtype="bfloat16", **SHAPES[SHAPE])
         with open(os.path.join(mdir, "config.json"), "w") as fh:
             json.dump(cfg, fh)
         llm = LLM(model=mdir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=3200,
-                  max_num_seqs=64, gpu_memory_utilization=0.5, kv_transfer_config=options)
+                  max_num_seqs=64, gpu_memory_utilization=0.5 if SHAPE == "1b" else 0.85,
+                  kv_transfer_config=options)
         make_prompts, new_tokens = prompts, 96
     if not os.environ.get("KVC_TINY"):
         llm.collective_rpc(_reinit)
@@ -95,6 +99,25 @@ def main() -> int:
                     state["in_sweep"] = False
         setattr(owner, name, timed)
 
+    events: dict[str, dict[int, list]] = collections.defaultdict(dict)  # label -> forward -> [start, end] CUDA events
+
+    def wrap_events(owner, name, label):
+        """Device time of the work a call queues: CUDA events before and after it (read once at the end)."""
+        orig = getattr(owner, name)
+
+        def timed(*a, **k):
+            import torch
+            if not (state["on"] and torch.cuda.is_available()):
+                return orig(*a, **k)
+            pair = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            pair[0].record()
+            try:
+                return orig(*a, **k)
+            finally:
+                pair[1].record()
+                events[label][state["fw"]] = pair
+        setattr(owner, name, timed)
+
     orig_describe = fv.WorkerView.describe
 
     def describe(self, step):
@@ -128,6 +151,10 @@ def main() -> int:
         (KvCanaryConnector, "get_kv_connector_stats", "stats"),
     ]:
         wrap(owner, name, label)
+    wrap_events(Canary, "launch_head", "device.launch_head")
+    wrap_events(Canary, "launch_tail", "device.launch_tail")
+    wrap_events(fv.WorkerView, "describe", "device.describe")
+    wrap_events(StaticBatch, "stage", "device.stage")
     from kvcanary.engines.vllm.layout import StripMirror
     from kvcanary.runtime import kernels
     from kvcanary.runtime import sweep as sweep_mod
@@ -154,6 +181,14 @@ def main() -> int:
         per = [1e6 * spent[label].get(f, 0.0) for f in dec]
         print(f"{label:48s} {calls[label] / max(state['fw'] + 1, 1):8.2f} {statistics.median(per):10.1f} "
               f"{statistics.fmean(per):9.1f} {max(per):9.1f}")
+    if events:
+        import torch
+        torch.cuda.synchronize()
+        print("device time of the work queued by each call (CUDA events), per decode forward:")
+        for label, per_fw in events.items():
+            ts = [1e3 * per_fw[f][0].elapsed_time(per_fw[f][1]) for f in dec if f in per_fw]
+            if ts:
+                print(f"{label:48s} {len(ts):8d} {statistics.median(ts):10.1f} {statistics.fmean(ts):9.1f} {max(ts):9.1f}  us")
     if sweep_spent:
         print(f"explicit sweeps in round 1 (device synchronised around each part, so kernels count): "
               f"{len(sweep_spent['sweep(total)'])}")
