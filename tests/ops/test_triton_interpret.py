@@ -204,10 +204,10 @@ def test_verify_chain_position_token_and_real_kv():
             _compare_verify(wctx, vp, check)
 
 
-@pytest.mark.parametrize("nbpt", [128, 1024])
+@pytest.mark.parametrize("nbpt", [128, 144, 208, 1024])
 def test_all_mode_long_rows_fold_in_a_loop_bit_identically(nbpt):
-    """ALL mode over rows longer than the unrolled limit (16 and 128 words per token: a real model's layer)
-    takes the looped fold; write and verify match the twins, and a flipped byte deep in a row is seen."""
+    """ALL mode over rows longer than the unrolled limit (16, 18, 26 and 128 words per token: a real model's layer;
+    18 and 26 leave pairs after the loop's groups of eight words) takes the looped fold; write and verify match the twins, and a flipped byte deep in a row is seen."""
     g = torch.Generator().manual_seed(nbpt)
     srcs = tuple(make_source(g, "cpu", num_slots=16, page_size=4, nbpt=nbpt, read_bytes=nbpt, dtype=torch.bfloat16)
                  for _ in range(2))

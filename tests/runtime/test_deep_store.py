@@ -51,7 +51,7 @@ def _case(seed: int, *, nsrc: int, same_shape: bool):
     tail_sources = [make_source(g, "cpu", num_slots=num_slots, page_size=4, nbpt=32, read_bytes=32, dtype=torch.bfloat16)]
     tail = make_context(g, "cpu", num_slots=num_slots, stride_bytes=32, ring_cap=64, sources=tail_sources,
                         mode=RealKvHashMode.PARTIAL, chain_assert=0, kind=CanaryLaunchTag.TAIL_K_FULL)
-    widths = [128] * nsrc if same_shape else [[16, 32, 128][rint(0, 2)] for _ in range(nsrc)]
+    widths = [[128, 144][rint(0, 1)]] * nsrc if same_shape else [[16, 32, 128, 208][rint(0, 3)] for _ in range(nsrc)]
     deep_sources = [make_source(g, "cpu", num_slots=num_slots, page_size=[1, 4][rint(0, 1)], nbpt=w, read_bytes=w,
                                 dtype=torch.bfloat16) for w in widths]
     deep = make_context(g, "cpu", num_slots=num_slots, stride_bytes=32, ring_cap=64, sources=deep_sources,

@@ -82,19 +82,46 @@ def _source_fold(ptr, slot, mask, page_size, nbpt_words, row_words, NWORDS: tl.c
         for k in tl.static_range(NWORDS // 2):
             acc = _fold_two_words(acc, wptr, first, mask, k)
     else:  # ALL over long rows (e.g. 128 words per token and layer): a loop, not thousands of unrolled steps
-        for k in range(NWORDS // 2):
+        for q in range(NWORDS // 8):  # four 16-byte loads issued before their folds: four in flight, not one
+            acc = _fold_eight_words(acc, wptr, first, mask, 4 * q)
+        for k in range((NWORDS // 8) * 4, NWORDS // 2):
             acc = _fold_two_words(acc, wptr, first, mask, k)
     return acc
 
 
 @triton.jit
-def _fold_two_words(acc, wptr, first, mask, k):
-    """acc = splitmix64(splitmix64(acc ^ w[2k]) ^ w[2k+1]) for each slot's words 2k, 2k+1 (one 16-byte load)."""
+def _load_two_words(wptr, first, mask, k):
+    """Each slot's words 2k and 2k+1 (one 16-byte load), as two int64 tensors."""
     pair = tl.arange(0, 2)
     two = tl.load(wptr + first[:, None] + (2 * k + pair)[None, :], mask=mask[:, None], other=0)
-    w0, w1 = tl.split(two)
+    return tl.split(two)
+
+
+@triton.jit
+def _fold_pair(acc, w0, w1):
+    """acc = splitmix64(splitmix64(acc ^ w0) ^ w1)."""
     acc = splitmix64(acc ^ as_u64(w0))
     return splitmix64(acc ^ as_u64(w1))
+
+
+@triton.jit
+def _fold_two_words(acc, wptr, first, mask, k):
+    """acc = splitmix64(splitmix64(acc ^ w[2k]) ^ w[2k+1]) for each slot's words 2k, 2k+1 (one 16-byte load)."""
+    w0, w1 = _load_two_words(wptr, first, mask, k)
+    return _fold_pair(acc, w0, w1)
+
+
+@triton.jit
+def _fold_eight_words(acc, wptr, first, mask, k):
+    """`_fold_two_words` for pairs k .. k+3, the four loads issued first (they do not depend on ``acc``)."""
+    a0, b0 = _load_two_words(wptr, first, mask, k)
+    a1, b1 = _load_two_words(wptr, first, mask, k + 1)
+    a2, b2 = _load_two_words(wptr, first, mask, k + 2)
+    a3, b3 = _load_two_words(wptr, first, mask, k + 3)
+    acc = _fold_pair(acc, a0, b0)
+    acc = _fold_pair(acc, a1, b1)
+    acc = _fold_pair(acc, a2, b2)
+    return _fold_pair(acc, a3, b3)
 
 
 @triton.jit
@@ -146,7 +173,14 @@ def _folds_together(
     a1 = tl.zeros(slot.shape, dtype=tl.uint64)
     a2 = tl.zeros(slot.shape, dtype=tl.uint64)
     a3 = tl.zeros(slot.shape, dtype=tl.uint64)
-    for k in range(NWORDS // 2):
+    for q in range(NWORDS // 8):  # per source four 16-byte loads in flight (`_fold_eight_words`)
+        a0 = _fold_eight_words(a0, w0, f0, mask, 4 * q)
+        a1 = _fold_eight_words(a1, w1, f1, mask, 4 * q)
+        if NSRC > 2:
+            a2 = _fold_eight_words(a2, w2, f2, mask, 4 * q)
+        if NSRC > 3:
+            a3 = _fold_eight_words(a3, w3, f3, mask, 4 * q)
+    for k in range((NWORDS // 8) * 4, NWORDS // 2):
         a0 = _fold_two_words(a0, w0, f0, mask, k)
         a1 = _fold_two_words(a1, w1, f1, mask, k)
         if NSRC > 2:
