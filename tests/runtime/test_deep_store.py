@@ -121,6 +121,12 @@ for widths in ((128, 128, 128, 128), (128, 16, 64, 2)):  # one row shape (the fu
     compiled = triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 2})
     assert compiled.asm["cubin"], widths
+k = deep_store._deep_store_kinds_kernel  # buffers' addresses from a device table
+consts = dict(NSRC=4, BLOCK=64, W0=128, W1=128, W2=128, W3=128)
+sig = {a: "constexpr" if a in consts else "*i32" if a == "num_reqs_ptr" else "*i64" if a.endswith("_ptr") else "i64"
+       for a in k.arg_names}
+assert triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                      options={"num_warps": 2}).asm["cubin"]
 print("ok")
 """
 
@@ -138,3 +144,34 @@ def test_kernel_compiles_for_hopper():
     if "ptxas" in out.stderr and "not found" in out.stderr:
         pytest.skip("no ptxas in this Triton install")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_launch_per_kind_matches_the_twin_for_many_buffers(seed):
+    """Several deep buffers (chunks x sides) of two kinds of sources, each kind in one launch over a table of their
+    addresses (interpreted on the CPU): every buffer holds what the twin stores, buffer by buffer."""
+    cases = [_case(200 + 10 * seed + k, nsrc=[4, 4, 2, 3][k % 4], same_shape=True) for k in range(5)]
+    base = 300 + seed
+    while True:  # a plan that stores something in every buffer (each has at least 24 rows)
+        plan, kw = _case(base, nsrc=1, same_shape=True)[2:]
+        if deep_store.stored_entries(plan, kw["out_cache_loc"].clamp(max=23), 24).any():
+            kw["out_cache_loc"] = kw["out_cache_loc"].clamp(max=23)
+            break
+        base += 100
+    launches, expected = [], []
+    for tail, deep, _, _ in cases:
+        launch_canary_write_kernel_torch_reference(context=tail, plan=plan, **kw)
+        want = deep.canary_buf.clone()
+        store_deep_fingerprints_twin(targets=[(tail.canary_buf, want, deep.real_kv_sources)],
+                                     out_loc=kw["out_cache_loc"], plan=plan)
+        expected.append(want)
+        launches.append((tail.canary_buf, deep.canary_buf,
+                         deep_store.source_args(deep.real_kv_sources, RealKvHashMode.ALL, tail.canary_buf)))
+    before = [deep.canary_buf.clone() for _, deep, _, _ in cases]
+    kinds = deep_store._by_kind(launches)
+    assert len(kinds) < len(launches) and sum(map(len, kinds)) == len(launches)
+    for group in kinds:
+        assert deep_store._launch_kind(group, kw["out_cache_loc"], plan)
+    for (_, deep, _, _), want, old in zip(cases, expected, before):
+        assert torch.equal(deep.canary_buf, want)
+    assert all(not torch.equal(w, o) for w, o in zip(expected, before))  # each buffer stored something

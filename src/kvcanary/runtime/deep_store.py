@@ -11,12 +11,15 @@ Entries stored: ``i`` in the write plan's range ``[offsets[0], offsets[a])`` (``
 clamped to its capacity; none when ``a == 0`` or ``offsets[a] <= 0``) whose slot ``out_loc[i]`` lies in
 ``[0, rows of the buffer)`` — the entries the write op stores. A slot written twice stores the same bytes.
 
-`store_deep_fingerprints` runs one Triton launch per deep buffer on CUDA (device reads only: capturable),
-else the torch twin `store_deep_fingerprints_twin`, bit-identical.
+`store_deep_fingerprints` runs on CUDA one Triton launch per kind of deep buffer (buffers whose sources have the same
+row widths: a grid axis over the buffers, whose addresses come from a small device table built on the first eager
+call), so the buffers' serial folds run side by side instead of one launch after another; the twin
+`store_deep_fingerprints_twin` elsewhere, bit-identical. Device reads only: capturable (a table missing while
+capturing falls back to one launch per buffer).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -76,10 +79,60 @@ def store_deep_fingerprints(*, targets: Sequence[DeepTarget], out_loc: torch.Ten
     if AVAILABLE and out_loc.is_cuda and dispatch.triton_disabled() is None:
         launches = [(tail, buf, source_args(sources, RealKvHashMode.ALL, tail)) for tail, buf, sources in targets]
         if all(srcs is not None for *_, srcs in launches):
-            for tail, buf, srcs in launches:
-                _launch(tail, buf, srcs, out_loc, plan)
+            for group in _by_kind(launches):
+                if len(group) == 1 or not _launch_kind(group, out_loc, plan):
+                    for tail, buf, srcs in group:
+                        _launch(tail, buf, srcs, out_loc, plan)
             return
     store_deep_fingerprints_twin(targets=targets, out_loc=out_loc, plan=plan)
+
+
+def _by_kind(launches: list) -> list[list]:
+    """``(tail, deep, SourceArgs)`` launches grouped by their sources' compile-time shape (NSRC, W0..W3), in order."""
+    kinds: dict[tuple, list] = {}
+    for launch in launches:
+        kinds.setdefault(tuple(sorted(launch[2].consts.items())), []).append(launch)
+    return list(kinds.values())
+
+
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # a kind's buffers -> (addresses, integers) on device
+_ADDR_COLS, _INT_COLS = 6, 15  # tail, deep, 4 sources | tail stride, deep stride, rows, (page, words, row words) x 4
+
+
+def _table(group: list) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Device tables of ``group``'s buffers: int64 [T, 6] addresses and [T, 15] integers (built once, not while a
+    CUDA graph is captured: None then)."""
+    addrs, ints = [], []
+    for tail, buf, srcs in group:
+        a = srcs.args
+        addrs.append([tail.data_ptr(), buf.data_ptr(), *(a[4 * j].data_ptr() for j in range(4))])
+        words = buf.view(torch.int64)
+        ints.append([tail.view(torch.int64).shape[1], words.shape[1], words.shape[0],
+                     *(int(a[4 * j + c]) for j in range(4) for c in (1, 2, 3))])
+    key = tuple(map(tuple, addrs)) + tuple(map(tuple, ints))
+    table = _TABLES.get(key)
+    if table is None:
+        if group[0][0].is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        dev = group[0][0].device
+        table = _TABLES[key] = (torch.tensor(addrs, dtype=torch.int64, device=dev),
+                                torch.tensor(ints, dtype=torch.int64, device=dev))
+    return table
+
+
+def _launch_kind(group: list, out_loc: torch.Tensor, plan: WritePlan) -> bool:
+    """One launch for every buffer of ``group`` (one kind); False when its table cannot be built now."""
+    table = _table(group)
+    if table is None:
+        return False
+    n = out_loc.shape[0]
+    _deep_store_kinds_kernel[(triton.cdiv(n, _BLOCK), len(group))](
+        table[0], table[1], out_loc, n, plan.write_offsets, plan.write_num_valid_reqs,
+        plan.write_seed_slot_indices.shape[0], **group[0][2].consts, BLOCK=_BLOCK, num_warps=_WARPS,
+    )
+    return True
 
 
 def _launch(tail_buf: torch.Tensor, buf: torch.Tensor, srcs, out_loc: torch.Tensor, plan: WritePlan) -> None:
@@ -101,6 +154,38 @@ if AVAILABLE:
         NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        _store_block(tail_ptr, tail_stride, deep_ptr, deep_stride, num_slots, slot_ptr, n, off_ptr, num_reqs_ptr,
+                     seed_cap, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3, NSRC, W0, W1, W2, W3, BLOCK)
+
+    @jit_batch_sized('n', 'seed_cap', scalar_ptrs=('num_reqs_ptr',))
+    def _deep_store_kinds_kernel(
+        addr_ptr, int_ptr, slot_ptr, n, off_ptr, num_reqs_ptr, seed_cap,
+        NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """`_deep_store_kernel` for buffer ``program_id(1)`` of a table (`_table`)."""
+        a = addr_ptr + tl.program_id(1).to(tl.int64) * 6
+        v = int_ptr + tl.program_id(1).to(tl.int64) * 15
+        _store_block(_address(a, 0), tl.load(v), _address(a, 1), tl.load(v + 1), tl.load(v + 2), slot_ptr, n, off_ptr,
+                     num_reqs_ptr, seed_cap,
+                     _address(a, 2), tl.load(v + 3), tl.load(v + 4), tl.load(v + 5),
+                     _address(a, 3), tl.load(v + 6), tl.load(v + 7), tl.load(v + 8),
+                     _address(a, 4), tl.load(v + 9), tl.load(v + 10), tl.load(v + 11),
+                     _address(a, 5), tl.load(v + 12), tl.load(v + 13), tl.load(v + 14), NSRC, W0, W1, W2, W3, BLOCK)
+
+    @triton.jit
+    def _address(row, k):
+        """Entry ``k`` of an address row as an int64 pointer."""
+        return tl.load(row + k).to(tl.pointer_type(tl.int64))
+
+    @triton.jit
+    def _store_block(
+        tail_ptr, tail_stride, deep_ptr, deep_stride, num_slots, slot_ptr, n, off_ptr, num_reqs_ptr, seed_cap,
+        s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
+        NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Deep records of the program's BLOCK entries of one buffer (the module docstring's entries)."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
         end = tl.where(a > 0, tl.load(off_ptr + a), 0)
