@@ -39,6 +39,11 @@ for stage in ${STAGES:-tests bench1b}; do
     sections)  # the adapter's host time per decode forward by section, and each explicit sweep's parts
       timeout $(( $(left) - 10 )) python3 bench/diag/vllm_host_sections.py > "$OUT/sections.log" 2>&1
       echo "sections rc=$?"; grep -E "^round|^section|^bind|^save|^sched|^stats|^sweep|^explicit|^device" "$OUT/sections.log" | head -60 ;;
+    race)  # issue 32: does jitter surface an unordered side-stream write? (simulated engine; then the cost table)
+      timeout $(( $(left) - 10 )) python3 bench/jitter_race.py --json "$OUT/jitter_race.json" > "$OUT/race.log" 2>&1
+      echo "race rc=$?"; grep -vE "^\[|Warning|warn" "$OUT/race.log" | tail -16
+      [ "$(left)" -gt 120 ] && { timeout $(( $(left) - 10 )) python3 bench/jitter_cost.py --quick --max-cycles 50000 \
+        --json "$OUT/jitter_cost.json" > "$OUT/jitter_cost.log" 2>&1; echo "jitter_cost rc=$?"; tail -12 "$OUT/jitter_cost.log"; } ;;
     diag)
       timeout $(( $(left) - 10 )) python3 bench/diag/vllm_sync_profile.py > "$OUT/diag.log" 2>&1
       echo "diag rc=$?"; grep -vE "^\[|^INFO|^WARNING|^\(|Warning|warn" "$OUT/diag.log" | grep -A200 "^round" | head -90 ;;
