@@ -5,7 +5,9 @@ FULL_AND_PIECEWISE CUDA graphs, FlashAttention, async scheduling). Random-weight
 (Llama-3.2-1B shape) and ``8b`` (Llama-3.1-8B shape) — serve rounds of 64 requests with 2-3 k-token prompts
 (fresh random prompts per round: no prefix hits across rounds) and 128 new tokens each, greedy. Each arm is an
 engine of its own, alive for the whole run in a child process: ``none`` (no canary), ``canary`` (default options), ``canary_nokv`` (``real_kv_hash="none"``), ``none_again`` (a second engine without the canary: how far vLLM's own
-tokens vary between two engines, the yardstick for the canary arms' token differences; ``--arms``).
+tokens vary between two engines, the yardstick for the canary arms' token differences; ``--arms``),
+``none_ngram`` / ``canary_ngram`` (n-gram speculative decoding, 3 draft tokens; ``canary_ngram`` is compared with
+``none_ngram``, every other arm with ``none``).
 One unrecorded warm-up round per arm, then interleaved rounds: round r runs on every arm (rotating order) before
 round r + 1, each arm the same prompts.
 
@@ -41,7 +43,11 @@ SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=14336, head_dim=128, tie_word_embeddings=False),
 }
-ARMS = {"none": None, "none_again": None, "canary": {}, "canary_nokv": {"real_kv_hash": "none"}}
+ARMS = {"none": None, "none_again": None, "canary": {}, "canary_nokv": {"real_kv_hash": "none"}, "none_ngram": None,
+        "canary_ngram": {}}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPECULATIVE = {"none_ngram": NGRAM, "canary_ngram": NGRAM}  # arm -> vLLM speculative_config
+BASELINE = {"canary_ngram": "none_ngram"}  # arm -> the arm it is compared with (default "none")
 REQUESTS, NEW_TOKENS, PROMPT_MIN, PROMPT_MAX, VOCAB = 64, 128, 2048, 3072, 128256
 
 
@@ -70,6 +76,8 @@ def child(arm: str, shape: str, util: float) -> None:
                               max_model_len=PROMPT_MAX + NEW_TOKENS + 16, max_num_seqs=REQUESTS,
                               gpu_memory_utilization=util, disable_log_stats=False)
     options = ARMS[arm]
+    if arm in SPECULATIVE:
+        kw["speculative_config"] = dict(SPECULATIVE[arm])
     if options is not None:
         from kvcanary.engines.vllm import kv_transfer_config
 
@@ -180,17 +188,23 @@ def run_shape(shape: str, arms: list[str], rounds: int, util: float, log) -> dic
             records.append(rec)
             log(f"{shape} round {r} {arm}: decode {rec['decode_ms_mean']} ms/step, prefill {rec['prefill_tok_s']} tok/s, "
                 f"host {rec.get('canary_host_us_per_forward')} us/fwd, tokens {rec['tokens_sha']}")
-        base = next((x for x in records if x["round"] == r and x["arm"] == "none"), None)
         for rec in records:
+            base = next((x for x in records if x["round"] == r and x["arm"] == _baseline(rec["arm"], arms)), None)
             if rec["round"] == r and base is not None and rec is not base:
                 rec["divergence"] = divergence(dict(base["tokens"]), dict(rec["tokens"]))
-                log(f"{shape} round {r} {rec['arm']}: vs none {rec['divergence']}")
+                log(f"{shape} round {r} {rec['arm']}: vs {base['arm']} {rec['divergence']}")
     for rec in records:
         rec.pop("tokens", None)
     for p, _ in procs.values():
         p.stdin.close()
         p.wait(timeout=120)
     return {"shape": shape, "arms": {a: procs[a][1] for a in arms}, "records": records}
+
+
+def _baseline(arm: str, arms) -> str:
+    """The arm ``arm`` is compared with: its `BASELINE` when that arm runs too, else ``none``."""
+    b = BASELINE.get(arm, "none")
+    return b if b in arms else "none"
 
 
 def divergence(base: dict[str, list[int]], mine: dict[str, list[int]]) -> dict:
@@ -211,9 +225,11 @@ def summarise(result: dict) -> list[dict]:
     rows = []
     for shape in result["shapes"]:
         recs = shape["records"]
-        base = [r for r in recs if r["arm"] == "none"]
         for arm in shape["arms"]:
+            base = [r for r in recs if r["arm"] == _baseline(arm, shape["arms"])]
             mine = [r for r in recs if r["arm"] == arm]
+            med = statistics.fmean(r["decode_ms_median"] for r in mine)
+            b_med = statistics.fmean(r["decode_ms_median"] for r in base)
             dec = statistics.fmean(r["decode_ms_mean"] for r in mine)
             pre = statistics.fmean(r["prefill_tok_s"] for r in mine)
             b_dec = statistics.fmean(r["decode_ms_mean"] for r in base)
@@ -221,8 +237,10 @@ def summarise(result: dict) -> list[dict]:
             same = all(r["tokens_sha"] == next(b["tokens_sha"] for b in base if b["round"] == r["round"]) for r in mine)
             host = [r["canary_host_us_per_forward"] for r in mine if "canary_host_us_per_forward" in r]
             tot = [r["totals"] for r in mine if "totals" in r]
-            rows.append({"shape": shape["shape"], "arm": arm, "rounds": len(mine), "decode_ms": round(dec, 3),
-                         "decode_vs_none_pct": round(100 * (dec / b_dec - 1), 2), "prefill_tok_s": round(pre),
+            rows.append({"shape": shape["shape"], "arm": arm, "baseline": _baseline(arm, shape["arms"]),
+                         "rounds": len(mine), "decode_ms": round(dec, 3),
+                         "decode_vs_none_pct": round(100 * (dec / b_dec - 1), 2), "decode_median_ms": round(med, 3),
+                         "decode_median_vs_none_pct": round(100 * (med / b_med - 1), 2), "prefill_tok_s": round(pre),
                          "prefill_vs_none_pct": round(100 * (pre / b_pre - 1), 2), "tokens_identical": same,
                          "requests_differing": sum(r.get("divergence", {}).get("requests_differing", 0) for r in mine),
                          "host_us_per_forward": round(statistics.fmean(host), 1) if host else None,
@@ -260,10 +278,11 @@ def main() -> int:
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(result, fh, indent=1)
-    print(f"{'shape':5} {'arm':12} {'decode ms':>9} {'vs none':>8} {'prefill tok/s':>13} {'vs none':>8} "
-          f"{'host us/fwd':>12} {'same tokens':>11} {'checked=fwd':>11} {'viol':>4}")
+    print(f"{'shape':5} {'arm':12} {'vs arm':10} {'decode ms':>9} {'vs':>8} {'median ms':>9} {'vs':>8} "
+          f"{'prefill tok/s':>13} {'vs':>8} {'host us/fwd':>12} {'same tokens':>11} {'checked=fwd':>11} {'viol':>4}")
     for r in result["summary"]:
-        print(f"{r['shape']:5} {r['arm']:12} {r['decode_ms']:9.3f} {r['decode_vs_none_pct']:7.2f}% {r['prefill_tok_s']:13d} "
+        print(f"{r['shape']:5} {r['arm']:12} {r['baseline']:10} {r['decode_ms']:9.3f} {r['decode_vs_none_pct']:7.2f}% "
+              f"{r['decode_median_ms']:9.3f} {r['decode_median_vs_none_pct']:7.2f}% {r['prefill_tok_s']:13d} "
               f"{r['prefill_vs_none_pct']:7.2f}% {str(r['host_us_per_forward']):>12} {str(r['tokens_identical']):>11} "
               f"{str(r['checked_eq_forwards']):>11} {str(r['violations']):>4}")
     return 0

@@ -47,6 +47,11 @@ for stage in ${STAGES:-tests bench1b}; do
     diag)
       timeout $(( $(left) - 10 )) python3 bench/diag/vllm_sync_profile.py > "$OUT/diag.log" 2>&1
       echo "diag rc=$?"; grep -vE "^\[|^INFO|^WARNING|^\(|Warning|warn" "$OUT/diag.log" | grep -A200 "^round" | head -90 ;;
+    benchspec)  # issue 34: the canary's cost per decode step with n-gram speculative decoding (1B), against the same without it
+      [ "$(left)" -lt "${MIN_BENCH_S:-200}" ] && { echo "skip $stage: $(left) s left"; continue; }
+      timeout $(( $(left) - 10 )) python3 bench/vllm_gpu_overhead.py --shapes 1b --rounds "${ROUNDS:-2}" \
+        --arms none_ngram canary_ngram --out "$OUT/vllm_gpu_overhead.1b_ngram.json" > "$OUT/bench_spec.log" 2>&1
+      echo "$stage rc=$?"; grep -E "^\[|shape|^1b" "$OUT/bench_spec.log" | tail -16 ;;
     bench1b|bench8b)
       shape=${stage#bench}
       [ "$(left)" -lt "${MIN_BENCH_S:-200}" ] && { echo "skip $stage: $(left) s left"; continue; }
