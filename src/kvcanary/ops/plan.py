@@ -120,27 +120,29 @@ def launch_canary_plan_kernels(
     prefixes cut at the width). CPU tensors are always checked (the twin would index out of bounds).
     """
     kwargs = dict(
-        verify_plan_out=verify_plan_out,
-        write_plan_out=write_plan_out,
-        req_pool_indices=req_pool_indices,
-        prefix_lens=prefix_lens,
-        extend_seq_lens=extend_seq_lens,
-        req_to_token=req_to_token,
-        swa_window_size=swa_window_size,
-        full_to_swa_index_mapping=full_to_swa_index_mapping,
-        verify_capacity=verify_capacity,
-        req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+        verify_plan_out=verify_plan_out, write_plan_out=write_plan_out, req_pool_indices=req_pool_indices,
+        prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens, req_to_token=req_to_token,
+        swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
+        verify_capacity=verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
         req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
     )
-    check_args = dict(kwargs)
-    check_args["extend_lens"] = check_args.pop("extend_seq_lens")
-    _check_plan_args(**check_args)
-    dev = req_to_token.device
-    host_check = check_request_rows_on_host is not False or dev.type != "cuda"
-    if host_check and not capturing(dev):  # host reads; under capture the kernels never read outside the tables
-        check_request_rows(_OP, req_pool_indices, request_row_bound(req_to_token, req_to_verify_expected_tokens))
-        check_prefix_lens(_OP, req_pool_indices, prefix_lens, int(req_to_token.shape[1]))
+    _check_before_launch(kwargs, check_request_rows_on_host)
     backend = triton_backend(req_to_token.device)
     impl = backend.launch_plan if backend else launch_canary_plan_kernels_torch_reference
     impl(**kwargs)
+
+
+def _check_before_launch(kwargs: dict, check_request_rows_on_host: Optional[bool]) -> None:
+    """Every check of the launcher's arguments (``kwargs``: the launch's), the host reads of the request rows and
+    prefix lengths included unless skipped (under capture, or ``check_request_rows_on_host=False`` on CUDA)."""
+    check_args = dict(kwargs)
+    check_args["extend_lens"] = check_args.pop("extend_seq_lens")
+    _check_plan_args(**check_args)
+    req_pool_indices, req_to_token = kwargs["req_pool_indices"], kwargs["req_to_token"]
+    dev = req_to_token.device
+    host_check = check_request_rows_on_host is not False or dev.type != "cuda"
+    if host_check and not capturing(dev):  # host reads; under capture the kernels never read outside the tables
+        check_request_rows(_OP, req_pool_indices,
+                           request_row_bound(req_to_token, kwargs["req_to_verify_expected_tokens"]))
+        check_prefix_lens(_OP, req_pool_indices, kwargs["prefix_lens"], int(req_to_token.shape[1]))

@@ -1,7 +1,7 @@
 """Vectorised torch twin of the plan op (docs/design.md §3.5)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -88,32 +88,68 @@ def launch_canary_plan_kernels_torch_reference(
     ``req_to_token.shape[1]`` (``check_prefix_lens``), before any lookup. An expected-token column
     at or past the table's width is never read (token -1, as past the valid length)."""
     capacity = int(verify_plan_out.verify_slot_indices.shape[0])
+    table, valid_lens = req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens
+    _check_args(capacity, verify_capacity, table, valid_lens)
+    check_request_rows(_NAME, req_pool_indices, request_row_bound(req_to_token, table))
+    check_prefix_lens(_NAME, req_pool_indices, prefix_lens, int(req_to_token.shape[1]))
+    rows = _Rows(req_pool_indices.to(torch.int64), prefix_lens.to(torch.int64), extend_seq_lens.to(torch.int64))
+    lut = full_to_swa_index_mapping
+    entries = _verify_entries(rows, req_to_token, int(swa_window_size), lut, table, valid_lens,
+                              int(kv_token_id_vs_position_offset))
+    n_seed = min(rows.count, int(write_plan_out.write_seed_slot_indices.shape[0]))
+    offsets, seeds = _write_metadata(rows, req_to_token, lut)
+    # Every check passed: write the outputs.
+    _store_verify_plan(verify_plan_out, entries, capacity)
+    _store_write_plan(write_plan_out, offsets, seeds, n_seed, rows.count)
+
+
+class _Rows(NamedTuple):
+    """The batch rows as int64: request rows, prefix and extend lengths."""
+
+    rp: torch.Tensor
+    prefix: torch.Tensor
+    extend: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.rp.shape[0])
+
+    @property
+    def active(self) -> torch.Tensor:
+        return self.rp != REQ_POOL_IDX_PADDING
+
+
+class _VerifyEntries(NamedTuple):
+    """The verify entries, row by row: slots, expected tokens, positions, predecessor slots (int64 [total])."""
+
+    slots: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    prevs: torch.Tensor
+
+
+def _check_args(capacity: int, verify_capacity: int, table: Optional[torch.Tensor],
+                valid_lens: Optional[torch.Tensor]) -> None:
     if verify_capacity != capacity:
         raise KvCanaryValueError(
             f"kv-canary: {_NAME} verify_capacity={verify_capacity} does not match "
             f"verify_plan_out.verify_slot_indices.shape[0]={capacity}"
         )
-    table, valid_lens = req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens
     if table is not None and valid_lens is None:
         raise KvCanaryValueError(
             f"kv-canary: {_NAME} requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
         )
-    check_request_rows(_NAME, req_pool_indices, request_row_bound(req_to_token, table))
-    check_prefix_lens(_NAME, req_pool_indices, prefix_lens, int(req_to_token.shape[1]))
-    lut = full_to_swa_index_mapping
-    rp = req_pool_indices.to(torch.int64)
-    prefix = prefix_lens.to(torch.int64)
-    extend = extend_seq_lens.to(torch.int64)
-    bs = int(rp.shape[0])
-    window = int(swa_window_size)
-    active = rp != REQ_POOL_IDX_PADDING
 
-    # Verify entries: positions [lo, P) of every active row, row by row.
+
+def _verify_entries(rows: _Rows, req_to_token: torch.Tensor, window: int, lut: Optional[torch.Tensor],
+                    table: Optional[torch.Tensor], valid_lens: Optional[torch.Tensor], offset: int) -> _VerifyEntries:
+    """Positions [lo, P) of every active row, row by row (``lo``: the window's start, 0 without a window)."""
+    prefix = rows.prefix
     lo = torch.clamp(prefix - window, min=0) if window > 0 else torch.zeros_like(prefix)
-    count = torch.where(active, torch.clamp(prefix - lo, min=0), torch.zeros_like(prefix))
+    count = torch.where(rows.active, torch.clamp(prefix - lo, min=0), torch.zeros_like(prefix))
     row, local = segment_ids(count)
     pos = lo[row] + local
-    row_rp = rp[row]
+    row_rp = rows.rp[row]
     slot_raw = req_to_token[row_rp, pos].to(torch.int64)
     has_prev = pos > 0
     prev_raw = torch.where(
@@ -124,38 +160,47 @@ def launch_canary_plan_kernels_torch_reference(
     slots = _translate(slot_raw, lut)
     prevs = _translate(prev_raw, lut)
     if table is not None and table.shape[1] > 0:
-        col = pos + int(kv_token_id_vs_position_offset)
+        col = pos + offset
         readable = (col >= 0) & (col < valid_lens.to(torch.int64)[row]) & (col < table.shape[1])
         looked = table[row_rp, torch.clamp(col, 0, table.shape[1] - 1)].to(torch.int64)
         tokens = torch.where(readable, looked, torch.full_like(pos, -1))
     else:
         tokens = torch.full_like(pos, -1)
-    total = int(pos.shape[0])
+    return _VerifyEntries(slots, tokens, pos, prevs)
 
-    # Write metadata.
-    writes = active & (extend > 0)
+
+def _write_metadata(rows: _Rows, req_to_token: torch.Tensor,
+                    lut: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets [bs + 1], seeds [bs]) of the writes: active rows with an extend write, a row with a prefix
+    seeds from its last prefix slot (-1 otherwise)."""
+    rp, prefix, extend = rows
+    writes = rows.active & (extend > 0)
     contrib = torch.where(writes, extend, torch.zeros_like(extend))
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=rp.device), torch.cumsum(contrib, 0)])
-    n_seed = min(bs, int(write_plan_out.write_seed_slot_indices.shape[0]))
     seeded = writes & (prefix > 0)
     # only seeded rows are looked up: a padding row's lengths are arbitrary (CUDA-graph padding)
     seed_raw = req_to_token[
         torch.where(seeded, rp, torch.zeros_like(rp)), torch.where(seeded, prefix - 1, torch.zeros_like(prefix))
     ].to(torch.int64)
-    seeds = _translate(torch.where(seeded, seed_raw, torch.full_like(rp, -1)), lut)
+    return offsets, _translate(torch.where(seeded, seed_raw, torch.full_like(rp, -1)), lut)
 
-    # Every check passed: write the outputs.
-    vp, wp = verify_plan_out, write_plan_out
+
+def _store_verify_plan(vp: VerifyPlan, entries: _VerifyEntries, capacity: int) -> None:
+    """The entries, or (more than ``capacity`` of them) the overflow state: count = capacity, disabled."""
+    total = int(entries.positions.shape[0])
     if total > capacity:
         vp.verify_num_valid.fill_(capacity)
         vp.enable.fill_(0)
-    else:
-        vp.verify_slot_indices[:total] = slots
-        vp.verify_expected_tokens[:total] = tokens
-        vp.verify_expected_positions[:total] = pos
-        vp.verify_prev_slot_indices[:total] = prevs
-        vp.verify_num_valid.fill_(total)
-        vp.enable.fill_(1)
+        return
+    vp.verify_slot_indices[:total] = entries.slots
+    vp.verify_expected_tokens[:total] = entries.tokens
+    vp.verify_expected_positions[:total] = entries.positions
+    vp.verify_prev_slot_indices[:total] = entries.prevs
+    vp.verify_num_valid.fill_(total)
+    vp.enable.fill_(1)
+
+
+def _store_write_plan(wp: WritePlan, offsets: torch.Tensor, seeds: torch.Tensor, n_seed: int, bs: int) -> None:
     n_off = min(bs + 1, int(wp.write_offsets.shape[0]))
     wp.write_offsets[:n_off] = offsets[:n_off]
     wp.write_offsets[n_off:] = 0

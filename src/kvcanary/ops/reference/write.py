@@ -8,7 +8,7 @@ segment, applied after the earlier ones have landed in the buffer.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -73,6 +73,184 @@ def _last_writes(inverse: torch.Tensor, num_unique: int) -> Optional[torch.Tenso
     return last[inverse] == order
 
 
+class _Entries(NamedTuple):
+    """The launch's stored entries (slot >= 0, before ``offsets[num_reqs]``), request by request, with
+    what the chain and the rows need of each; ``inside``: the slot is inside the buffer (else only reported)."""
+
+    req: torch.Tensor
+    slot: torch.Tensor
+    inside: torch.Tensor
+    token: torch.Tensor
+    position: torch.Tensor
+    fingerprint: torch.Tensor
+    exp_token: Optional[torch.Tensor]      # input asserts on: the expected token / position of each entry
+    exp_position: Optional[torch.Tensor]
+
+
+class _Rules(NamedTuple):
+    """What a launch checks: its launch tag (int64 [1]), the input asserts, the chain-position assert."""
+
+    kind: torch.Tensor
+    input_assert: bool
+    chain_assert: bool
+
+
+class _Rows:
+    """Violation rows collected segment by segment, each with its entry's index; appended in entry order."""
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor] = []
+
+    def add(self, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        self.rows.append(rows)
+        self.keys.append(keys)
+
+    def append_to(self, ctx: VerifyOrWriteContext) -> None:
+        if not self.rows:
+            return
+        all_rows = torch.cat(self.rows)
+        if len(self.rows) > 1:
+            all_rows = all_rows[torch.sort(torch.cat(self.keys), stable=True).indices]
+        append_violations(ctx.violation_ring, ctx.violation_write_index, all_rows)
+
+
+def _work(plan: WritePlan) -> Optional[tuple[int, torch.Tensor, int]]:
+    """(requests, their offsets [num_reqs + 1], end of the work) of a launch with work, else None."""
+    seeds_all = plan.write_seed_slot_indices
+    num_reqs = min(max(int(plan.write_num_valid_reqs[0]), 0), int(seeds_all.shape[0]))
+    if num_reqs == 0:
+        return None
+    offsets = plan.write_offsets[: num_reqs + 1].to(torch.int64)
+    end_of_work = int(offsets[num_reqs])
+    return (num_reqs, offsets, end_of_work) if end_of_work > 0 else None
+
+
+def _gather_entries(
+    ctx: VerifyOrWriteContext, fields: torch.Tensor, offsets: torch.Tensor, end_of_work: int, input_ids: torch.Tensor,
+    positions: torch.Tensor, out_cache_loc: torch.Tensor, expected: Optional[tuple[torch.Tensor, torch.Tensor]],
+) -> _Entries:
+    """Entries of requests [0, num_reqs), request by request; never past ``offsets[num_reqs]``. ``expected``:
+    the input asserts' (tokens, positions), or None."""
+    starts = offsets[:-1]
+    lengths = torch.clamp(offsets[1:] - starts, min=0)
+    req, local = segment_ids(lengths)
+    flat = starts[req] + local
+    in_range = flat < end_of_work
+    req, flat = req[in_range], flat[in_range]
+    slot = out_cache_loc[flat].to(torch.int64)
+    stored = slot >= 0
+    req, flat, slot = req[stored], flat[stored], slot[stored]
+    # A slot past the buffer is reported, not stored (FailReason.WRITE_SLOT_OUT_OF_RANGE).
+    inside = slot < fields.shape[0]
+    token = input_ids[flat].to(torch.int64)
+    position = positions[flat].to(torch.int64)
+    fingerprint = fingerprint_slots(
+        ctx.real_kv_sources, ctx.real_kv_hash_mode, torch.where(inside, slot, torch.zeros_like(slot)), fields.device
+    )
+    exp_token = exp_position = None
+    if expected is not None:
+        exp_token, exp_position = expected[0][flat].to(torch.int64), expected[1][flat].to(torch.int64)
+    return _Entries(req, slot, inside, token, position, fingerprint, exp_token, exp_position)
+
+
+def _segment_end(
+    entries: _Entries, seeds: torch.Tensor, first_req: int, first_entry: int, num_reqs: int
+) -> tuple[int, int, Optional[tuple[torch.Tensor, int]]]:
+    """(end request, end entry) of the segment starting at (``first_req``, ``first_entry``): up to the first
+    request whose seed an earlier request of the tail stores. Third: when the segment is the whole tail, its
+    stores' slot inverse and unique count (to find last writes without a second ``unique``), else None."""
+    tail_req = entries.req[first_entry:]
+    tail_in = entries.inside[first_entry:]
+    uniq, inverse = torch.unique(entries.slot[first_entry:][tail_in], return_inverse=True)
+    dependent = _first_dependent_request(tail_req[tail_in], uniq, inverse, seeds, first_req)
+    end_req = num_reqs if dependent < 0 else dependent
+    end_entry = first_entry + int((tail_req < end_req).sum())
+    return end_req, end_entry, ((inverse, uniq.numel()) if dependent < 0 else None)
+
+
+def _out_of_range_rows(
+    entries: _Entries, e: slice, running_all: torch.Tensor, rules: _Rules, rows: _Rows
+) -> None:
+    """One WRITE_SLOT_OUT_OF_RANGE row per entry of the segment ``e`` whose slot is past the buffer."""
+    seg_in = entries.inside[e]
+    if bool(seg_in.all()):
+        return
+    out_idx = (~seg_in).nonzero().squeeze(1)
+    o_slot, o_pos, o_tok = entries.slot[e][out_idx], entries.position[e][out_idx], entries.token[e][out_idx]
+    bits = torch.full_like(o_pos, int(FailReason.WRITE_SLOT_OUT_OF_RANGE))
+    rows.add(violation_rows(rules.kind, o_slot, o_pos, o_tok, o_tok, running_all[out_idx], o_pos, bits),
+             e.start + out_idx)
+
+
+def _last_positions(fields: torch.Tensor, seg_req: torch.Tensor, seg_pos: torch.Tensor,
+                    seed_of_entry: torch.Tensor) -> torch.Tensor:
+    """The chain's ``last_pos`` before each stored entry: its seed's stored position for a request's first
+    entry, else the previous entry's position."""
+    is_first = torch.ones_like(seg_req, dtype=torch.bool)
+    is_first[1:] = seg_req[1:] != seg_req[:-1]
+    seed_pos = read_records(fields, seed_of_entry)[:, CANARY_FIELD_POSITION]
+    prev_pos = torch.empty_like(seg_pos)
+    prev_pos[1:] = seg_pos[:-1]
+    return torch.where(is_first, seed_pos, prev_pos)
+
+
+def _assert_rows(
+    entries: _Entries, e: slice, in_idx: torch.Tensor, running: torch.Tensor, last_pos: torch.Tensor,
+    seed_of_entry: torch.Tensor, rules: _Rules, rows: _Rows,
+) -> None:
+    """The input-assert and chain-position rows of the segment's stored entries, interleaved per entry
+    (input-assert row first)."""
+    slot, token, pos = entries.slot[e][in_idx], entries.token[e][in_idx], entries.position[e][in_idx]
+    entry_rows = []
+    if rules.input_assert:
+        et, ep = entries.exp_token[e][in_idx], entries.exp_position[e][in_idx]
+        bits = (token != et).to(torch.int64) * int(FailReason.WRITE_TOKEN_MISMATCH) + (
+            pos != ep
+        ).to(torch.int64) * int(FailReason.WRITE_POSITION_MISMATCH)
+        entry_rows.append((bits != 0, violation_rows(rules.kind, slot, pos, token, et, running, ep, bits)))
+    if rules.chain_assert:
+        bad = (seed_of_entry >= 0) & (pos != last_pos + 1)
+        bits = torch.full_like(pos, int(FailReason.WRITE_POSITION_MISMATCH))
+        entry_rows.append((bad, violation_rows(rules.kind, slot, pos, token, token, running, last_pos + 1, bits)))
+    if entry_rows:
+        flags = torch.stack([m for m, _ in entry_rows], dim=1).flatten()
+        stacked = torch.stack([r for _, r in entry_rows], dim=1).reshape(-1, 8)
+        entry_key = e.start + in_idx
+        rows.add(stacked[flags], entry_key[:, None].expand(-1, len(entry_rows)).flatten()[flags])
+
+
+def _store_records(fields: torch.Tensor, entries: _Entries, e: slice, in_idx: torch.Tensor, running: torch.Tensor,
+                   whole_tail: Optional[tuple[torch.Tensor, int]]) -> None:
+    """Store (token, position, prev_hash, fingerprint) of the segment's stored entries; a slot stored twice
+    keeps its last write."""
+    slot = entries.slot[e][in_idx]
+    last = _last_writes(*whole_tail) if whole_tail is not None else last_occurrence_mask(slot)
+    record = torch.stack([entries.token[e][in_idx], entries.position[e][in_idx], running,
+                          entries.fingerprint[e][in_idx]], dim=1)
+    if last is not None:
+        record, slot = record[last], slot[last]
+    fields[slot, CANARY_FIELD_TOKEN : CANARY_FIELD_REAL_KV_HASH + 1] = record
+
+
+def _write_segment(fields: torch.Tensor, entries: _Entries, e: slice, seg_seeds: torch.Tensor, first_req: int,
+                   whole_tail: Optional[tuple[torch.Tensor, int]], rules: _Rules, rows: _Rows) -> None:
+    """One segment: chain it from its seeds as the live buffer holds them now (earlier segments have landed),
+    collect its rows, store its records."""
+    seg_req = entries.req[e]
+    running_all = chain_scan(
+        slot_hash(fields, seg_seeds), torch.bincount(seg_req - first_req, minlength=seg_seeds.numel()),
+        entries.token[e], entries.position[e], advance=entries.inside[e],
+    )
+    _out_of_range_rows(entries, e, running_all, rules, rows)
+    in_idx = entries.inside[e].nonzero().squeeze(1)
+    seg_req, running = seg_req[in_idx], running_all[in_idx]
+    seed_of_entry = seg_seeds[seg_req - first_req]
+    last_pos = _last_positions(fields, seg_req, entries.position[e][in_idx], seed_of_entry)
+    _assert_rows(entries, e, in_idx, running, last_pos, seed_of_entry, rules, rows)
+    _store_records(fields, entries, e, in_idx, running, whole_tail)
+
+
 def launch_canary_write_kernel_torch_reference(
     *,
     context: VerifyOrWriteContext,
@@ -95,14 +273,10 @@ def launch_canary_write_kernel_torch_reference(
     """
     ctx = context
     ctx.kernel_run_counter.add_(1)
-    seeds_all = plan.write_seed_slot_indices
-    num_reqs = min(max(int(plan.write_num_valid_reqs[0]), 0), int(seeds_all.shape[0]))
-    if num_reqs == 0:
+    work = _work(plan)
+    if work is None:
         return
-    offsets = plan.write_offsets[: num_reqs + 1].to(torch.int64)
-    end_of_work = int(offsets[num_reqs])
-    if end_of_work <= 0:
-        return
+    num_reqs, offsets, end_of_work = work
     fields = canary_fields(ctx.canary_buf)
     _check_input_assert_args(bool(enable_write_input_assert), expected_input_tokens, expected_input_positions)
     if ctx.hashing_on:
@@ -110,108 +284,18 @@ def launch_canary_write_kernel_torch_reference(
     if jitter is not None:
         span = out_cache_loc[max(int(offsets[0]), 0) : end_of_work].to(torch.int64)
         apply_jitter_torch_reference(jitter, int(ctx.kernel_kind), span[(span >= 0) & (span < fields.shape[0])])
-
-    # Entries of requests [0, num_reqs), request by request; never past offsets[num_reqs].
-    starts = offsets[:num_reqs]
-    lengths = torch.clamp(offsets[1:] - starts, min=0)
-    req, local = segment_ids(lengths)
-    flat = starts[req] + local
-    in_range = flat < end_of_work
-    req, flat = req[in_range], flat[in_range]
-    slot = out_cache_loc[flat].to(torch.int64)
-    stored = slot >= 0
-    req, flat, slot = req[stored], flat[stored], slot[stored]
-    # A slot past the buffer is reported, not stored (FailReason.WRITE_SLOT_OUT_OF_RANGE).
-    inside = slot < fields.shape[0]
-    token = input_ids[flat].to(torch.int64)
-    position = positions[flat].to(torch.int64)
-    seeds = seeds_all[:num_reqs].to(torch.int64)
-    fingerprint = fingerprint_slots(
-        ctx.real_kv_sources, ctx.real_kv_hash_mode, torch.where(inside, slot, torch.zeros_like(slot)), fields.device
-    )
-    chain_assert_on = int(ctx.enable_chain_position_assert[0]) != 0
-    if enable_write_input_assert:
-        exp_token = expected_input_tokens[flat].to(torch.int64)
-        exp_position = expected_input_positions[flat].to(torch.int64)
-
-    kind = torch.tensor([int(ctx.kernel_kind)], dtype=torch.int64, device=fields.device)
-    rows: list[torch.Tensor] = []
-    row_keys: list[torch.Tensor] = []  # entry index of each row: rows are put in entry order at the end
-    seg_first_req, seg_first_entry = 0, 0
-    while seg_first_req < num_reqs:
-        tail_req = req[seg_first_entry:]
-        tail_in = inside[seg_first_entry:]
-        uniq, inverse = torch.unique(slot[seg_first_entry:][tail_in], return_inverse=True)
-        dependent = _first_dependent_request(tail_req[tail_in], uniq, inverse, seeds, seg_first_req)
-        seg_end_req = num_reqs if dependent < 0 else dependent
-        seg_end_entry = seg_first_entry + int((tail_req < seg_end_req).sum())
-        e = slice(seg_first_entry, seg_end_entry)
-        seg_req, seg_token, seg_pos, seg_in = req[e], token[e], position[e], inside[e]
-        seg_seeds = seeds[seg_first_req:seg_end_req]
-
-        # Seeds are read from the live buffer: earlier segments have landed.
-        start_hash = slot_hash(fields, seg_seeds)
-        running_all = chain_scan(
-            start_hash, torch.bincount(seg_req - seg_first_req, minlength=seg_seeds.numel()), seg_token, seg_pos,
-            advance=seg_in,
-        )
-        if not bool(seg_in.all()):
-            out_idx = (~seg_in).nonzero().squeeze(1)
-            o_slot, o_pos, o_tok = slot[e][out_idx], seg_pos[out_idx], seg_token[out_idx]
-            bits = torch.full_like(o_pos, int(FailReason.WRITE_SLOT_OUT_OF_RANGE))
-            rows.append(violation_rows(kind, o_slot, o_pos, o_tok, o_tok, running_all[out_idx], o_pos, bits))
-            row_keys.append(seg_first_entry + out_idx)
-        in_idx = seg_in.nonzero().squeeze(1)
-        seg_req, seg_slot, seg_token, seg_pos = seg_req[in_idx], slot[e][in_idx], seg_token[in_idx], seg_pos[in_idx]
-        running = running_all[in_idx]
-        entry_key = seg_first_entry + in_idx
-
-        is_first = torch.ones_like(seg_req, dtype=torch.bool)
-        is_first[1:] = seg_req[1:] != seg_req[:-1]
-        seed_of_entry = seg_seeds[seg_req - seg_first_req]
-        seed_pos = read_records(fields, seed_of_entry)[:, CANARY_FIELD_POSITION]
-        prev_pos = torch.empty_like(seg_pos)
-        prev_pos[1:] = seg_pos[:-1]
-        last_pos = torch.where(is_first, seed_pos, prev_pos)
-
-        entry_rows = []
-        if enable_write_input_assert:
-            et, ep = exp_token[e][in_idx], exp_position[e][in_idx]
-            bits = (seg_token != et).to(torch.int64) * int(FailReason.WRITE_TOKEN_MISMATCH) + (
-                seg_pos != ep
-            ).to(torch.int64) * int(FailReason.WRITE_POSITION_MISMATCH)
-            bad = bits != 0
-            entry_rows.append(
-                (bad, violation_rows(kind, seg_slot, seg_pos, seg_token, et, running, ep, bits))
-            )
-        if chain_assert_on:
-            bad = (seed_of_entry >= 0) & (seg_pos != last_pos + 1)
-            bits = torch.full_like(seg_pos, int(FailReason.WRITE_POSITION_MISMATCH))
-            entry_rows.append(
-                (bad, violation_rows(kind, seg_slot, seg_pos, seg_token, seg_token, running, last_pos + 1, bits))
-            )
-        if entry_rows:
-            # Interleave per entry: input-assert row before chain row.
-            flags = torch.stack([m for m, _ in entry_rows], dim=1).flatten()
-            stacked = torch.stack([r for _, r in entry_rows], dim=1).reshape(-1, 8)
-            rows.append(stacked[flags])
-            row_keys.append(entry_key[:, None].expand(-1, len(entry_rows)).flatten()[flags])
-
-        if dependent < 0:  # the segment is the whole tail: reuse its unique slots
-            last = _last_writes(inverse, uniq.numel())
-        else:
-            last = last_occurrence_mask(seg_slot)
-        record = torch.stack([seg_token, seg_pos, running, fingerprint[e][in_idx]], dim=1)
-        target = seg_slot
-        if last is not None:
-            record, target = record[last], target[last]
-        fields[target, CANARY_FIELD_TOKEN : CANARY_FIELD_REAL_KV_HASH + 1] = record
-
-        seg_first_req, seg_first_entry = seg_end_req, seg_end_entry
-
-    ctx.slot_run_counter.add_(int(inside.sum()))
-    if rows:
-        all_rows = torch.cat(rows)
-        if len(rows) > 1:
-            all_rows = all_rows[torch.sort(torch.cat(row_keys), stable=True).indices]
-        append_violations(ctx.violation_ring, ctx.violation_write_index, all_rows)
+    expected = (expected_input_tokens, expected_input_positions) if enable_write_input_assert else None
+    entries = _gather_entries(ctx, fields, offsets, end_of_work, input_ids, positions, out_cache_loc, expected)
+    seeds = plan.write_seed_slot_indices[:num_reqs].to(torch.int64)
+    rules = _Rules(kind=torch.tensor([int(ctx.kernel_kind)], dtype=torch.int64, device=fields.device),
+                   input_assert=bool(enable_write_input_assert),
+                   chain_assert=int(ctx.enable_chain_position_assert[0]) != 0)
+    rows = _Rows()
+    first_req, first_entry = 0, 0
+    while first_req < num_reqs:
+        end_req, end_entry, whole_tail = _segment_end(entries, seeds, first_req, first_entry, num_reqs)
+        _write_segment(fields, entries, slice(first_entry, end_entry), seeds[first_req:end_req], first_req,
+                       whole_tail, rules, rows)
+        first_req, first_entry = end_req, end_entry
+    ctx.slot_run_counter.add_(int(entries.inside.sum()))
+    rows.append_to(ctx)

@@ -338,6 +338,65 @@ def _nsteps(bs: int) -> int:
     return (steps + 3) // 4 * 4
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What every kernel of one plan launch is given: the batch rows, the request table and its bounds, the
+    LUT and expected-token table arguments (stand-ins where absent), the outputs and the launch shape."""
+
+    rows: tuple                   # req_pool_indices, prefix_lens, extend_seq_lens
+    rtt: torch.Tensor             # req_to_token
+    rtt_stride: int
+    width: int                    # request-table columns: loads stay below them
+    bs: int
+    window: int
+    n_rows: int                   # request rows a batch row may name (others are planned as padding)
+    lut: Optional[torch.Tensor]
+    lut_args: tuple
+    has_table: bool
+    table_args: tuple
+    outputs: tuple
+    v_cap: int
+    w_cap: int
+    sms: int
+    pdl: bool
+    lut_check: bool               # run the host-read LUT range check first
+    config: PlanLaunchConfig
+
+
+def _prepare(vp: VerifyPlan, wp: WritePlan, rows: tuple, req_to_token: torch.Tensor, swa_window_size: int,
+             lut: Optional[torch.Tensor], table: Optional[torch.Tensor], valid: Optional[torch.Tensor],
+             token_offset: int, config: PlanLaunchConfig) -> _Launch:
+    dev = req_to_token.device
+    bs = int(rows[0].shape[0])
+    if table is not None and table.shape[1] == 0:
+        table = None
+    # Request rows outside [0, n_rows) are refused by the public launcher outside capture; under
+    # capture the kernels plan such a row as padding (no entries, no writes, seed untouched as -1).
+    n_rows = min(int(req_to_token.shape[0]), int(table.shape[0]) if table is not None else 2**62)
+    # Prefixes past the width are refused by the public launcher likewise; under capture every
+    # request-table load is masked to positions below the width (entries stop there, seed -1).
+    v_cap = int(vp.verify_slot_indices.shape[0])
+    w_cap = int(wp.write_seed_slot_indices.shape[0])
+    outputs = (
+        vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
+        vp.verify_prev_slot_indices, vp.verify_num_valid, vp.enable, v_cap,
+        wp.write_offsets, wp.write_seed_slot_indices, wp.write_num_valid_reqs, w_cap,
+    )
+    table_args = (
+        table if table is not None else req_to_token, table.stride(0) if table is not None else 0,
+        int(table.shape[1]) if table is not None else 0,
+        valid if valid is not None else rows[0], int(token_offset),
+    )
+    return _Launch(
+        rows=rows, rtt=req_to_token, rtt_stride=req_to_token.stride(0), width=int(req_to_token.shape[1]), bs=bs,
+        window=int(swa_window_size), n_rows=n_rows, lut=lut,
+        lut_args=(lut, lut.shape[0]) if lut is not None else (req_to_token, 0),
+        has_table=table is not None, table_args=table_args, outputs=outputs, v_cap=v_cap, w_cap=w_cap,
+        sms=num_sms(dev), pdl=pdl_enabled(dev, config.pdl),
+        lut_check=config.check_lut and lut is not None and bs > 0 and not capturing(dev), config=config,
+    )
+
+
 def launch_plan(
     *,
     verify_plan_out: VerifyPlan,
@@ -357,85 +416,81 @@ def launch_plan(
     """Triton twin of ``launch_canary_plan_kernels_torch_reference`` (arguments already checked
     by the public launcher). With a LUT and outside graph capture, reads one int64 back to raise
     the first LUT range error before any output is written."""
-    vp, wp = verify_plan_out, write_plan_out
-    dev = req_to_token.device
-    bs = int(req_pool_indices.shape[0])
-    window = int(swa_window_size)
-    lut = full_to_swa_index_mapping
-    table = req_to_verify_expected_tokens
-    valid = req_to_verify_expected_tokens_valid_lens
+    table, valid = req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens
     if table is not None and valid is None:  # the public launcher raised already; twin message here
         raise KvCanaryValueError(
             "kv-canary: launch_canary_plan_kernels_torch_reference requires "
             "req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
         )
-    if table is not None and table.shape[1] == 0:
-        table = None
-    # Request rows outside [0, n_rows) are refused by the public launcher outside capture; under
-    # capture the kernels plan such a row as padding (no entries, no writes, seed untouched as -1).
-    n_rows = min(int(req_to_token.shape[0]), int(table.shape[0]) if table is not None else 2**62)
-    # Prefixes past the width are refused by the public launcher likewise; under capture every
-    # request-table load is masked to positions below the width (entries stop there, seed -1).
-    width = int(req_to_token.shape[1])
-    v_cap = int(vp.verify_slot_indices.shape[0])
-    w_cap = int(wp.write_seed_slot_indices.shape[0])
-    sms = num_sms(dev)
-    pdl = pdl_enabled(dev, config.pdl)
-    rtt_stride = req_to_token.stride(0)
-    lut_check = config.check_lut and lut is not None and bs > 0 and not capturing(dev)
-    outputs = (
-        vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions,
-        vp.verify_prev_slot_indices, vp.verify_num_valid, vp.enable, v_cap,
-        wp.write_offsets, wp.write_seed_slot_indices, wp.write_num_valid_reqs, w_cap,
-    )
-    lut_args = (lut, lut.shape[0]) if lut is not None else (req_to_token, 0)
-    table_args = (
-        table if table is not None else req_to_token, table.stride(0) if table is not None else 0,
-        int(table.shape[1]) if table is not None else 0,
-        valid if valid is not None else req_pool_indices, int(kv_token_id_vs_position_offset),
-    )
-    if 0 < bs <= min(config.tile_rows, _MAX_TILE_ROWS) and not lut_check:
-        rows = max(16, triton.next_power_of_2(bs))
-        block = config.tile_block
-        tiles_per_row = max(1, triton.cdiv(min(width, window) if window > 0 else width, block))
-        grid = (max(1, min(bs * tiles_per_row, sms * config.programs_per_sm)),)
-        _tile_plan_kernel[grid](
-            req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, width, bs, window,
-            *lut_args, *table_args, *outputs, tiles_per_row, n_rows,
-            HAS_LUT=lut is not None, HAS_TABLE=table is not None, ROWS=rows, BLOCK=block, ZBLOCK=1024,
-            PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
-        )
+    p = _prepare(verify_plan_out, write_plan_out, (req_pool_indices, prefix_lens, extend_seq_lens), req_to_token,
+                 swa_window_size, full_to_swa_index_mapping, table, valid, kv_token_id_vs_position_offset, config)
+    if 0 < p.bs <= min(config.tile_rows, _MAX_TILE_ROWS) and not p.lut_check:
+        _launch_tiles(p)
         return
+    starts = _row_starts(p)
+    nsteps = _nsteps(p.bs)
+    if p.lut_check:
+        _check_lut(p, starts, nsteps)
+    _launch_gather(p, starts, nsteps)
+
+
+def _launch_tiles(p: _Launch) -> None:
+    """The whole plan in one launch (`_tile_plan_kernel`)."""
+    rows = max(16, triton.next_power_of_2(p.bs))
+    block = p.config.tile_block
+    tiles_per_row = max(1, triton.cdiv(min(p.width, p.window) if p.window > 0 else p.width, block))
+    grid = (max(1, min(p.bs * tiles_per_row, p.sms * p.config.programs_per_sm)),)
+    _tile_plan_kernel[grid](
+        *p.rows, p.rtt, p.rtt_stride, p.width, p.bs, p.window,
+        *p.lut_args, *p.table_args, *p.outputs, tiles_per_row, p.n_rows,
+        HAS_LUT=p.lut is not None, HAS_TABLE=p.has_table, ROWS=rows, BLOCK=block, ZBLOCK=1024,
+        PDL=p.pdl, num_warps=p.config.num_warps, launch_pdl=p.pdl,
+    )
+
+
+def _row_starts(p: _Launch) -> torch.Tensor:
+    """Scratch int64 [2 * bs + 2 + 2 * blocks]: each row's entry start and write offset (the last: the
+    totals), then the per-block sums (`_row_block_sums_kernel`, `_row_scan_kernel`)."""
+    bs, pdl = p.bs, p.pdl
     nblocks = max(1, triton.cdiv(bs, _ROW_BLOCK))
-    starts = torch.empty(2 * bs + 2 + 2 * nblocks, dtype=torch.int64, device=dev)
+    starts = torch.empty(2 * bs + 2 + 2 * nblocks, dtype=torch.int64, device=p.rtt.device)
     sums = starts[2 * bs + 2:]
     if bs == 0:
         starts[:2].zero_()
-    else:
-        if nblocks > 1:
-            _row_block_sums_kernel[(nblocks,)](
-                req_pool_indices, prefix_lens, extend_seq_lens, sums, bs, window, nblocks, n_rows, width,
-                BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
-        _row_scan_kernel[(nblocks,)](
-            req_pool_indices, prefix_lens, extend_seq_lens, sums, starts, bs, window, nblocks, n_rows, width,
-            MULTI=nblocks > 1, BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
-    nsteps = _nsteps(bs)
-    entry_block = config.entry_block
-    if lut_check:
-        first_bad = torch.full((1,), _NO_ERROR, dtype=torch.int64, device=dev)
-        grid = (max(1, min(triton.cdiv(max(v_cap, 1), entry_block), sms * config.programs_per_sm)),)
-        _lut_check_kernel[grid](
-            starts, req_pool_indices, prefix_lens, req_to_token, rtt_stride, width, lut.shape[0], first_bad,
-            bs, window, NSTEPS=nsteps, BLOCK=entry_block, PDL=pdl, num_warps=4, launch_pdl=pdl)
-        key = int(first_bad.item())
-        if key != _NO_ERROR:
-            _raise_lut_error(key, starts, req_pool_indices, prefix_lens, req_to_token, bs, window, int(lut.shape[0]))
-    grid = (max(1, min(triton.cdiv(max(v_cap, w_cap + 1), entry_block), sms * config.programs_per_sm)),)
+        return starts
+    if nblocks > 1:
+        _row_block_sums_kernel[(nblocks,)](
+            *p.rows, sums, bs, p.window, nblocks, p.n_rows, p.width,
+            BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
+    _row_scan_kernel[(nblocks,)](
+        *p.rows, sums, starts, bs, p.window, nblocks, p.n_rows, p.width,
+        MULTI=nblocks > 1, BLOCK=_ROW_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl)
+    return starts
+
+
+def _check_lut(p: _Launch, starts: torch.Tensor, nsteps: int) -> None:
+    """Raise the first LUT range error in gather order (one int64 read back), before anything is written."""
+    entry_block = p.config.entry_block
+    first_bad = torch.full((1,), _NO_ERROR, dtype=torch.int64, device=p.rtt.device)
+    grid = (max(1, min(triton.cdiv(max(p.v_cap, 1), entry_block), p.sms * p.config.programs_per_sm)),)
+    req_pool_indices, prefix_lens, _ = p.rows
+    _lut_check_kernel[grid](
+        starts, req_pool_indices, prefix_lens, p.rtt, p.rtt_stride, p.width, p.lut.shape[0], first_bad,
+        p.bs, p.window, NSTEPS=nsteps, BLOCK=entry_block, PDL=p.pdl, num_warps=4, launch_pdl=p.pdl)
+    key = int(first_bad.item())
+    if key != _NO_ERROR:
+        _raise_lut_error(key, starts, req_pool_indices, prefix_lens, p.rtt, p.bs, p.window, int(p.lut.shape[0]))
+
+
+def _launch_gather(p: _Launch, starts: torch.Tensor, nsteps: int) -> None:
+    """Every output from the row starts (`_gather_kernel`)."""
+    entry_block = p.config.entry_block
+    grid = (max(1, min(triton.cdiv(max(p.v_cap, p.w_cap + 1), entry_block), p.sms * p.config.programs_per_sm)),)
     _gather_kernel[grid](
-        starts, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, rtt_stride, width, bs, window,
-        *lut_args, *table_args, *outputs, n_rows,
-        HAS_LUT=lut is not None, HAS_TABLE=table is not None, NSTEPS=nsteps,
-        BLOCK=entry_block, ROW_BLOCK=entry_block, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
+        starts, *p.rows, p.rtt, p.rtt_stride, p.width, p.bs, p.window,
+        *p.lut_args, *p.table_args, *p.outputs, p.n_rows,
+        HAS_LUT=p.lut is not None, HAS_TABLE=p.has_table, NSTEPS=nsteps,
+        BLOCK=entry_block, ROW_BLOCK=entry_block, PDL=p.pdl, num_warps=p.config.num_warps, launch_pdl=p.pdl,
     )
 
 
