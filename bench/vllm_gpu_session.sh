@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (issue 28, vLLM on the GPU; and issue 37's GPU tests beside it). Carry [".vl/vllm", ".whl"].
 # STAGES (default "tests bench1b"): tests = tests/gpu/test_vllm_gpu.py (+ issue 37's tests in the background),
-# bench1b / bench8b = bench/vllm_gpu_overhead.py for one shape. Everything lands under $OUT.
+# parity = the kernel parity tests on the GPU; bench1b / bench8b = bench/vllm_gpu_overhead.py for one shape. Everything lands under $OUT.
 set -o pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 T0=$(date +%s); left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - T0) )); }
@@ -36,6 +36,11 @@ for stage in ${STAGES:-tests bench1b}; do
       ( PYTHONPATH=/tmp/tf524:$PWD/src timeout ${DIAG37_S:-240} python3 bench/diag/capture_recovery_gpu.py > "$OUT/diag37.log" 2>&1
         echo "diag37 rc=$? ended at $(( $(date +%s) - T0 )) s" >> "$OUT/diag37.log" ) &
       [ "$stage" = diag37 ] && wait ;;
+    parity)  # the Triton kernels against their torch twins on this GPU (ops, deep store, many-context launches, runtime)
+      timeout $(( $(left) - 20 )) python3 -m pytest tests/gpu/test_gpu_parity.py tests/gpu/test_deep_store_gpu.py \
+        tests/gpu/test_gpu_many.py tests/gpu/test_kernel_variants_gpu.py tests/gpu/test_runtime_kernels.py -q -x \
+        -p no:cacheprovider -rf --tb=short > "$OUT/parity.log" 2>&1
+      echo "parity rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/parity.log" | tail -8 ;;
     sections)  # the adapter's host time per decode forward by section, and each explicit sweep's parts
       timeout $(( $(left) - 10 )) python3 bench/diag/vllm_host_sections.py > "$OUT/sections.log" 2>&1
       echo "sections rc=$?"; grep -E "^round|^section|^bind|^save|^sched|^stats|^sweep|^explicit|^device" "$OUT/sections.log" | head -60 ;;

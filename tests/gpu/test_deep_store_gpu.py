@@ -96,3 +96,35 @@ def test_all_mode_write_and_verify_over_four_long_sources():
     launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False)
     assert int(ctx.violation_write_index[0]) == int(twin.violation_write_index[0]) == 1
     assert torch.equal(ctx.violation_ring[:1], twin.violation_ring[:1])
+
+
+def test_prepared_tables_serve_a_captured_store():
+    """`prepare_deep_store` builds the kinds' tables eagerly; a store captured in a CUDA graph then takes one launch
+    per kind (no fallback: `_table` finds them) and its replay stores what the twin stores."""
+    cases = [_case(400 + k, nsrc=4, same_shape=True) for k in range(4)]
+    plan, kw = _case(450, nsrc=1, same_shape=True)[2:]
+    loc = kw["out_cache_loc"].clamp(max=23)
+    targets, expected = [], []
+    for tail, deep, _, _ in cases:
+        launch_canary_write_kernel_torch_reference(context=tail, plan=plan, **dict(kw, out_cache_loc=loc))
+        tail, deep = _to_cuda(tail), _to_cuda(deep)
+        want = deep.canary_buf.clone()
+        deep_store.store_deep_fingerprints_twin(targets=[(tail.canary_buf, want, deep.real_kv_sources)],
+                                                out_loc=loc.to(DEV), plan=_plan_to_cuda(plan))
+        targets.append((tail.canary_buf, deep.canary_buf, deep.real_kv_sources))
+        expected.append(want)
+    plan, loc = _plan_to_cuda(plan), loc.to(DEV)
+    deep_store.prepare_deep_store(targets)
+    launches = [(t, b, deep_store.source_args(s, RealKvHashMode.ALL, t)) for t, b, s in targets]
+    assert all(len(g) == 1 or deep_store._table(g) is not None for g in deep_store._by_kind(launches))
+    before = [b.clone() for _, b, _ in targets]
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        assert all(len(g) == 1 or deep_store._table(g) is not None for g in deep_store._by_kind(launches))
+        deep_store.store_deep_fingerprints(targets=targets, out_loc=loc, plan=plan)
+    torch.cuda.synchronize()
+    assert all(torch.equal(b, o) for (_, b, _), o in zip(targets, before))  # capture ran nothing
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(b, w) for (_, b, _), w in zip(targets, expected))

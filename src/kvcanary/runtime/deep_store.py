@@ -13,9 +13,10 @@ clamped to its capacity; none when ``a == 0`` or ``offsets[a] <= 0``) whose slot
 
 `store_deep_fingerprints` runs on CUDA one Triton launch per kind of deep buffer (buffers whose sources have the same
 row widths: a grid axis over the buffers, whose addresses come from a small device table built on the first eager
-call), so the buffers' serial folds run side by side instead of one launch after another; the twin
-`store_deep_fingerprints_twin` elsewhere, bit-identical. Device reads only: capturable (a table missing while
-capturing falls back to one launch per buffer).
+call or by `prepare_deep_store`), so the buffers' serial folds run side by side instead of one launch after another;
+the twin `store_deep_fingerprints_twin` elsewhere, bit-identical. Device reads only: capturable (a table missing
+while capturing falls back to one launch per buffer, so build the tables with `prepare_deep_store` before a CUDA
+graph is captured). Tables are never freed: a captured graph holds their addresses.
 """
 from __future__ import annotations
 
@@ -87,6 +88,18 @@ def store_deep_fingerprints(*, targets: Sequence[DeepTarget], out_loc: torch.Ten
     store_deep_fingerprints_twin(targets=targets, out_loc=out_loc, plan=plan)
 
 
+def prepare_deep_store(targets: Sequence[DeepTarget]) -> None:
+    """Build the device tables `store_deep_fingerprints` uses for ``targets`` now (eager, before a CUDA graph that
+    stores into them is captured); nothing on the CPU, without Triton, or while capturing."""
+    if not targets or not AVAILABLE or not targets[0][0].is_cuda or dispatch.triton_disabled() is not None:
+        return
+    launches = [(tail, buf, source_args(sources, RealKvHashMode.ALL, tail)) for tail, buf, sources in targets]
+    if all(srcs is not None for *_, srcs in launches):
+        for group in _by_kind(launches):
+            if len(group) > 1:
+                _table(group)
+
+
 def _by_kind(launches: list) -> list[list]:
     """``(tail, deep, SourceArgs)`` launches grouped by their sources' compile-time shape (NSRC, W0..W3), in order."""
     kinds: dict[tuple, list] = {}
@@ -95,7 +108,9 @@ def _by_kind(launches: list) -> list[list]:
     return list(kinds.values())
 
 
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # a kind's buffers -> (addresses, integers) on device
+# a kind's buffers -> (addresses, integers) on device. Never cleared (a captured graph reads them); a few hundred
+# bytes per set of buffers, and buffers at the same addresses with the same shapes reuse their entry.
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _ADDR_COLS, _INT_COLS = 6, 15  # tail, deep, 4 sources | tail stride, deep stride, rows, (page, words, row words) x 4
 
 
@@ -114,8 +129,6 @@ def _table(group: list) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     if table is None:
         if group[0][0].is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        if len(_TABLES) > 64:
-            _TABLES.clear()
         dev = group[0][0].device
         table = _TABLES[key] = (torch.tensor(addrs, dtype=torch.int64, device=dev),
                                 torch.tensor(ints, dtype=torch.int64, device=dev))

@@ -31,6 +31,7 @@ from kvcanary.ops import (
 from kvcanary.ops.hashing import CHAIN_HEAD_HASH, to_signed64
 from kvcanary.runtime.batch import GroupSpec
 from kvcanary.runtime.config import CanaryConfig
+from kvcanary.runtime.deep_store import prepare_deep_store
 
 RECORD_BYTES = CANARY_FIELDS_PER_SLOT * 8
 CHAIN_HEAD = to_signed64(CHAIN_HEAD_HASH)  # H0 as the int64 the buffers store
@@ -184,6 +185,7 @@ class CanaryGroup:
                 self._set_deep_sources(layers, layer_ids, page_size)
             else:
                 self._set_deep_sources(deep_layers, layer_ids, page_size if deep_page_size is None else deep_page_size)
+            prepare_deep_store(self.deep_targets())  # device tables now, not under a CUDA graph capture
         self._contexts.clear()
 
     def _set_deep_sources(self, layers: KvLayers, layer_ids: tuple[int, ...], page_size: int) -> None:
