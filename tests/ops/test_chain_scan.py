@@ -34,3 +34,18 @@ def test_scan_matches_definition(compiled):
 def test_scan_empty():
     assert chain_scan.chain_scan(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                                  torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)).numel() == 0
+
+
+def test_python_loop_forces_the_python_loop_inside_the_block_only():
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([4, 0, 9])
+    start = torch.randint(-(2**63), 2**63 - 1, (3,), generator=gen)
+    tokens, positions = torch.randint(0, 1 << 30, (2, 13), generator=gen)
+    want = _expected(start.tolist(), lengths.tolist(), tokens.tolist(), positions.tolist())
+    with pytest.raises(RuntimeError):
+        with chain_scan.python_loop():
+            assert chain_scan._python_only
+            assert chain_scan.chain_scan(start, lengths, tokens, positions).tolist() == want
+            raise RuntimeError("the switch is restored on the way out")
+    assert not chain_scan._python_only
+    assert chain_scan.chain_scan(start, lengths, tokens, positions).tolist() == want

@@ -7,10 +7,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import os
-from unittest import mock
 
 import pytest
 import torch
@@ -34,7 +33,6 @@ from kvcanary.ops import (
     scatter_req_token_ids_torch_reference,
 )
 from kvcanary.ops.reference import chain_scan
-from kvcanary.ops.reference import write as reference_write
 
 from . import oracle
 from .oracle import H0, mix3, s64
@@ -170,8 +168,7 @@ def test_write_matches_oracle(data, make_context, make_source):
         expected_input_positions=torch.tensor(exp_pos, dtype=dtype) if input_assert else None,
     )
     op = launch_canary_write_kernel if use_launcher else launch_canary_write_kernel_torch_reference
-    scan = functools.partial(chain_scan.chain_scan, compiled=not python_scan)
-    with mock.patch.object(reference_write, "chain_scan", scan):
+    with chain_scan.python_loop() if python_scan else contextlib.nullcontext():
         op(context=ctx, plan=plan, enable_write_input_assert=input_assert, **tensors)
     oracle.assert_context_matches(ctx, want, buf_before)
     assert all(torch.equal(src.tensor.contiguous().view(torch.uint8), b)  # bytes: NaN patterns != themselves

@@ -28,12 +28,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def _compare(contexts, wp, kw, many):
     """One twin write per context, in order, against ``many`` on all of them (the small kernel appends one-entry
-    rows before longer requests' rows, so a ring that fills may keep other rows)."""
+    rows before longer requests' rows, so a ring that fills may keep other rows). Returns what ``many`` returned
+    (``()`` if it raised)."""
     def twin(cs):
         for c in cs:
             launch_canary_write_kernel_torch_reference(context=c, plan=wp, **kw)
 
-    compare_context_runs(contexts, twin, lambda cs: many(contexts=cs, plan=wp, **kw), kept_rows_may_differ=True)
+    launches = []  # what ``many`` returns: contexts per kernel launch (the Triton launcher's), when it returns
+    compare_context_runs(contexts, twin, lambda cs: launches.append(many(contexts=cs, plan=wp, **kw)),
+                         kept_rows_may_differ=True)
+    return launches[0] if launches else ()
 
 
 def _case(seed: int):
@@ -74,46 +78,42 @@ if INTERPRET:
     from kvcanary.ops.triton import launch_write_many
 
 
-def _count_small_launches(monkeypatch):
-    import kvcanary.ops.triton.write as twrite
+def _small(wp, kw) -> bool:
+    """The launch runs as the single-CTA kernel (a decode-sized batch), not the prepare + chain pair."""
+    from kvcanary.ops.triton.write import DEFAULT_WRITE_CONFIG, _small
 
-    launched = []
-    real = twrite._launch_small
-    monkeypatch.setattr(twrite, "_launch_small", lambda contexts, *a: (launched.append(len(contexts)), real(contexts, *a)))
-    return launched
+    return _small(wp, kw["out_cache_loc"], DEFAULT_WRITE_CONFIG)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set before Triton is imported")
 @pytest.mark.parametrize("seed", range(18))
-def test_two_contexts_in_one_launch_match_the_twin(seed, monkeypatch):
+def test_two_contexts_in_one_launch_match_the_twin(seed):
     """Fuzz cases (0-4 sources, every mode, duplicate and skipped slots, input asserts): the case's context
     and a sibling (for odd seeds other sources, mode and row width) written by one single-CTA launch."""
-    launched = _count_small_launches(monkeypatch)
     ctx, wp, kw = _case(seed)
     if ctx is None:
         pytest.skip("the case's plan raises")
     other = (sibling_context(ctx, seed, mode=RealKvHashMode((seed // 2) % 3), sources=_other_sources(ctx, seed),
                              stride_bytes=[32, 48, 64][seed % 3]) if seed % 2 else sibling_context(ctx, seed))
-    _compare([ctx, other], wp, kw, launch_write_many)
-    if launched:  # the kernel took the launch (no lazy error, addressable sources): as one pair
-        assert launched == [2], launched
+    launched = _compare([ctx, other], wp, kw, launch_write_many)
+    if launched and _small(wp, kw):  # the small kernel took the launch (no lazy error, addressable sources): as one pair
+        assert launched == (2,), launched
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set before Triton is imported")
-def test_pairs_on_hand_cases_serial_long_and_three_contexts(monkeypatch):
+def test_pairs_on_hand_cases_serial_long_and_three_contexts():
     """Aliasing (serial mode), a long request among one-token ones, chain-position rows; three contexts (a
     pair, then one); a pair that shares a ring or a buffer is never fused."""
-    launched = _count_small_launches(monkeypatch)
     g = torch.Generator().manual_seed(5)
     a = make_context(g, "cpu", num_slots=512, stride_bytes=32, ring_cap=1024, sources=(), mode=RealKvHashMode.NONE,
                      chain_assert=1, kind=2)
     b, c = sibling_context(a, 2, kind=3), sibling_context(a, 4, kind=5)
     wp, kw = many_requests_write()
-    _compare([a, b, c], wp, kw, launch_write_many)
+    assert _small(wp, kw)
+    launched = _compare([a, b, c], wp, kw, launch_write_many)
     wp, kw = many_requests_write(aliased=True)  # request 120 seeds from a slot request 3 stores: serial mode
-    _compare([a, b], wp, kw, launch_write_many)
+    launched += _compare([a, b], wp, kw, launch_write_many)
     assert launched.count(2) == 2 and launched.count(1) == 1, launched
-    launched.clear()
     same_ring = type(b)(**{**b.__dict__, "violation_ring": a.violation_ring, "violation_write_index": a.violation_write_index})
     wp = write_plan([2, 1], [-1, 9])
     small = write_inputs([1, 2, 3], [0, 1, 7], [3, 4, 5])
@@ -125,7 +125,6 @@ def test_pairs_on_hand_cases_serial_long_and_three_contexts(monkeypatch):
     fast_a = clone_context(a)
     fast_b = type(same_ring)(**{**clone_context(same_ring).__dict__, "violation_ring": fast_a.violation_ring,
                                 "violation_write_index": fast_a.violation_write_index})
-    launch_write_many(contexts=[fast_a, fast_b], plan=wp, **small)
-    assert launched == [1, 1]
+    assert launch_write_many(contexts=[fast_a, fast_b], plan=wp, **small) == (1, 1)
     assert torch.equal(fast_a.canary_buf, twin_a.canary_buf) and torch.equal(fast_b.canary_buf, twin_b.canary_buf)
     assert torch.equal(fast_a.violation_ring, twin_a.violation_ring)

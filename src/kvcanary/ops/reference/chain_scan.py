@@ -3,12 +3,14 @@
 ``running[i]`` for the k-th entry of request r is ``mix3`` folded over that request's earlier
 entries, starting from ``start[r]``. Serial by nature (each step needs the previous hash);
 numba compiles the loop when installed and asked for, otherwise a pure-Python loop gives the
-same bits.
+same bits. `python_loop` forces the pure-Python loop inside a block (for every caller, the write twin's
+included): how tests compare the two through the public ops.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -21,6 +23,21 @@ from kvcanary.ops.hashing import (
     splitmix64_mix3,
     to_signed64,
 )
+
+
+_python_only = False  # `python_loop`'s switch
+
+
+@contextlib.contextmanager
+def python_loop() -> Iterator[None]:
+    """Inside the block every `chain_scan` runs the pure-Python loop, numba installed or not (the same bits);
+    restored on exit. Not thread-safe: for tests and benchmarks, not for a serving engine's threads."""
+    global _python_only
+    before, _python_only = _python_only, True
+    try:
+        yield
+    finally:
+        _python_only = before
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,7 +92,7 @@ def chain_scan(
 
     start: int64 [R] hash each request starts from; lengths: int64 [R] entries per request;
     tokens, positions: int64 [sum(lengths)], request by request. ``compiled=False`` forces the
-    pure-Python loop (same bits; tests compare the two). ``advance``: optional bool [sum(lengths)];
+    pure-Python loop (same bits; tests compare the two), as `python_loop` does. ``advance``: optional bool [sum(lengths)];
     an entry where it is False gets the running hash but does not advance it (default: all advance).
     """
     device = tokens.device
@@ -84,7 +101,7 @@ def chain_scan(
         return torch.zeros(0, dtype=torch.int64, device=device)
     if advance is None:
         advance = torch.ones(n, dtype=torch.bool, device=device)
-    scan = compiled_scan() if compiled else None
+    scan = compiled_scan() if compiled and not _python_only else None
     if scan is not None:
         as_u64 = lambda t: t.detach().to("cpu", torch.int64).contiguous().numpy().view(np.uint64)  # noqa: E731
         out = np.empty(n, dtype=np.uint64)

@@ -85,15 +85,18 @@ def launch_in_pairs(
     pairable: Callable[[Context, Context], bool],
     launch: Callable[[tuple, tuple], None],
     alone: Callable[[Context], None],
-) -> None:
+) -> tuple[int, ...]:
     """Launch ``contexts`` in order: ``launch(contexts, their sources)`` for one or two at a time, two where
     ``pairable(first, second)``; a context whose ``sources(ctx)`` is None (the kernel cannot take it) runs
-    ``alone(ctx)`` in its turn, after whatever was pending."""
+    ``alone(ctx)`` in its turn, after whatever was pending. Returns the number of contexts of each ``launch``, in
+    order (the ``alone`` runs are not counted): how the contexts were grouped."""
     pending: list = []
+    launched: list[int] = []
 
     def flush() -> None:
         if pending:
             launch(tuple(c for c, _ in pending), tuple(s for _, s in pending))
+            launched.append(len(pending))
             pending.clear()
 
     for ctx in contexts:
@@ -108,6 +111,7 @@ def launch_in_pairs(
         if len(pending) == 2:
             flush()
     flush()
+    return tuple(launched)
 
 
 def two_context_args(contexts: Sequence, sources: Sequence, context_args: Callable) -> tuple[tuple, dict]:

@@ -267,12 +267,13 @@ def _shares_ring(a: VerifyOrWriteContext, b: VerifyOrWriteContext) -> bool:
 def launch_verify_many(
     *, contexts: Sequence[VerifyOrWriteContext], plan: VerifyPlan, check_verify_expected_token: bool,
     config: VerifyLaunchConfig = DEFAULT_VERIFY_CONFIG, jitter: Optional[KernelJitter] = None,
-) -> None:
+) -> tuple[int, ...]:
     """``launch_verify`` for each context in order, two contexts per launch where both can take the kernel
     and their rings differ (the same counters, rings and bytes as one launch per context; rows of one ring
     may land in another order, as within one launch). A context the kernel cannot take runs alone, in
-    its turn."""
-    launch_in_pairs(
+    its turn (the torch twin). Returns the number of contexts of each kernel launch, in order (twin runs not
+    counted)."""
+    return launch_in_pairs(
         contexts, sources=_kernel_sources, pairable=lambda a, b: not _shares_ring(a, b),
         launch=lambda ctxs, srcs: _launch(ctxs, srcs, plan, check_verify_expected_token, config, jitter),
         alone=lambda ctx: _launch_twin(ctx, plan, check_verify_expected_token, jitter),

@@ -718,10 +718,12 @@ def launch_write_many(
     expected_input_positions: Optional[torch.Tensor],
     config: WriteLaunchConfig = DEFAULT_WRITE_CONFIG,
     jitter: Optional[KernelJitter] = None,
-) -> None:
+) -> tuple[int, ...]:
     """``launch_write`` for each context in order, on the same entries. Small launches (decode batches) write
     two contexts per single-CTA launch where both can take the kernel, their buffers have as many rows and
-    differ, and their rings differ (the same bytes, counters and rings as one launch per context)."""
+    differ, and their rings differ (the same bytes, counters and rings as one launch per context). Returns the
+    number of contexts of each launch, in order: a single-CTA launch (one or two), or a prepare + chain pair
+    (always one); contexts that ran the torch twin are not counted."""
     inputs = dict(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                   enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
                   expected_input_positions=expected_input_positions)
@@ -731,8 +733,8 @@ def launch_write_many(
     else:  # the two-kernel path takes one context per launch pair
         pairable, launch = (lambda a, b: False), lambda ctxs, srcs: _launch_two_kernels(
             ctxs[0], srcs[0], plan, inputs, config, jitter)
-    launch_in_pairs(contexts, sources=lambda ctx: _kernel_sources(ctx, assert_args), pairable=pairable, launch=launch,
-                    alone=lambda ctx: _launch_twin(ctx, assert_args, plan, inputs, jitter))
+    return launch_in_pairs(contexts, sources=lambda ctx: _kernel_sources(ctx, assert_args), pairable=pairable,
+                           launch=launch, alone=lambda ctx: _launch_twin(ctx, assert_args, plan, inputs, jitter))
 
 
 def _pairable(a: VerifyOrWriteContext, b: VerifyOrWriteContext) -> bool:
