@@ -73,31 +73,35 @@ def store_deep_fingerprints_twin(*, targets: Sequence[DeepTarget], out_loc: torc
 
 def store_deep_fingerprints(*, targets: Sequence[DeepTarget], out_loc: torch.Tensor, plan: WritePlan) -> None:
     """For each ``(tail_buf, deep_buf, sources)`` of ``targets``, the deep records of the entries just written
-    into ``tail_buf`` (module docstring): one Triton launch per target on CUDA when the kernel can address every
-    source, else the twin."""
+    into ``tail_buf`` (module docstring): one Triton launch per kind of target on CUDA when the kernel can address
+    every source (one per target where a kind has no table), else the twin."""
     if not targets or out_loc.shape[0] == 0:
         return
-    if AVAILABLE and out_loc.is_cuda and dispatch.triton_disabled() is None:
-        launches = [(tail, buf, source_args(sources, RealKvHashMode.ALL, tail)) for tail, buf, sources in targets]
-        if all(srcs is not None for *_, srcs in launches):
-            for group in _by_kind(launches):
-                if len(group) == 1 or not _launch_kind(group, out_loc, plan):
-                    for tail, buf, srcs in group:
-                        _launch(tail, buf, srcs, out_loc, plan)
-            return
-    store_deep_fingerprints_twin(targets=targets, out_loc=out_loc, plan=plan)
+    groups = _kernel_groups(targets)
+    if groups is None:
+        store_deep_fingerprints_twin(targets=targets, out_loc=out_loc, plan=plan)
+        return
+    for group in groups:
+        if len(group) == 1 or not _launch_kind(group, out_loc, plan):
+            for tail, buf, srcs in group:
+                _launch(tail, buf, srcs, out_loc, plan)
 
 
 def prepare_deep_store(targets: Sequence[DeepTarget]) -> None:
     """Build the device tables `store_deep_fingerprints` uses for ``targets`` now (eager, before a CUDA graph that
-    stores into them is captured); nothing on the CPU, without Triton, or while capturing."""
+    stores into them is captured); nothing where the twin runs, or while capturing."""
+    for group in _kernel_groups(targets) or ():
+        if len(group) > 1:
+            _table(group)
+
+
+def _kernel_groups(targets: Sequence[DeepTarget]) -> Optional[list[list]]:
+    """``targets`` as Triton launches grouped by kind (`_by_kind`), or None where the twin runs (no targets, not
+    CUDA, no Triton, or a source the kernel cannot address)."""
     if not targets or not AVAILABLE or not targets[0][0].is_cuda or dispatch.triton_disabled() is not None:
-        return
+        return None
     launches = [(tail, buf, source_args(sources, RealKvHashMode.ALL, tail)) for tail, buf, sources in targets]
-    if all(srcs is not None for *_, srcs in launches):
-        for group in _by_kind(launches):
-            if len(group) > 1:
-                _table(group)
+    return _by_kind(launches) if all(srcs is not None for *_, srcs in launches) else None
 
 
 def _by_kind(launches: list) -> list[list]:
