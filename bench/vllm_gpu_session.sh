@@ -41,6 +41,9 @@ for stage in ${STAGES:-tests bench1b}; do
         tests/gpu/test_gpu_many.py tests/gpu/test_kernel_variants_gpu.py tests/gpu/test_runtime_kernels.py -q -x \
         -p no:cacheprovider -rf --tb=short > "$OUT/parity.log" 2>&1
       echo "parity rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/parity.log" | tail -8 ;;
+    deepcap)  # the deep store captured in a CUDA graph after prepare_deep_store (one test, few compiles)
+      timeout 240 python3 -m pytest tests/gpu/test_deep_store_gpu.py -k captured -q -p no:cacheprovider -rf --tb=short \
+        > "$OUT/deepcap.log" 2>&1; echo "deepcap rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/deepcap.log" | tail -4 ;;
     sections)  # the adapter's host time per decode forward by section, and each explicit sweep's parts
       timeout $(( $(left) - 10 )) python3 bench/diag/vllm_host_sections.py > "$OUT/sections.log" 2>&1
       echo "sections rc=$?"; grep -E "^round|^section|^bind|^save|^sched|^stats|^sweep|^explicit|^device" "$OUT/sections.log" | head -60 ;;
