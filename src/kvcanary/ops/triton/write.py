@@ -291,30 +291,43 @@ def _serial_chunk(
 
 
 @triton.jit
-def _chunk_entries(slot_ptr, tok_ptr, pos_ptr, idx, m_c, num_slots):
-    """The chunk's (slot, token, position) tiles, int64, and which entries are stored (``valid``) or past the
-    buffer (``oor``)."""
-    slot_c = tl.load(slot_ptr + idx, mask=m_c, other=-1).to(tl.int64)
-    tok_c = tl.load(tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
-    pos_c = tl.load(pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
-    valid = m_c & (slot_c >= 0) & (slot_c < num_slots)
-    oor_c = m_c & (slot_c >= num_slots)
-    return slot_c, tok_c, pos_c, valid, oor_c
+def _load_entries(slot_ptr, tok_ptr, pos_ptr, idx, mask, num_slots):
+    """(slot, token, position) of entries ``idx`` under ``mask``, int64, and which of them are stored (``valid``)
+    or past the buffer (``oor``)."""
+    slot = tl.load(slot_ptr + idx, mask=mask, other=-1).to(tl.int64)
+    tok = tl.load(tok_ptr + idx, mask=mask, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + idx, mask=mask, other=0).to(tl.int64)
+    valid = mask & (slot >= 0) & (slot < num_slots)
+    oor = mask & (slot >= num_slots)
+    return slot, tok, pos, valid, oor
 
 
 @triton.jit
-def _store_chunk(fields_ptr, stride_words, slot_c, tok_c, pos_c, hs, valid, later, SERIAL: tl.constexpr):
-    """Store the chunk's token, position and prev_hash fields; in serial mode (duplicates possible) only a slot's
-    last entry in the chunk stores."""
+def _store_entries(fields_ptr, stride_words, slot, tok, pos, hs, valid, later, SERIAL: tl.constexpr):
+    """Store the entries' token, position and prev_hash (``hs``) fields; in serial mode (duplicates possible) only
+    a slot's last entry (``later``: lane j after lane i) stores."""
     if SERIAL:  # duplicates exist only in serial mode: keep a slot's last entry
-        dup = (slot_c[:, None] == slot_c[None, :]) & valid[None, :] & later
+        dup = (slot[:, None] == slot[None, :]) & valid[None, :] & later
         keep = valid & (tl.max(dup.to(tl.int32), 1) == 0)
     else:
         keep = valid
-    rec = fields_ptr + tl.where(keep, slot_c, 0) * stride_words
-    tl.store(rec + F_TOKEN, tok_c, mask=keep)
-    tl.store(rec + F_POSITION, pos_c, mask=keep)
+    rec = fields_ptr + tl.where(keep, slot, 0) * stride_words
+    tl.store(rec + F_TOKEN, tok, mask=keep)
+    tl.store(rec + F_POSITION, pos, mask=keep)
     tl.store(rec + F_PREV_HASH, hs, mask=keep)
+
+
+@triton.jit
+def _expected_entries(exp_tok_ptr, exp_pos_ptr, idx, mask, tok, pos, INPUT_ASSERT: tl.constexpr):
+    """The write-input assert's expected (token, position) of entries ``idx`` under ``mask``, int64; without the
+    assert the entries' own (nothing loaded)."""
+    if INPUT_ASSERT:
+        etok = tl.load(exp_tok_ptr + idx, mask=mask, other=0).to(tl.int64)
+        epos = tl.load(exp_pos_ptr + idx, mask=mask, other=0).to(tl.int64)
+    else:
+        etok = tok
+        epos = pos
+    return etok, epos
 
 
 @triton.jit
@@ -333,12 +346,7 @@ def _chunk_rows(
     lp = tl.where(i_s >= 0, p_s, last_pos)
     i_l, p_l = tl.reduce((tl.where(valid, lanes, -1), pos_c), 0, _later_max)
     last_pos = tl.where(i_l >= 0, p_l, last_pos)
-    if INPUT_ASSERT:
-        etok_c = tl.load(exp_tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
-        epos_c = tl.load(exp_pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
-    else:
-        etok_c = tok_c
-        epos_c = pos_c
+    etok_c, epos_c = _expected_entries(exp_tok_ptr, exp_pos_ptr, idx, m_c, tok_c, pos_c, INPUT_ASSERT)
     _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot_c, pos_c, tok_c, etok_c, epos_c, hs, lp, valid,
                 oor_c, (lanes >= 0) & chain_on, INPUT_ASSERT)
     return last_pos
@@ -382,9 +390,9 @@ def _chain_request(
         # wins) and violation rows.
         idx = o0 + c + lanes
         m_c = lanes < cnt
-        slot_c, tok_c, pos_c, valid, oor_c = _chunk_entries(slot_ptr, tok_ptr, pos_ptr, idx, m_c, num_slots)
+        slot_c, tok_c, pos_c, valid, oor_c = _load_entries(slot_ptr, tok_ptr, pos_ptr, idx, m_c, num_slots)
         count_v += valid.to(tl.int32)
-        _store_chunk(fields_ptr, stride_words, slot_c, tok_c, pos_c, hs, valid, later, SERIAL)
+        _store_entries(fields_ptr, stride_words, slot_c, tok_c, pos_c, hs, valid, later, SERIAL)
         if check | (tl.sum(oor_c.to(tl.int32), 0) > 0):
             last_pos = _chunk_rows(slot_ptr, pos_ptr, exp_tok_ptr, exp_pos_ptr, idx, m_c, lanes, num_slots, slot_c,
                                    tok_c, pos_c, hs, valid, oor_c, last_pos, chain_on, ring_ptr, widx_ptr, ring_cap,
@@ -502,22 +510,10 @@ def _one_entry_lanes(
     n = tl.maximum(tl.minimum(o1, end_all) - o0, 0)
     one = mr & (n == 1)
     e = tl.where(one, o0, 0)
-    slot = tl.load(slot_ptr + e, mask=one, other=-1).to(tl.int64)
-    tok = tl.load(tok_ptr + e, mask=one, other=0).to(tl.int64)
-    pos = tl.load(pos_ptr + e, mask=one, other=0).to(tl.int64)
-    valid = one & (slot >= 0) & (slot < num_slots)
-    oor = one & (slot >= num_slots)
+    slot, tok, pos, valid, oor = _load_entries(slot_ptr, tok_ptr, pos_ptr, e, one, num_slots)
     hs = as_i64(running)
-    rec = fields_ptr + tl.where(valid, slot, 0) * stride_words
-    tl.store(rec + F_TOKEN, tok, mask=valid)
-    tl.store(rec + F_POSITION, pos, mask=valid)
-    tl.store(rec + F_PREV_HASH, hs, mask=valid)
-    if INPUT_ASSERT:
-        etok = tl.load(exp_tok_ptr + e, mask=valid, other=0).to(tl.int64)
-        epos = tl.load(exp_pos_ptr + e, mask=valid, other=0).to(tl.int64)
-    else:
-        etok = tok
-        epos = pos
+    _store_entries(fields_ptr, stride_words, slot, tok, pos, hs, valid, None, False)
+    etok, epos = _expected_entries(exp_tok_ptr, exp_pos_ptr, e, valid, tok, pos, INPUT_ASSERT)
     _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, seed_pos, valid, oor,
                 (seed >= 0) & chain_flag, INPUT_ASSERT)
     return mr & (n > 1)
