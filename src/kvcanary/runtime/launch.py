@@ -174,8 +174,8 @@ class ForwardLaunches:
         return _Shape(rows=s.num_rows, tokens=s.num_tokens)
 
     def _before_open(self, launch: Callable[..., None], *args) -> None:
-        """Run ``launch(*args)`` before the step is open; if it raises, mark the rings first, so the stamps do not
-        re-stamp the step before's rows."""
+        """Run ``launch(*args)`` before the step is open; if it raises, mark the rings before re-raising, so the
+        stamps do not re-stamp the step before's rows."""
         try:
             launch(*args)
         except BaseException:
