@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 from kvcanary.ops.constants import CanaryLaunchTag, RealKvHashMode
 from kvcanary.ops.records import RealKvSource, VerifyOrWriteContext, VerifyPlan, WritePlan
+from kvcanary.runtime.device_probe import DevicePath, DeviceProber, use_prober
 
 @contextlib.contextmanager
 def quiet_loggers(*names: str) -> Iterator[None]:
@@ -215,3 +216,19 @@ def make_write_plan():
 @pytest.fixture
 def make_source():
     return build_source
+
+
+class EagerFallbackProber(DeviceProber):
+    """Proves every device to the eager fallback, as a CUDA machine whose Triton does not work (opted in) would."""
+
+    def prove(self, device, *, allow_eager_fallback=False) -> DevicePath:
+        return DevicePath(device=str(device), path="eager_fallback", graphs=False, cause="triton_missing",
+                          detail="import triton failed")
+
+
+@pytest.fixture
+def eager_fallback() -> Iterator[None]:
+    """Every canary and engine adapter created in the test runs the eager fallback: its device path is proved by an
+    `EagerFallbackProber` (`kvcanary.runtime.device_probe.use_prober`), the process's prober restored after."""
+    with use_prober(EagerFallbackProber()):
+        yield

@@ -121,18 +121,11 @@ def test_raise_mode_is_one_kvcanary_error_and_the_model_serves_after_detach(llam
                          serves_after=True, notes="KvCanaryError"))
 
 
-def test_eager_fallback_refuses_engine_graphs_and_serves_unchecked(llama, monkeypatch, reference, caplog):
+def test_eager_fallback_refuses_engine_graphs_and_serves_unchecked(llama, monkeypatch, reference, caplog,
+                                                                  eager_fallback):
     """On the eager fallback (a CUDA machine without a working Triton, opted in) an engine with CUDA graphs is refused
     when its session opens: log mode serves every request unchanged, unchecked and counted; raise mode raises it."""
-    import importlib
-
-    from kvcanary.runtime.device_probe import DevicePath
-
-    adapter = importlib.import_module("kvcanary.engines.transformers_cb.attach")
     tokens, _, _ = reference
-    path = DevicePath(device="cpu", path="eager_fallback", graphs=False, cause="triton_missing",
-                      detail="import triton failed")
-    monkeypatch.setattr(adapter, "prove_device_path", lambda device, allow_eager_fallback: path)
     padded_like_graphs(monkeypatch)  # graph mode without the capture
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
         with attach(llama, mode="log", **{**OPTIONS, "stats_interval": 4}) as handle:

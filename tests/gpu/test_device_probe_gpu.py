@@ -6,6 +6,8 @@ capture (``torch.cuda.graph`` alone leaves both behind).
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -17,42 +19,40 @@ from kvcanary.runtime.capture import capture_graph  # noqa: E402
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    monkeypatch.setattr(device_probe, "_probed", {})
-    monkeypatch.setattr(device_probe, "_warned", set())
-    with dispatch.selected_backend(None):  # no Triton switch in, none out
+def fresh():
+    """No Triton switch in, none out; each test proves with a `DeviceProber` of its own (no verdict carried over)."""
+    with dispatch.selected_backend(None):
         yield
 
 
 def test_the_probe_passes_and_keeps_kernels_and_graphs(fresh):
     before = torch.cuda.current_stream()
-    path = device_probe.prove_device_path("cuda")
+    path = device_probe.DeviceProber().prove("cuda")
     assert path.path == "kernels" and path.graphs
     assert torch.cuda.current_stream() == before
 
 
-def test_a_launch_that_fails_is_a_compile_refusal(fresh, monkeypatch):
+def test_a_launch_that_fails_is_a_compile_refusal(fresh):
     def no_compiler(x, out):
         raise FileNotFoundError(2, "No such file or directory", "/nonexistent/cc")
 
-    monkeypatch.setattr(device_probe, "_launch", no_compiler)
-    cause, detail = device_probe.probe_device(torch.device("cuda", torch.cuda.current_device()))
+    cause, detail = device_probe.probe_device(torch.device("cuda", torch.cuda.current_device()), launch=no_compiler)
     assert cause == device_probe.CAUSE_TRITON_COMPILE and "/nonexistent/cc" in detail
-    with pytest.raises(device_probe.DevicePathError, match="system C compiler"):
+    prober = device_probe.DeviceProber(probe=functools.partial(device_probe.probe_device, launch=no_compiler))
+    with device_probe.use_prober(prober), pytest.raises(device_probe.DevicePathError, match="system C compiler"):
         device_probe.prove_device_path("cuda")
 
 
-def test_a_capture_that_fails_is_a_graph_refusal_and_leaves_the_thread_usable(fresh, monkeypatch):
-    real = device_probe._launch
+def test_a_capture_that_fails_is_a_graph_refusal_and_leaves_the_thread_usable(fresh):
+    real = device_probe._launch  # the probe kernel
 
     def reads_the_host(x, out):
         real(x, out)
         if torch.cuda.is_current_stream_capturing():
             out.sum().item()  # forbidden inside a capture: invalidates it
 
-    monkeypatch.setattr(device_probe, "_launch", reads_the_host)
     before = torch.cuda.current_stream()
-    cause, _ = device_probe.probe_device(torch.device("cuda", torch.cuda.current_device()))
+    cause, _ = device_probe.probe_device(torch.device("cuda", torch.cuda.current_device()), launch=reads_the_host)
     assert cause == device_probe.CAUSE_GRAPH_CAPTURE
     assert torch.cuda.current_stream() == before
     torch.rand(8, device="cuda").sum().item()  # the generator is out of capture mode

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("triton")
 
 from kvcanary.engines.sim import SimConfig, SimEngine, SimWorkload  # noqa: E402
-from kvcanary.runtime import Canary, CanaryConfig, deep_store, kernels  # noqa: E402
+from kvcanary.ops.dispatch import selected_backend  # noqa: E402
+from kvcanary.runtime import Canary, CanaryConfig, kernels  # noqa: E402
 from tests.runtime.kernel_cases import (  # noqa: E402
     SweepState,
     assert_same,
@@ -129,12 +130,14 @@ def _sim_state():
     return out, canary.stats().violations
 
 
-def test_runtime_on_kernels_matches_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runtime_on_kernels_matches_twins() -> None:
+    """The simulated runtime on the Triton launchers, then on the twins everywhere (`selected_backend("torch")`:
+    ops, runtime glue and deep store): the same state, no violations."""
     assert kernels.use_kernels(torch.zeros(1, device=DEV))
     fused_state, fused_violations = _sim_state()
     assert any(k.startswith("full.deep") for k in fused_state)  # deep fingerprints on (the default)
-    monkeypatch.setattr(kernels, "use_kernels", lambda t: False)
-    monkeypatch.setattr(deep_store, "AVAILABLE", False)
-    twin_state, twin_violations = _sim_state()
+    with selected_backend("torch"):
+        assert not kernels.use_kernels(torch.zeros(1, device=DEV))
+        twin_state, twin_violations = _sim_state()
     assert_same(fused_state, twin_state)
     assert fused_violations == twin_violations == 0

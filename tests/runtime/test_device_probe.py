@@ -16,7 +16,7 @@ from kvcanary.ops import dispatch
 from kvcanary.runtime import CanaryConfig, canary as canary_module, device_probe
 from kvcanary.runtime.device_probe import (
     CAUSE_GRAPH_CAPTURE, CAUSE_KERNEL_RESULT, CAUSE_TRITON_COMPILE, CAUSE_TRITON_MISSING, DevicePath, DevicePathError,
-    prove_device_path,
+    DeviceProber, prove_device_path, use_prober,
 )
 from tests.runtime.conftest import make_sim
 
@@ -24,30 +24,30 @@ CUDA0 = torch.device("cuda", 0)  # never touched: the verdict is injected
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """No probe verdict, warning or Triton switch carried over from another test (restored afterwards)."""
-    monkeypatch.setattr(device_probe, "_probed", {})
-    monkeypatch.setattr(device_probe, "_warned", set())
+def fresh():
+    """No Triton switch carried over from another test (restored afterwards); probe verdicts and warnings are
+    each test's own `DeviceProber`'s."""
     with dispatch.selected_backend(None):  # no Triton switch in, none out
         yield
 
 
-def _verdict(monkeypatch, verdict):
+def _verdict(verdict):
+    """A `DeviceProber` whose probe returns ``verdict``, and the devices it probed."""
     calls = []
 
     def probe(device):
         calls.append(device)
         return verdict
 
-    monkeypatch.setattr(device_probe, "probe_device", probe)
-    return calls
+    return DeviceProber(probe=probe), calls
 
 
-def test_a_cpu_canary_probes_nothing(fresh, monkeypatch):
-    calls = _verdict(monkeypatch, (CAUSE_TRITON_MISSING, "x"))
-    path = prove_device_path("cpu")
-    assert path == DevicePath(device="cpu", path="twins", graphs=False) and calls == []
-    _, canary = make_sim(seed=1)
+def test_a_cpu_canary_probes_nothing(fresh):
+    prober, calls = _verdict((CAUSE_TRITON_MISSING, "x"))
+    with use_prober(prober):
+        path = prove_device_path("cpu")
+        assert path == DevicePath(device="cpu", path="twins", graphs=False) and calls == []
+        _, canary = make_sim(seed=1)
     assert canary.device_path.path == "twins" and canary.counters()["device_path"] == "twins" and calls == []
 
 
@@ -58,29 +58,30 @@ def test_a_cpu_canary_probes_nothing(fresh, monkeypatch):
     (CAUSE_KERNEL_RESULT, "the probe kernel returned [0, 0, 0, 0]...", "Reinstall the Triton"),
     (CAUSE_GRAPH_CAPTURE, "RuntimeError: operation not permitted when stream is capturing", "without CUDA graphs"),
 ])
-def test_a_failed_probe_is_refused_with_its_cause_and_remedy(fresh, monkeypatch, cause, detail, remedy):
-    calls = _verdict(monkeypatch, (cause, detail))
-    with pytest.raises(DevicePathError) as err:
+def test_a_failed_probe_is_refused_with_its_cause_and_remedy(fresh, cause, detail, remedy):
+    prober, calls = _verdict((cause, detail))
+    with use_prober(prober), pytest.raises(DevicePathError) as err:
         prove_device_path(CUDA0)
     msg = str(err.value)
     assert msg.startswith("kv-canary: the canary cannot use Triton on cuda:0")
     assert cause in msg and detail in msg and remedy in msg and "allow_eager_fallback=True" in msg
     assert err.value.cause == cause and isinstance(err.value, KvCanaryRuntimeError)
     assert dispatch.triton_disabled() is None  # refused: nothing switched
-    with pytest.raises(DevicePathError):
+    with use_prober(prober), pytest.raises(DevicePathError):
         prove_device_path(CUDA0)
-    assert len(calls) == 1  # probed once per process and device
+    assert len(calls) == 1  # probed once per prober and device
 
 
-def test_a_passing_probe_keeps_the_kernels_and_graphs(fresh, monkeypatch):
-    _verdict(monkeypatch, None)
-    path = prove_device_path(CUDA0)
+def test_a_passing_probe_keeps_the_kernels_and_graphs(fresh):
+    prober, _ = _verdict(None)
+    with use_prober(prober):
+        path = prove_device_path(CUDA0)
     assert path.path == "kernels" and path.graphs and not path.degraded
 
 
-def test_the_opt_in_fallback_turns_triton_off_and_says_so_once(fresh, monkeypatch, caplog):
-    _verdict(monkeypatch, (CAUSE_TRITON_COMPILE, "RuntimeError: Failed to find C compiler"))
-    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+def test_the_opt_in_fallback_turns_triton_off_and_says_so_once(fresh, caplog):
+    prober, _ = _verdict((CAUSE_TRITON_COMPILE, "RuntimeError: Failed to find C compiler"))
+    with use_prober(prober), caplog.at_level(logging.WARNING, logger="kvcanary"):
         a = prove_device_path(CUDA0, allow_eager_fallback=True)
         b = prove_device_path(CUDA0, allow_eager_fallback=True)
     assert a == b and a.degraded and not a.graphs and a.cause == CAUSE_TRITON_COMPILE
@@ -88,7 +89,7 @@ def test_the_opt_in_fallback_turns_triton_off_and_says_so_once(fresh, monkeypatc
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert dispatch.triton_disabled() and dispatch.triton_backend(CUDA0) is None  # every launch on the twins
     # once Triton is off for the process, a later canary without the opt-in is refused, not silently degraded
-    with pytest.raises(DevicePathError):
+    with use_prober(prober), pytest.raises(DevicePathError):
         prove_device_path(torch.device("cuda", 1))
 
 
@@ -106,16 +107,7 @@ def test_the_config_option_and_its_environment_variable():
         CanaryConfig(allow_eager_fallback="yes")
 
 
-def _eager_fallback(monkeypatch):
-    """A CPU canary told it runs the eager fallback (what a CUDA machine without a working Triton gets)."""
-    path = DevicePath(device="cpu", path="eager_fallback", graphs=False, cause=CAUSE_TRITON_MISSING,
-                      detail="import triton failed")
-    monkeypatch.setattr(canary_module, "prove_device_path", lambda device, allow_eager_fallback: path)
-    return path
-
-
-def test_the_fallback_never_captures_and_is_shown_in_counters_stats_and_metrics(monkeypatch):
-    _eager_fallback(monkeypatch)
+def test_the_fallback_never_captures_and_is_shown_in_counters_stats_and_metrics(eager_fallback, monkeypatch):
     engine, canary = make_sim(seed=2, canary_options=dict(stats_interval=0))
     engine.run(6)
     c = canary.counters()
@@ -130,7 +122,6 @@ def test_the_fallback_never_captures_and_is_shown_in_counters_stats_and_metrics(
     with pytest.raises(KvCanaryRuntimeError, match="cannot be captured"):
         canary.stage(batch)
     monkeypatch.undo()
-    _eager_fallback(monkeypatch)
     prometheus_client = pytest.importorskip("prometheus_client")
     from kvcanary.runtime.metrics import register_metrics
 
@@ -147,10 +138,16 @@ def _any_batch(engine):
     return captured[-1]
 
 
-def test_a_refusal_at_creation_allocates_nothing(fresh, monkeypatch):
-    _verdict(monkeypatch, (CAUSE_TRITON_MISSING, "import triton failed"))
-    real = prove_device_path
-    monkeypatch.setattr(canary_module, "prove_device_path",
-                        lambda device, allow_eager_fallback: real(CUDA0, allow_eager_fallback=allow_eager_fallback))
-    with pytest.raises(DevicePathError, match="kv-canary: the canary cannot use Triton"):
+class _AsCuda0(DeviceProber):
+    """Proves ``cuda:0`` whatever device it is asked about (a CPU canary meets a CUDA verdict)."""
+
+    def prove(self, device, *, allow_eager_fallback=False):
+        return super().prove(CUDA0, allow_eager_fallback=allow_eager_fallback)
+
+
+def test_a_refusal_at_creation_allocates_nothing(fresh):
+    calls = []
+    prober = _AsCuda0(probe=lambda device: calls.append(device) or (CAUSE_TRITON_MISSING, "import triton failed"))
+    with use_prober(prober), pytest.raises(DevicePathError, match="kv-canary: the canary cannot use Triton"):
         make_sim(seed=3)
+    assert calls == [CUDA0]

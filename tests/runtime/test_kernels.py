@@ -1,7 +1,7 @@
 """Fused runtime glue (`kvcanary.runtime.kernels`): each Triton launcher vs its torch twin under the
 Triton interpreter (CPU tensors, TRITON_INTERPRET=1), bit for bit — token rows, slot records, sweep
 slices — on seeded random inputs with the edge cases named in each test, then the runtime end to end
-with the kernels forced on (twins elsewhere) against the runtime on the twins."""
+on the Triton launchers (``dispatch.selected_backend("triton")``) against the runtime on the twins."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +18,8 @@ from kvcanary.ops import VerifyPlan  # noqa: E402
 from kvcanary.runtime import kernels  # noqa: E402
 from kvcanary.runtime.groups import NEVER_WRITTEN, SlotRecords  # noqa: E402
 from kvcanary.runtime.sweep import OWNER_HISTORY  # noqa: E402
+from kvcanary.ops.dispatch import selected_backend  # noqa: E402
+from tests.ops.test_triton_interpret import _numpy_scalar_index_fix  # noqa: E402
 from tests.runtime.conftest import make_sim, warm_sim  # noqa: E402
 from tests.runtime.kernel_cases import (  # noqa: E402
     SweepState,
@@ -29,6 +31,7 @@ from tests.runtime.kernel_cases import (  # noqa: E402
     records_like,
     records_state,
 )
+from tests.triton_variants import record_variants  # noqa: E402
 
 
 # ---- token rows ---------------------------------------------------------------------------------------
@@ -266,10 +269,10 @@ def _runtime_state(canary) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_runtime_with_kernels_matches_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runtime_with_kernels_matches_twins() -> None:
     """A simulated engine (full + sliding-window groups, a rotating sweep) run twice with the same seed:
-    the runtime's glue on the twins, then on the Triton kernels: same records, buffers, sweep state and
-    violations (none)."""
+    on the twins, then with every launch on the Triton launchers (`dispatch.selected_backend("triton")`:
+    the runtime's glue kernels and the ops): same records, buffers, sweep state and violations (none)."""
     options = dict(canary_options=dict(sweep_interval=4), num_slots=160, swa_num_slots=96, max_requests=6,
                    max_context=64, sliding_window=16)
 
@@ -279,10 +282,9 @@ def test_runtime_with_kernels_matches_twins(monkeypatch: pytest.MonkeyPatch) -> 
         return _runtime_state(canary), canary.stats()
 
     twin_state, twin_stats = run()
-    calls = []
-    real = kernels.use_kernels
-    monkeypatch.setattr(kernels, "use_kernels", lambda t: calls.append(1) or real(t) or t.device.type == "cpu")
-    fused_state, fused_stats = run()
-    assert calls  # the forced path was taken
+    _numpy_scalar_index_fix()
+    with selected_backend("triton"), record_variants() as launched:
+        fused_state, fused_stats = run()
+    assert {"_token_rows_kernel", "_record_claim_kernel", "_record_store_kernel", "_sweep_slice_kernel"} <= set(launched)
     assert_same(fused_state, twin_state)
     assert fused_stats.violations == twin_stats.violations == 0

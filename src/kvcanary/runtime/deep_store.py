@@ -97,8 +97,11 @@ def prepare_deep_store(targets: Sequence[DeepTarget]) -> None:
 
 def _kernel_groups(targets: Sequence[DeepTarget]) -> Optional[list[list]]:
     """``targets`` as Triton launches grouped by kind (`_by_kind`), or None where the twin runs (no targets, not
-    CUDA, no Triton, or a source the kernel cannot address)."""
-    if not targets or not AVAILABLE or not targets[0][0].is_cuda or dispatch.triton_disabled() is not None:
+    CUDA, no Triton, Triton not serving the device — `kvcanary.ops.dispatch.triton_backend`: turned off, or
+    ``selected_backend("torch")`` —, or a source the kernel cannot address)."""
+    if not targets or not AVAILABLE or not targets[0][0].is_cuda:
+        return None
+    if dispatch.triton_backend(targets[0][0].device) is None:
         return None
     launches = [(tail, buf, source_args(sources, RealKvHashMode.ALL, tail)) for tail, buf, sources in targets]
     return _by_kind(launches) if all(srcs is not None for *_, srcs in launches) else None

@@ -17,12 +17,16 @@ this process runs the torch twins eagerly (`kvcanary.ops.dispatch.disable_triton
 its work, an engine that captures its forwards is refused, and a WARNING says so once. A CPU canary runs the
 twins by design and probes nothing. The probe runs on a side stream of its own, uses no random numbers and
 leaves the calling thread's stream as it found it.
+
+The verdicts are kept by a `DeviceProber`; `prove_device_path` asks the process's, or the one `use_prober`
+installed for a block (another probe, verdicts of its own).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
@@ -109,42 +113,75 @@ class DevicePath:
                 f"captured. Fix Triton ({_REMEDIES.get(self.cause, '')}) or turn the engine's CUDA graphs off")
 
 
-_probed: dict[str, Optional[tuple[str, str]]] = {}  # device -> None (works) or (cause, detail)
-_warned: set[str] = set()
+Verdict = Optional[tuple[str, str]]  # a probe's result: None (the path works) or (cause, detail)
+
+
+class DeviceProber:
+    """Proves each device's path once and keeps what it proved: the probe verdicts and the one WARNING per device
+    of the eager fallback. ``probe``: what a CUDA device is checked with (default `probe_device`)."""
+
+    def __init__(self, probe: Optional[Callable[[torch.device], Verdict]] = None) -> None:
+        self._probe = probe
+        self._verdicts: dict[str, Verdict] = {}
+        self._warned: set[str] = set()
+
+    def prove(self, device: Union[str, torch.device], *, allow_eager_fallback: bool = False) -> DevicePath:
+        """The `DevicePath` of ``device``, proved by the probe on CUDA (once per device). Raises `DevicePathError`
+        when the probe fails and ``allow_eager_fallback`` is False; with it, turns Triton off for this process and
+        says so once at WARNING."""
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return DevicePath(device=str(dev), path=PATH_TWINS, graphs=False)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        key = str(dev)
+        if key not in self._verdicts:
+            self._verdicts[key] = (self._probe or probe_device)(dev)
+        failure = self._verdicts[key]
+        if failure is None and dispatch.triton_disabled() is None:
+            return DevicePath(device=key, path=PATH_KERNELS, graphs=True)
+        cause, detail = failure if failure is not None else (CAUSE_TRITON_COMPILE, dispatch.triton_disabled() or "")
+        if not allow_eager_fallback:
+            raise DevicePathError(
+                f"kv-canary: the canary cannot use Triton on {key} ({cause}: {detail}): {_REMEDIES[cause]}; "
+                f"{_FALLBACK_HINT}", cause=cause)
+        dispatch.disable_triton(f"{cause}: {detail}")
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("kv-canary: eager fallback on %s (%s: %s): every canary launch runs the torch twins eagerly "
+                           "(slower, a host sync per launch), the canary's CUDA graphs are off, and an engine that "
+                           "captures CUDA graphs is refused. Remedy: %s", key, cause, detail, _REMEDIES[cause])
+        return DevicePath(device=key, path=PATH_EAGER_FALLBACK, graphs=False, cause=cause, detail=detail)
+
+
+_prober = DeviceProber()  # the one `prove_device_path` asks (`use_prober`); by default the process's
 
 
 def prove_device_path(device: Union[str, torch.device], *, allow_eager_fallback: bool = False) -> DevicePath:
-    """The `DevicePath` of ``device``, proved by `probe_device` on CUDA (once per process and device). Raises
-    `DevicePathError` when the probe fails and ``allow_eager_fallback`` is False; with it, turns Triton off for
-    this process and says so once at WARNING."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return DevicePath(device=str(dev), path=PATH_TWINS, graphs=False)
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    key = str(dev)
-    if key not in _probed:
-        _probed[key] = probe_device(dev)
-    failure = _probed[key]
-    if failure is None and dispatch.triton_disabled() is None:
-        return DevicePath(device=key, path=PATH_KERNELS, graphs=True)
-    cause, detail = failure if failure is not None else (CAUSE_TRITON_COMPILE, dispatch.triton_disabled() or "")
-    if not allow_eager_fallback:
-        raise DevicePathError(
-            f"kv-canary: the canary cannot use Triton on {key} ({cause}: {detail}): {_REMEDIES[cause]}; "
-            f"{_FALLBACK_HINT}", cause=cause)
-    dispatch.disable_triton(f"{cause}: {detail}")
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning("kv-canary: eager fallback on %s (%s: %s): every canary launch runs the torch twins eagerly "
-                       "(slower, a host sync per launch), the canary's CUDA graphs are off, and an engine that "
-                       "captures CUDA graphs is refused. Remedy: %s", key, cause, detail, _REMEDIES[cause])
-    return DevicePath(device=key, path=PATH_EAGER_FALLBACK, graphs=False, cause=cause, detail=detail)
+    """`DeviceProber.prove` of the prober in use: the process's (each CUDA device probed once per process), or the
+    one `use_prober` installed. Every canary and engine adapter proves its device here."""
+    return _prober.prove(device, allow_eager_fallback=allow_eager_fallback)
 
 
-def probe_device(device: torch.device) -> Optional[tuple[str, str]]:
+@contextlib.contextmanager
+def use_prober(prober: DeviceProber) -> Iterator[DeviceProber]:
+    """Inside the block `prove_device_path` asks ``prober`` (its own verdicts, its own probe); the prober before it
+    is restored on exit. Not thread-safe: install it before the engine's threads start."""
+    global _prober
+    before = _prober
+    _prober = prober
+    try:
+        yield prober
+    finally:
+        _prober = before
+
+
+def probe_device(device: torch.device, *, launch: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
+                 ) -> Verdict:
     """Run the three steps of the module docstring on CUDA ``device``: None when they pass, else ``(cause,
-    detail)`` of the first that failed."""
+    detail)`` of the first that failed. ``launch(x, out)``: writes ``x * 3 + 1`` into ``out`` on the current
+    stream (default: the Triton probe kernel)."""
+    launch = launch or _launch
     missing = _triton_missing()
     if missing is not None:
         return CAUSE_TRITON_MISSING, missing
@@ -157,7 +194,7 @@ def probe_device(device: torch.device) -> Optional[tuple[str, str]]:
             out = torch.zeros_like(x)
             want = x * 3 + 1
             try:
-                _launch(x, out)
+                launch(x, out)
                 ok = bool(torch.equal(out, want))
             except Exception as exc:  # noqa: BLE001 — every way a launch fails is the same verdict
                 return CAUSE_TRITON_COMPILE, _describe(exc)
@@ -165,7 +202,7 @@ def probe_device(device: torch.device) -> Optional[tuple[str, str]]:
                 return CAUSE_KERNEL_RESULT, f"the probe kernel returned {out[:4].tolist()}..., expected {want[:4].tolist()}..."
             out.zero_()
             try:
-                graph = capture_graph(lambda: _launch(x, out), error_mode="thread_local")
+                graph = capture_graph(lambda: launch(x, out), error_mode="thread_local")
                 graph.replay()
                 side.synchronize()
                 ok = bool(torch.equal(out, want))

@@ -60,6 +60,16 @@ class _Shape:
     tokens: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class _OpenStep:
+    """What opening a step computed for every group's HEAD write and slot records: the token -> row map and the
+    write-input assert's expectation (None: no assert)."""
+
+    tokens_row: kernels.TokenRows
+    expected_tokens: Optional[torch.Tensor] = None
+    expected_positions: Optional[torch.Tensor] = None
+
+
 class ForwardLaunches:
     """Plans and launches the HEAD and TAIL checks of each forward (see the module docstring)."""
 
@@ -133,72 +143,99 @@ class ForwardLaunches:
         slot records and KV as the step found them (the sweep slice); ``before_records``: called before the
         first slot-record write (where a parallel branch joins)."""
         s = self.static
-        if limit is not None:
-            shape = _Shape(rows=min(limit[0], s.max_rows), tokens=min(limit[1], s.max_tokens))
-        elif full or capturing():
-            shape = _Shape(rows=s.max_rows, tokens=s.max_tokens)
-        else:
-            shape = _Shape(rows=s.num_rows, tokens=s.num_tokens)
-        self._shape = shape
+        self._shape = shape = self._head_shape(full, limit)
         bs, n = shape.rows, shape.tokens
-        rows, prefix, extend = s.rows[:bs], s.prefix[:bs], s.extend[:bs]
-        token_table = s.token_table if self.config.verify_token else None
         oracle = self._oracle(bs, n)
         if self.config.padding_read_check:  # before the step opens: the stamp launches never restamp its rows
-            try:
-                self._check_padding_reads(rows, prefix)
-            except BaseException:
-                self.rings.mark()  # not opened: the stamps must not re-stamp the step before's rows
-                raise
-        tokens_row = expected_tokens = expected_positions = None
+            self._before_open(self._check_padding_reads, s.rows[:bs], s.prefix[:bs])
+        opened: Optional[_OpenStep] = None
         for gi, (name, g) in enumerate(self.groups.items()):
             vplan, wplan = self.verify_plans[name], self.write_plans[name]
-            inputs = s.inputs[name]
-            lut = inputs.lut if inputs.lut is not None else self._identity_luts.get(name)
-            try:
-                launch_canary_plan_kernels(
-                    verify_plan_out=vplan, write_plan_out=wplan,
-                    req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend,
-                    req_to_token=inputs.req_to_token, swa_window_size=g.window, full_to_swa_index_mapping=lut,
-                    verify_capacity=vplan.capacity,
-                    req_to_verify_expected_tokens=token_table,
-                    req_to_verify_expected_tokens_valid_lens=s.token_lens[:bs] if token_table is not None else None,
-                    kv_token_id_vs_position_offset=0, check_request_rows_on_host=False,  # never wait for the stream
-                )
-            except BaseException:
-                if tokens_row is None:
-                    self.rings.mark()  # not opened yet: the stamps must not re-stamp the step before's rows
-                raise
-            if tokens_row is None:  # rows and extends are shared by the groups: one token -> row map, whose
-                # launch also opens the step (ring marks, request rows, this first plan's disabled count) and
-                # computes the write-input assert's expectation
-                tokens_row = self._token_rows(wplan, bs, n, kernels.StepPrologue(
-                    rows_from=self.rings.rows_from, write_index=self.rings.write_index, row_history=self.row_history,
-                    step=self.step, rows=s.rows, disabled=self.plans_disabled[gi : gi + 1], enable=vplan.enable), oracle)
-                if oracle is not None:
-                    expected_positions = tokens_row.positions
-                    expected_tokens = s.expected_ids[:n] if oracle.table is None else tokens_row.expected
+            if opened is None:
+                self._before_open(self._plan, name, g, vplan, wplan, bs)
+                opened = self._open_step(gi, vplan, wplan, bs, n, oracle)
                 if on_open is not None:
                     on_open()
             else:
+                self._plan(name, g, vplan, wplan, bs)
                 self.plans_disabled[gi : gi + 1] += 1 - vplan.enable
-            if s.has_context and g.anchor_rows:
-                self._chain_from_context_anchors(g, vplan, wplan, bs)
-            out_loc = s.out_loc[name][:n]
-            launch_canary_verify_kernel(
-                context=self._context(g, "head", "k", "verify", self.no_chain_assert),
-                plan=vplan, check_verify_expected_token=token_table is not None, jitter=self.jitter,
-            )
-            launch_canary_write_kernel(
-                context=self._context(g, "head", "k", "write", self.chain_assert),
-                plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n], out_cache_loc=out_loc,
-                enable_write_input_assert=expected_tokens is not None,
-                expected_input_tokens=expected_tokens, expected_input_positions=expected_positions,
-                jitter=self.jitter,
-            )
+            out_loc = self._head_checks(name, g, vplan, wplan, opened, bs, n)
             if before_records is not None and gi == 0:
                 before_records()
-            self._record_slots(g, wplan, tokens_row, out_loc, n)
+            self._record_slots(g, wplan, opened.tokens_row, out_loc, n)
+
+    def _head_shape(self, full: bool, limit: Optional[tuple[int, int]]) -> _Shape:
+        """The span of this step's launches (see `head`)."""
+        s = self.static
+        if limit is not None:
+            return _Shape(rows=min(limit[0], s.max_rows), tokens=min(limit[1], s.max_tokens))
+        if full or capturing():
+            return _Shape(rows=s.max_rows, tokens=s.max_tokens)
+        return _Shape(rows=s.num_rows, tokens=s.num_tokens)
+
+    def _before_open(self, launch: Callable[..., None], *args) -> None:
+        """Run ``launch(*args)`` before the step is open; if it raises, mark the rings before re-raising, so the
+        stamps do not re-stamp the step before's rows."""
+        try:
+            launch(*args)
+        except BaseException:
+            self.rings.mark()
+            raise
+
+    def _plan(self, name: str, g: CanaryGroup, vplan: VerifyPlan, wplan: WritePlan, bs: int) -> None:
+        """Group ``name``'s verify and write plans of the staged rows."""
+        s = self.static
+        inputs = s.inputs[name]
+        lut = inputs.lut if inputs.lut is not None else self._identity_luts.get(name)
+        token_table = self._token_table()
+        launch_canary_plan_kernels(
+            verify_plan_out=vplan, write_plan_out=wplan,
+            req_pool_indices=s.rows[:bs], prefix_lens=s.prefix[:bs], extend_seq_lens=s.extend[:bs],
+            req_to_token=inputs.req_to_token, swa_window_size=g.window, full_to_swa_index_mapping=lut,
+            verify_capacity=vplan.capacity,
+            req_to_verify_expected_tokens=token_table,
+            req_to_verify_expected_tokens_valid_lens=s.token_lens[:bs] if token_table is not None else None,
+            kv_token_id_vs_position_offset=0, check_request_rows_on_host=False,  # never wait for the stream
+        )
+
+    def _token_table(self) -> Optional[torch.Tensor]:
+        """The token table the HEAD verify compares stored tokens with, or None (``verify_token`` off or no table)."""
+        return self.static.token_table if self.config.verify_token else None
+
+    def _open_step(self, gi: int, vplan: VerifyPlan, wplan: WritePlan, bs: int, n: int,
+                   oracle: Optional[kernels.TokenOracle]) -> _OpenStep:
+        """Open the step after the first group's plan: one token -> row map (rows and extends are shared by the
+        groups), whose launch also marks the rings, records the request rows, counts this plan's disabled verify
+        and computes the write-input assert's expectation."""
+        s = self.static
+        tokens_row = self._token_rows(wplan, bs, n, kernels.StepPrologue(
+            rows_from=self.rings.rows_from, write_index=self.rings.write_index, row_history=self.row_history,
+            step=self.step, rows=s.rows, disabled=self.plans_disabled[gi : gi + 1], enable=vplan.enable), oracle)
+        if oracle is None:
+            return _OpenStep(tokens_row=tokens_row)
+        expected = s.expected_ids[:n] if oracle.table is None else tokens_row.expected
+        return _OpenStep(tokens_row=tokens_row, expected_tokens=expected, expected_positions=tokens_row.positions)
+
+    def _head_checks(self, name: str, g: CanaryGroup, vplan: VerifyPlan, wplan: WritePlan, opened: _OpenStep,
+                     bs: int, n: int) -> torch.Tensor:
+        """Group ``name``'s HEAD verify and write (after the context anchors' chain seeds); returns the staged
+        ``out_loc`` slice the write used."""
+        s = self.static
+        if s.has_context and g.anchor_rows:
+            self._chain_from_context_anchors(g, vplan, wplan, bs)
+        out_loc = s.out_loc[name][:n]
+        launch_canary_verify_kernel(
+            context=self._context(g, "head", "k", "verify", self.no_chain_assert),
+            plan=vplan, check_verify_expected_token=self._token_table() is not None, jitter=self.jitter,
+        )
+        launch_canary_write_kernel(
+            context=self._context(g, "head", "k", "write", self.chain_assert),
+            plan=wplan, input_ids=s.input_ids[:n], positions=s.positions[:n], out_cache_loc=out_loc,
+            enable_write_input_assert=opened.expected_tokens is not None,
+            expected_input_tokens=opened.expected_tokens, expected_input_positions=opened.expected_positions,
+            jitter=self.jitter,
+        )
+        return out_loc
 
     def tail(self, *, run_checks: bool = True) -> None:
         """TAIL verify + write per hashed side (skipped when the forward raised), then stamp the rows."""

@@ -288,61 +288,70 @@ def _static_kwargs(io) -> dict:
 
 
 # ---- one configuration -----------------------------------------------------------------------------------
-def run_config(config: dict, *, seed: int, faulted: bool, device: str = "cpu", cuda_graphs: bool = False,
-               dry_graphs: bool = False) -> dict:
-    """See the module docstring. Returns a `kvcanary.faults.fuzz.outcome` dict."""
-    from kvcanary.engines.transformers_cb import attach
-    from kvcanary.faults.tf_oracle import OracleSampler
-    from kvcanary.faults.transformers import match
-    from kvcanary.runtime.report import CanaryViolationError
+class _Trial:
+    """One configuration's model, prompts and engine switches, shared by its unchecked, checked and faulted
+    runs."""
 
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
-    t0 = time.perf_counter()
-    model = build_model(config["model"], device)
-    prompts = prompts_of(config, seed)
-    graphs = cuda_graphs and not dry_graphs
-    offload = config["engine"]["cpu_offload_space"] > 0
-    use_oracle = config["workload"]["oracle"]
+    def __init__(self, config: dict, seed: int, device: str, cuda_graphs: bool, dry_graphs: bool) -> None:
+        self.config, self.seed = config, seed
+        self.model = build_model(config["model"], device)
+        self.prompts = prompts_of(config, seed)
+        self.cuda_graphs, self.dry_graphs = cuda_graphs, dry_graphs
+        self.graphs = cuda_graphs and not dry_graphs
+        self.offload = config["engine"]["cpu_offload_space"] > 0
+        self.use_oracle = config["workload"]["oracle"]
 
-    def one_run(mode: Optional[str], injector=None):
-        sampler = OracleSampler(VOCAB).install(model) if use_oracle else None
-        handle = None
-        between = None
-        error = None
+    def generate(self) -> dict:
+        return generate(self.model, self.prompts, self.config, self.seed, cuda_graphs=self.graphs)
+
+    def run(self, mode: Optional[str], injector=None):
+        """``(tokens, handle, error)`` of one ``generate``: unchecked when ``mode`` is None, else attached in
+        ``mode`` with ``injector`` (if any) installed. Every hook is removed and the handle detached on return."""
+        from kvcanary.engines.transformers_cb import attach
+        from kvcanary.faults.tf_oracle import OracleSampler
+        from kvcanary.runtime.report import CanaryViolationError
+
+        sampler = OracleSampler(VOCAB).install(self.model) if self.use_oracle else None
+        handle = between = error = None
         tokens: dict = {}
         try:
-            with engine_patches(offload=offload, dry_graphs=dry_graphs):
+            with engine_patches(offload=self.offload, dry_graphs=self.dry_graphs):
                 if mode is None:
-                    tokens = generate(model, prompts, config, seed, cuda_graphs=graphs)
+                    tokens = self.generate()
                 else:
-                    handle = attach(model, mode=mode, token_oracle=sampler.token if sampler else None,
-                                    **_canary_options(config))
-                    if injector is not None:
-                        if cuda_graphs or dry_graphs:
-                            between = _BetweenSteps(injector, handle)
-                            between.install()
-                        else:
-                            injector.install(model)
+                    handle = attach(self.model, mode=mode, token_oracle=sampler.token if sampler else None,
+                                    **_canary_options(self.config))
+                    between = self._install(injector, handle)
                     try:
                         with handle:
-                            tokens = generate(model, prompts, config, seed, cuda_graphs=graphs)
+                            tokens = self.generate()
                     except CanaryViolationError:
                         pass  # counted from the handle
         except Exception as exc:  # noqa: BLE001
             error = f"{type(exc).__name__}: {exc}"
         finally:
-            if injector is not None:
-                injector.remove()
-            if between is not None:
-                between.remove()
-            if sampler is not None:
-                sampler.remove()
+            for hook in (injector, between, sampler):
+                if hook is not None:
+                    hook.remove()
             if handle is not None and not handle._detached:
                 handle.detach()
         return tokens, handle, error
 
-    reference, _, ref_error = one_run(None)
-    tokens, handle, error = one_run("raise")
+    def _install(self, injector, handle) -> Optional[_BetweenSteps]:
+        """Install ``injector``: between the engine's steps in graph modes (returned, to remove), else as a
+        forward hook on the model."""
+        if injector is None:
+            return None
+        if self.cuda_graphs or self.dry_graphs:
+            between = _BetweenSteps(injector, handle)
+            between.install()
+            return between
+        injector.install(self.model)
+        return None
+
+
+def _clean_outcome(trial: _Trial, reference: dict, ref_error, tokens: dict, handle, error) -> dict:
+    """The outcome of the unchecked run against the checked one (``raise`` mode, no fault)."""
     counters = handle.counters() if handle is not None else {}
     found = handle.violations() if handle is not None else []
     failed = sorted(rid for rid, (err, _) in tokens.items() if err is not None)
@@ -354,27 +363,45 @@ def run_config(config: dict, *, seed: int, faulted: bool, device: str = "cpu", c
         engine_error = f"{len(ref_failed)} request(s) failed in the unchecked run too: {ref_failed[0][:300]}"
     elif failed and not counters.get("total"):
         errors.append(f"checked run: {len(failed)} request(s) failed: {tokens[failed[0]][0][:300]}")
-    out = outcome(
-        ENGINE, seed, config, violations=int(counters.get("total", 0)), false_positive=bool(counters.get("total", 0)),
-        tokens_identical=bool(reference) and tokens == reference,
+    return outcome(
+        ENGINE, trial.seed, trial.config, violations=int(counters.get("total", 0)),
+        false_positive=bool(counters.get("total", 0)), tokens_identical=bool(reference) and tokens == reference,
         engine_forwards=int(counters.get("engine_forwards", 0)), checked_forwards=int(counters.get("checked_forwards", 0)),
         error="; ".join(errors) or None, engine_error=engine_error, first_violations=[describe_violation(v) for v in found[:5]],
         stats={"requests": len(reference), "unchecked_forwards": counters.get("unchecked_forwards"),
                "sessions": handle.sessions if handle is not None else 0, "moves": counters.get("moves"),
                "by_reason": counters.get("by_reason")},
     )
+
+
+def _fault_outcome(trial: _Trial) -> dict:
+    """The faulted twin (``log`` mode, one injector drawn from the seed): fired, caught, against the right
+    request."""
+    from kvcanary.faults.transformers import match
+
+    rng = random.Random(f"tf-fault:{trial.seed}")
+    injector = _pick_injector(trial.config, trial.model, rng)
+    _, fhandle, ferror = trial.run("log", injector)
+    if not injector.ledger:
+        return fault_result(injector.fault, fired=False, error=ferror)
+    inj = injector.ledger[0]
+    hit = match(inj, fhandle.violations())
+    return fault_result(injector.fault, fired=True, caught=hit is not None,
+                        right_request=hit is not None and hit["request"] == inj.request_id,
+                        detail=inj.detail, step=inj.step, request_id=inj.request_id, group=inj.group,
+                        reasons=hit["reasons"] if hit else [], error=ferror)
+
+
+def run_config(config: dict, *, seed: int, faulted: bool, device: str = "cpu", cuda_graphs: bool = False,
+               dry_graphs: bool = False) -> dict:
+    """See the module docstring. Returns a `kvcanary.faults.fuzz.outcome` dict."""
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+    t0 = time.perf_counter()
+    trial = _Trial(config, seed, device, cuda_graphs, dry_graphs)
+    reference, _, ref_error = trial.run(None)
+    tokens, handle, error = trial.run("raise")
+    out = _clean_outcome(trial, reference, ref_error, tokens, handle, error)
     if faulted:
-        rng = random.Random(f"tf-fault:{seed}")
-        injector = _pick_injector(config, model, rng)
-        _, fhandle, ferror = one_run("log", injector)
-        if not injector.ledger:
-            out["fault"] = fault_result(injector.fault, fired=False, error=ferror)
-        else:
-            inj = injector.ledger[0]
-            hit = match(inj, fhandle.violations())
-            out["fault"] = fault_result(injector.fault, fired=True, caught=hit is not None,
-                                        right_request=hit is not None and hit["request"] == inj.request_id,
-                                        detail=inj.detail, step=inj.step, request_id=inj.request_id, group=inj.group,
-                                        reasons=hit["reasons"] if hit else [], error=ferror)
+        out["fault"] = _fault_outcome(trial)
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out

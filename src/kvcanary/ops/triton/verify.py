@@ -121,6 +121,19 @@ def _report(ring_ptr, widx_ptr, ring_cap, kind, slot, exp_tok, bits, position, t
                    exp_tok, chain, expected_chain, bits.to(tl.int64))
 
 
+@triton.jit
+def _count_launch(kca, sca, kcb, scb, enable, active, NCTX: tl.constexpr):
+    """Add the launch to each context's kernel counter and, when the plan is enabled, its ``active`` entries to
+    the slot counter (relaxed atomics: read after the launch)."""
+    tl.atomic_add(kca, 1, sem="relaxed")
+    if NCTX == 2:
+        tl.atomic_add(kcb, 1, sem="relaxed")
+    if enable != 0:
+        tl.atomic_add(sca, active, sem="relaxed")
+        if NCTX == 2:
+            tl.atomic_add(scb, active, sem="relaxed")
+
+
 @jit_batch_sized('capacity', 'kinda', 'kindb', scalar_ptrs=(
     'num_valid_ptr', 'enable_ptr', 'widxa', 'sca', 'kca', 'widxb', 'scb', 'kcb', 'jit_params', 'jit_key', 'jit_counts'))
 def _verify_kernel(
@@ -149,13 +162,7 @@ def _verify_kernel(
     enable = tl.load(enable_ptr)
     active = tl.minimum(tl.maximum(tl.load(num_valid_ptr).to(tl.int64), 0), capacity)
     if pid == 0:  # counters: relaxed atomics (read after the launch), so the plan loads need not wait for them
-        tl.atomic_add(kca, 1, sem="relaxed")
-        if NCTX == 2:
-            tl.atomic_add(kcb, 1, sem="relaxed")
-        if enable != 0:
-            tl.atomic_add(sca, active, sem="relaxed")
-            if NCTX == 2:
-                tl.atomic_add(scb, active, sem="relaxed")
+        _count_launch(kca, sca, kcb, scb, enable, active, NCTX)
     if enable == 0:
         active = active * 0
     lanes = tl.arange(0, BLOCK)

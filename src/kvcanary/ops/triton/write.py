@@ -101,6 +101,24 @@ _STATE_WORDS = 8
 _MAX_SMALL_LANES = 256
 
 
+@triton.jit
+def _claim(table_ptr, s, sd, inside, reads, writer_tag, seed_tag, LANES: tl.constexpr):
+    """Tag the stored slots ``s`` (mask ``inside``) and the read seeds ``sd`` (mask ``reads``) in the epoch table;
+    returns the old tags (relaxed atomics: only the old values matter)."""
+    old_w = tl.atomic_max(table_ptr + s, tl.zeros([LANES], tl.int64) + writer_tag, mask=inside, sem="relaxed")
+    old_r = tl.atomic_max(table_ptr + sd, tl.zeros([LANES], tl.int64) + seed_tag, mask=reads, sem="relaxed")
+    return old_w, old_r
+
+
+@triton.jit
+def _publish_prepare(state_ptr, epoch, conflicts, count):
+    """Add one prepare program's conflicts and stored-entry count to the scratch words."""
+    if conflicts > 0:
+        tl.atomic_add(state_ptr + _CONFLICTS + epoch % 2, conflicts, sem="relaxed")
+    if count > 0:
+        tl.atomic_add(state_ptr + _COUNT, count, sem="relaxed")
+
+
 @jit_batch_sized('n_entries', 'seed_cap', 'kind', scalar_ptrs=(
     'num_reqs_ptr', 'kernel_counter_ptr', 'jit_params', 'jit_key', 'jit_counts'))
 def _write_prepare_kernel(
@@ -152,18 +170,14 @@ def _write_prepare_kernel(
             jitter_stall(jit_params, jit_key, jit_counts, kind, s, inside, SPIN)
         count += tl.sum(inside.to(tl.int64), 0)
         reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
-        old_w = tl.atomic_max(table_ptr + s, tl.zeros([BLOCK], tl.int64) + writer_tag, mask=inside, sem="relaxed")
-        old_r = tl.atomic_max(table_ptr + sd, tl.zeros([BLOCK], tl.int64) + seed_tag, mask=reads, sem="relaxed")
+        old_w, old_r = _claim(table_ptr, s, sd, inside, reads, writer_tag, seed_tag, BLOCK)
         fp = fingerprint(s, inside, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
                          NSRC, W0, W1, W2, W3)
         tl.store(fields_ptr + s * stride_words + F_REAL_KV, as_i64(fp), mask=inside)
         conflicts += tl.sum((inside & (old_w >= seed_tag)).to(tl.int64), 0)
         conflicts += tl.sum((rm & (o1 < o0)).to(tl.int64), 0)
         conflicts += tl.sum((reads & (old_r == writer_tag)).to(tl.int64), 0)
-    if conflicts > 0:
-        tl.atomic_add(state_ptr + _CONFLICTS + epoch % 2, conflicts, sem="relaxed")
-    if count > 0:
-        tl.atomic_add(state_ptr + _COUNT, count, sem="relaxed")
+    _publish_prepare(state_ptr, epoch, conflicts, count)
 
 
 @triton.jit
@@ -225,6 +239,120 @@ def _entry_rows(
 
 
 @triton.jit
+def _first_entries(slot_ptr, tok_ptr, pos_ptr, o0, o1, n_entries):
+    """(slot, token, position) of a request's first two entries, int64: masked by the unclamped end (never past
+    the tensor); a missing entry reads as slot -1."""
+    lim = tl.minimum(o1, n_entries)
+    k0 = (o0 < lim) & (o0 >= 0)
+    k1 = (o0 + 1 < lim) & (o0 >= 0)
+    s_n = tl.load(slot_ptr + o0, mask=k0, other=-1).to(tl.int64)
+    t_n = tl.load(tok_ptr + o0, mask=k0, other=0).to(tl.int64)
+    p_n = tl.load(pos_ptr + o0, mask=k0, other=0).to(tl.int64)
+    s_nn = tl.load(slot_ptr + o0 + 1, mask=k1, other=-1).to(tl.int64)
+    t_nn = tl.load(tok_ptr + o0 + 1, mask=k1, other=0).to(tl.int64)
+    p_nn = tl.load(pos_ptr + o0 + 1, mask=k1, other=0).to(tl.int64)
+    return s_n, t_n, p_n, s_nn, t_nn, p_nn
+
+
+@triton.jit
+def _prefetch_entries(slot_ptr, tok_ptr, pos_ptr, pf):
+    """`_prefetch_l1` of the slot, token and position lines of entries ``pf``."""
+    _prefetch_l1(slot_ptr + pf)
+    _prefetch_l1(tok_ptr + pf)
+    _prefetch_l1(pos_ptr + pf)
+
+
+@triton.jit
+def _serial_chunk(
+    slot_ptr, tok_ptr, pos_ptr, num_slots, o0, c, n, cnt, last_chunk, lanes,
+    s_n, t_n, p_n, s_nn, t_nn, p_nn, running, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
+):
+    """The serial part of chunk ``c``, only the recurrence on the dependency path: the running hash before each
+    entry (``hs``, one per lane), each entry's scalars read two steps ahead; the request's last entry needs no
+    step after it. Returns the next two entries' scalars, ``hs`` and the running hash."""
+    steps = tl.where(last_chunk, cnt - 1, cnt)
+    hs = tl.zeros([CHUNK], tl.int64)
+    base_k = o0 + c + 2
+    for j in tl.range(0, steps, loop_unroll_factor=UNROLL):
+        s_j = s_n
+        t_j = t_n
+        p_j = p_n
+        s_n = s_nn
+        t_n = t_nn
+        p_n = p_nn
+        k = base_k + j
+        km = c + j + 2 < n
+        s_nn = tl.load(slot_ptr + k, mask=km, other=-1).to(tl.int64)
+        t_nn = tl.load(tok_ptr + k, mask=km, other=0).to(tl.int64)
+        p_nn = tl.load(pos_ptr + k, mask=km, other=0).to(tl.int64)
+        hs = tl.where(lanes == j, as_i64(running), hs)
+        running = tl.where((s_j >= 0) & (s_j < num_slots), mix3(running, as_u64(t_j), as_u64(p_j)), running)
+    return s_n, t_n, p_n, s_nn, t_nn, p_nn, hs, running
+
+
+@triton.jit
+def _load_entries(slot_ptr, tok_ptr, pos_ptr, idx, mask, num_slots):
+    """(slot, token, position) of entries ``idx`` under ``mask``, int64, and which of them are stored (``valid``)
+    or past the buffer (``oor``)."""
+    slot = tl.load(slot_ptr + idx, mask=mask, other=-1).to(tl.int64)
+    tok = tl.load(tok_ptr + idx, mask=mask, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + idx, mask=mask, other=0).to(tl.int64)
+    valid = mask & (slot >= 0) & (slot < num_slots)
+    oor = mask & (slot >= num_slots)
+    return slot, tok, pos, valid, oor
+
+
+@triton.jit
+def _store_entries(fields_ptr, stride_words, slot, tok, pos, hs, valid, later, SERIAL: tl.constexpr):
+    """Store the entries' token, position and prev_hash (``hs``) fields; in serial mode (duplicates possible) only
+    a slot's last entry (``later``: lane j after lane i) stores."""
+    if SERIAL:  # duplicates exist only in serial mode: keep a slot's last entry
+        dup = (slot[:, None] == slot[None, :]) & valid[None, :] & later
+        keep = valid & (tl.max(dup.to(tl.int32), 1) == 0)
+    else:
+        keep = valid
+    rec = fields_ptr + tl.where(keep, slot, 0) * stride_words
+    tl.store(rec + F_TOKEN, tok, mask=keep)
+    tl.store(rec + F_POSITION, pos, mask=keep)
+    tl.store(rec + F_PREV_HASH, hs, mask=keep)
+
+
+@triton.jit
+def _expected_entries(exp_tok_ptr, exp_pos_ptr, idx, mask, tok, pos, INPUT_ASSERT: tl.constexpr):
+    """The write-input assert's expected (token, position) of entries ``idx`` under ``mask``, int64; without the
+    assert the entries' own (nothing loaded)."""
+    if INPUT_ASSERT:
+        etok = tl.load(exp_tok_ptr + idx, mask=mask, other=0).to(tl.int64)
+        epos = tl.load(exp_pos_ptr + idx, mask=mask, other=0).to(tl.int64)
+    else:
+        etok = tok
+        epos = pos
+    return etok, epos
+
+
+@triton.jit
+def _chunk_rows(
+    slot_ptr, pos_ptr, exp_tok_ptr, exp_pos_ptr, idx, m_c, lanes, num_slots, slot_c, tok_c, pos_c, hs, valid,
+    oor_c, last_pos, chain_on, ring_ptr, widx_ptr, ring_cap, kind, INPUT_ASSERT: tl.constexpr,
+):
+    """The chunk's violation rows (`_entry_rows`); ``last_pos`` before each entry, in parallel: the latest stored
+    entry before it in the chunk (a scan over the entries shifted by one), else the carried value. Returns the
+    carried ``last_pos`` after the chunk."""
+    pm = m_c & (lanes > 0)
+    slot_p = tl.load(slot_ptr + idx - 1, mask=pm, other=-1)
+    pos_p = tl.load(pos_ptr + idx - 1, mask=pm, other=0).to(tl.int64)
+    i_p = tl.where(pm & (slot_p >= 0) & (slot_p < num_slots), lanes - 1, -1)
+    i_s, p_s = tl.associative_scan((i_p, pos_p), 0, _later_max)
+    lp = tl.where(i_s >= 0, p_s, last_pos)
+    i_l, p_l = tl.reduce((tl.where(valid, lanes, -1), pos_c), 0, _later_max)
+    last_pos = tl.where(i_l >= 0, p_l, last_pos)
+    etok_c, epos_c = _expected_entries(exp_tok_ptr, exp_pos_ptr, idx, m_c, tok_c, pos_c, INPUT_ASSERT)
+    _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot_c, pos_c, tok_c, etok_c, epos_c, hs, lp, valid,
+                oor_c, (lanes >= 0) & chain_on, INPUT_ASSERT)
+    return last_pos
+
+
+@triton.jit
 def _chain_request(
     fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
     o0, o1, end_all, seed, chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
@@ -236,98 +364,80 @@ def _chain_request(
     lanes = tl.arange(0, CHUNK)
     later = lanes[None, :] > lanes[:, None]
     n = tl.maximum(tl.minimum(o1, end_all) - o0, 0)
-    # The first entries' scalars: masked by the unclamped end (never past the tensor).
-    lim = tl.minimum(o1, n_entries)
-    k0 = (o0 < lim) & (o0 >= 0)
-    k1 = (o0 + 1 < lim) & (o0 >= 0)
-    s_n = tl.load(slot_ptr + o0, mask=k0, other=-1).to(tl.int64)
-    t_n = tl.load(tok_ptr + o0, mask=k0, other=0).to(tl.int64)
-    p_n = tl.load(pos_ptr + o0, mask=k0, other=0).to(tl.int64)
-    s_nn = tl.load(slot_ptr + o0 + 1, mask=k1, other=-1).to(tl.int64)
-    t_nn = tl.load(tok_ptr + o0 + 1, mask=k1, other=0).to(tl.int64)
-    p_nn = tl.load(pos_ptr + o0 + 1, mask=k1, other=0).to(tl.int64)
+    s_n, t_n, p_n, s_nn, t_nn, p_nn = _first_entries(slot_ptr, tok_ptr, pos_ptr, o0, o1, n_entries)
     running, last_pos = _seed_state(fields_ptr, stride_words, num_slots, seed, h0)
     chain_on = (seed >= 0) & chain_flag
     check = chain_on | INPUT_ASSERT
     count_v = tl.zeros([CHUNK], tl.int32)
     if PREFETCH:
         if CHUNK < n:
-            _prefetch_l1(slot_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
-            _prefetch_l1(tok_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
-            _prefetch_l1(pos_ptr + o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
+            _prefetch_entries(slot_ptr, tok_ptr, pos_ptr, o0 + CHUNK + tl.minimum(lanes, n - CHUNK - 1))
     for c in range(0, n, CHUNK):
         if PREFETCH:  # two chunks ahead: the serial loop's scalar loads then hit L1
             if c + 2 * CHUNK < n:
                 pf = o0 + c + 2 * CHUNK + tl.minimum(lanes, n - c - 2 * CHUNK - 1)
-                _prefetch_l1(slot_ptr + pf)
-                _prefetch_l1(tok_ptr + pf)
-                _prefetch_l1(pos_ptr + pf)
+                _prefetch_entries(slot_ptr, tok_ptr, pos_ptr, pf)
                 if INPUT_ASSERT:
                     _prefetch_l1(exp_tok_ptr + pf)
                     _prefetch_l1(exp_pos_ptr + pf)
-        # Serial part, only the recurrence on the dependency path: the running hash before
-        # each entry (hs); the request's last entry needs no step after it.
         cnt = tl.minimum(n - c, CHUNK).to(tl.int32)
         last_chunk = c + CHUNK >= n
-        steps = tl.where(last_chunk, cnt - 1, cnt)
-        hs = tl.zeros([CHUNK], tl.int64)
-        base_k = o0 + c + 2
-        for j in tl.range(0, steps, loop_unroll_factor=UNROLL):
-            s_j = s_n
-            t_j = t_n
-            p_j = p_n
-            s_n = s_nn
-            t_n = t_nn
-            p_n = p_nn
-            k = base_k + j
-            km = c + j + 2 < n
-            s_nn = tl.load(slot_ptr + k, mask=km, other=-1).to(tl.int64)
-            t_nn = tl.load(tok_ptr + k, mask=km, other=0).to(tl.int64)
-            p_nn = tl.load(pos_ptr + k, mask=km, other=0).to(tl.int64)
-            hs = tl.where(lanes == j, as_i64(running), hs)
-            running = tl.where((s_j >= 0) & (s_j < num_slots), mix3(running, as_u64(t_j), as_u64(p_j)), running)
+        s_n, t_n, p_n, s_nn, t_nn, p_nn, hs, running = _serial_chunk(
+            slot_ptr, tok_ptr, pos_ptr, num_slots, o0, c, n, cnt, last_chunk, lanes,
+            s_n, t_n, p_n, s_nn, t_nn, p_nn, running, CHUNK, UNROLL)
         hs = tl.where(last_chunk & (lanes == cnt - 1), as_i64(running), hs)
         # Parallel part: the chunk's tiles (L1 hits), stores (a slot's last entry in the chunk
         # wins) and violation rows.
         idx = o0 + c + lanes
         m_c = lanes < cnt
-        slot_c = tl.load(slot_ptr + idx, mask=m_c, other=-1).to(tl.int64)
-        tok_c = tl.load(tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
-        pos_c = tl.load(pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
-        valid = m_c & (slot_c >= 0) & (slot_c < num_slots)
-        oor_c = m_c & (slot_c >= num_slots)
+        slot_c, tok_c, pos_c, valid, oor_c = _load_entries(slot_ptr, tok_ptr, pos_ptr, idx, m_c, num_slots)
         count_v += valid.to(tl.int32)
-        if SERIAL:  # duplicates exist only in serial mode: keep a slot's last entry
-            dup = (slot_c[:, None] == slot_c[None, :]) & valid[None, :] & later
-            keep = valid & (tl.max(dup.to(tl.int32), 1) == 0)
-        else:
-            keep = valid
-        rec = fields_ptr + tl.where(keep, slot_c, 0) * stride_words
-        tl.store(rec + F_TOKEN, tok_c, mask=keep)
-        tl.store(rec + F_POSITION, pos_c, mask=keep)
-        tl.store(rec + F_PREV_HASH, hs, mask=keep)
+        _store_entries(fields_ptr, stride_words, slot_c, tok_c, pos_c, hs, valid, later, SERIAL)
         if check | (tl.sum(oor_c.to(tl.int32), 0) > 0):
-            # last_pos before each entry, in parallel: the latest stored entry before it in
-            # the chunk (a scan over the entries shifted by one), else the carried value.
-            pm = m_c & (lanes > 0)
-            slot_p = tl.load(slot_ptr + idx - 1, mask=pm, other=-1)
-            pos_p = tl.load(pos_ptr + idx - 1, mask=pm, other=0).to(tl.int64)
-            i_p = tl.where(pm & (slot_p >= 0) & (slot_p < num_slots), lanes - 1, -1)
-            i_s, p_s = tl.associative_scan((i_p, pos_p), 0, _later_max)
-            lp = tl.where(i_s >= 0, p_s, last_pos)
-            i_l, p_l = tl.reduce((tl.where(valid, lanes, -1), pos_c), 0, _later_max)
-            last_pos = tl.where(i_l >= 0, p_l, last_pos)
-            if INPUT_ASSERT:
-                etok_c = tl.load(exp_tok_ptr + idx, mask=m_c, other=0).to(tl.int64)
-                epos_c = tl.load(exp_pos_ptr + idx, mask=m_c, other=0).to(tl.int64)
-            else:
-                etok_c = tok_c
-                epos_c = pos_c
-            _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot_c, pos_c, tok_c, etok_c, epos_c, hs, lp, valid,
-                        oor_c, (lanes >= 0) & chain_on, INPUT_ASSERT)
+            last_pos = _chunk_rows(slot_ptr, pos_ptr, exp_tok_ptr, exp_pos_ptr, idx, m_c, lanes, num_slots, slot_c,
+                                   tok_c, pos_c, hs, valid, oor_c, last_pos, chain_on, ring_ptr, widx_ptr, ring_cap,
+                                   kind, INPUT_ASSERT)
         if SERIAL:
             tl.debug_barrier()  # this chunk's stores land before later reads
     return tl.sum(count_v.to(tl.int64), 0)
+
+
+@triton.jit
+def _serial_requests(
+    fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+    off_ptr, seed_ptr, a, end_all, chain_flag, ring_ptr, widx_ptr, ring_cap, slot_counter_ptr, kind, h0,
+    INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Aliasing seen: every request of one context in batch order on the per-request path, then the slot counter."""
+    total = tl.zeros([], tl.int64)
+    for r in range(0, a):
+        total += _chain_request(
+            fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+            tl.load(off_ptr + r).to(tl.int64), tl.load(off_ptr + r + 1).to(tl.int64), end_all,
+            tl.load(seed_ptr + r).to(tl.int64), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
+            INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
+    tl.atomic_add(slot_counter_ptr, total, sem="relaxed")
+
+
+@triton.jit
+def _next_long(todo, lanes, o0, o1, seed, NONE: tl.constexpr):
+    """The first lane of ``todo`` (``NONE``: the lane count): ``todo`` without it and its request's (o0, o1,
+    seed) as scalars."""
+    k = tl.min(tl.where(todo, lanes, NONE), 0)
+    todo = todo & (lanes != k)
+    pick = lanes == k
+    return todo, tl.sum(tl.where(pick, o0, 0), 0), tl.sum(tl.where(pick, o1, 0), 0), tl.sum(tl.where(pick, seed, 0), 0)
+
+
+@triton.jit
+def _close_chain_launch(state_ptr, slot_counter_ptr, serial):
+    """Program 0 of the chain kernel: advance the epoch, take the prepare kernel's entry count (to the slot
+    counter in parallel mode; serial mode counts its own) and zero it."""
+    tl.store(state_ptr + _EPOCH, tl.load(state_ptr + _EPOCH) + 1)
+    counted = tl.load(state_ptr + _COUNT)
+    tl.store(state_ptr + _COUNT, 0)
+    if not serial:
+        tl.atomic_add(slot_counter_ptr, counted, sem="relaxed")
 
 
 @jit_batch_sized('n_entries', 'seed_cap', 'kind', scalar_ptrs=(
@@ -352,23 +462,12 @@ def _write_chain_kernel(
     end_all = tl.load(off_ptr + a)
     a = tl.where(end_all > 0, a, 0)  # work gate
     if pid == 0:  # close the launch (nobody else reads these words in this kernel)
-        tl.store(state_ptr + _EPOCH, tl.load(state_ptr + _EPOCH) + 1)
-        counted = tl.load(state_ptr + _COUNT)
-        tl.store(state_ptr + _COUNT, 0)
-        if not serial:
-            tl.atomic_add(slot_counter_ptr, counted, sem="relaxed")
+        _close_chain_launch(state_ptr, slot_counter_ptr, serial)
     if serial:
         if pid == 0:
-            total = tl.zeros([], tl.int64)
-            for r in range(0, a):
-                o0 = tl.load(off_ptr + r).to(tl.int64)
-                o1 = tl.load(off_ptr + r + 1).to(tl.int64)
-                seed = tl.load(seed_ptr + r).to(tl.int64)
-                total += _chain_request(
-                    fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-                    o0, o1, end_all, seed, chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
-                    INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
-            tl.atomic_add(slot_counter_ptr, total, sem="relaxed")
+            _serial_requests(fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr,
+                             n_entries, off_ptr, seed_ptr, a, end_all, chain_flag, ring_ptr, widx_ptr, ring_cap,
+                             slot_counter_ptr, kind, h0, INPUT_ASSERT, CHUNK, UNROLL, PREFETCH)
     else:
         lanes = tl.arange(0, CHUNK)
         owned = tl.maximum(a - pid + nprog - 1, 0) // nprog  # requests pid, pid + nprog, ... < a
@@ -385,13 +484,10 @@ def _write_chain_kernel(
                                     running, seed_pos, INPUT_ASSERT)
             # Longer requests, one at a time on the per-request path.
             for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
-                k = tl.min(tl.where(todo, lanes, CHUNK), 0)
-                todo = todo & (lanes != k)
-                pick = lanes == k
+                todo, o0_k, o1_k, seed_k = _next_long(todo, lanes, o0, o1, seed, CHUNK)
                 _chain_request(
                     fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-                    tl.sum(tl.where(pick, o0, 0), 0), tl.sum(tl.where(pick, o1, 0), 0), end_all,
-                    tl.sum(tl.where(pick, seed, 0), 0), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
+                    o0_k, o1_k, end_all, seed_k, chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
                     INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
 
 
@@ -414,42 +510,116 @@ def _one_entry_lanes(
     n = tl.maximum(tl.minimum(o1, end_all) - o0, 0)
     one = mr & (n == 1)
     e = tl.where(one, o0, 0)
-    slot = tl.load(slot_ptr + e, mask=one, other=-1).to(tl.int64)
-    tok = tl.load(tok_ptr + e, mask=one, other=0).to(tl.int64)
-    pos = tl.load(pos_ptr + e, mask=one, other=0).to(tl.int64)
-    valid = one & (slot >= 0) & (slot < num_slots)
-    oor = one & (slot >= num_slots)
+    slot, tok, pos, valid, oor = _load_entries(slot_ptr, tok_ptr, pos_ptr, e, one, num_slots)
     hs = as_i64(running)
-    rec = fields_ptr + tl.where(valid, slot, 0) * stride_words
-    tl.store(rec + F_TOKEN, tok, mask=valid)
-    tl.store(rec + F_POSITION, pos, mask=valid)
-    tl.store(rec + F_PREV_HASH, hs, mask=valid)
-    if INPUT_ASSERT:
-        etok = tl.load(exp_tok_ptr + e, mask=valid, other=0).to(tl.int64)
-        epos = tl.load(exp_pos_ptr + e, mask=valid, other=0).to(tl.int64)
-    else:
-        etok = tok
-        epos = pos
+    _store_entries(fields_ptr, stride_words, slot, tok, pos, hs, valid, None, False)
+    etok, epos = _expected_entries(exp_tok_ptr, exp_pos_ptr, e, valid, tok, pos, INPUT_ASSERT)
     _entry_rows(ring_ptr, widx_ptr, ring_cap, kind, slot, pos, tok, etok, epos, hs, seed_pos, valid, oor,
                 (seed >= 0) & chain_flag, INPUT_ASSERT)
     return mr & (n > 1)
 
 
 @triton.jit
+def _small_open(state_ptr, kca, kcb, off_ptr, seed_ptr, slot_ptr, num_reqs_ptr, seed_cap, n_entries, caa, cab, lanes,
+                NCTX: tl.constexpr):
+    """Open the single-CTA launch: count it in each context's kernel counter, then read the plan in lanes.
+    Returns the epoch, request i's offsets (o0, o1) and seed, entry i's slot, the request count after the work
+    gate, the work range (begin, end_all) and each context's chain-position assert flag."""
+    epoch = tl.load(state_ptr + _EPOCH)
+    tl.atomic_add(kca, 1, sem="relaxed")
+    if NCTX == 2:
+        tl.atomic_add(kcb, 1, sem="relaxed")
+    rc = lanes < seed_cap
+    o0 = tl.load(off_ptr + lanes, mask=rc, other=0).to(tl.int64)
+    o1 = tl.load(off_ptr + lanes + 1, mask=rc, other=0).to(tl.int64)
+    sd = tl.load(seed_ptr + lanes, mask=rc, other=-1).to(tl.int64)
+    s = tl.load(slot_ptr + lanes, mask=lanes < n_entries, other=-1).to(tl.int64)
+    a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
+    chain_a = tl.load(caa) != 0
+    chain_b = chain_a
+    if NCTX == 2:
+        chain_b = tl.load(cab) != 0
+    begin = tl.sum(tl.where(lanes == 0, o0, 0), 0)
+    end_all = tl.sum(tl.where(lanes == a - 1, o1, 0), 0)  # offsets[a], 0 when a == 0 (the work gate)
+    a = tl.where(end_all > 0, a, 0)
+    return epoch, o0, o1, sd, s, a, begin, end_all, chain_a, chain_b
+
+
+@triton.jit
+def _early_seed_states(o0, o1, sd, a, end_all, lanes, fa, swa, fb, swb, num_slots, h0, NCTX: tl.constexpr):
+    """`_one_entry_seed_state` of each context (B's is A's with one context)."""
+    run_a, seed_pos_a = _one_entry_seed_state(o0, o1, sd, lanes < a, end_all, fa, swa, num_slots, h0)
+    run_b = run_a
+    seed_pos_b = seed_pos_a
+    if NCTX == 2:
+        run_b, seed_pos_b = _one_entry_seed_state(o0, o1, sd, lanes < a, end_all, fb, swb, num_slots, h0)
+    return run_a, seed_pos_a, run_b, seed_pos_b
+
+
+@triton.jit
+def _small_masks(epoch, s, sd, o0, o1, begin, end_all, a, lanes, num_slots):
+    """The epoch's (writer, seed) tags, entries stored (``inside``: in the work range, in the buffer), live
+    requests (``rm``) and seeds read (``reads``), as the prepare kernel decides them."""
+    writer_tag = epoch * 4 + 2
+    seed_tag = epoch * 4 + 1
+    w = (lanes < end_all) & (lanes >= begin) & (s >= 0)
+    inside = w & (s < num_slots)
+    rm = lanes < a
+    reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
+    return writer_tag, seed_tag, inside, rm, reads
+
+
+@triton.jit
 def _small_serial(
-    fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-    off_ptr, seed_ptr, a, end_all, chain_flag, ring_ptr, widx_ptr, ring_cap, slot_counter_ptr, kind, h0,
-    INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+    tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries, num_slots, h0, off_ptr, seed_ptr, a, end_all,
+    fa, swa, chain_a, ringa, widxa, capa, sca, kinda,   # context A
+    fb, swb, chain_b, ringb, widxb, capb, scb, kindb,   # context B (NCTX == 2)
+    NCTX: tl.constexpr, INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    """Aliasing seen: every request of one context in batch order on the per-request path."""
-    total = tl.zeros([], tl.int64)
-    for r in range(0, a):
-        total += _chain_request(
-            fields_ptr, stride_words, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-            tl.load(off_ptr + r).to(tl.int64), tl.load(off_ptr + r + 1).to(tl.int64), end_all,
-            tl.load(seed_ptr + r).to(tl.int64), chain_flag, ring_ptr, widx_ptr, ring_cap, kind, h0,
-            INPUT_ASSERT, True, CHUNK, UNROLL, PREFETCH)
-    tl.atomic_add(slot_counter_ptr, total, sem="relaxed")
+    """Aliasing seen: `_serial_requests` of context A, then of B."""
+    _serial_requests(fa, swa, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                     off_ptr, seed_ptr, a, end_all, chain_a, ringa, widxa, capa, sca, kinda, h0,
+                     INPUT_ASSERT, CHUNK, UNROLL, PREFETCH)
+    if NCTX == 2:
+        _serial_requests(fb, swb, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                         off_ptr, seed_ptr, a, end_all, chain_b, ringb, widxb, capb, scb, kindb, h0,
+                         INPUT_ASSERT, CHUNK, UNROLL, PREFETCH)
+
+
+@triton.jit
+def _small_parallel(
+    tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries, num_slots, h0, o0, o1, sd, rm, end_all,
+    inside, lanes,
+    fa, swa, chain_a, ringa, widxa, capa, sca, kinda, run_a, seed_pos_a,   # context A
+    fb, swb, chain_b, ringb, widxb, capb, scb, kindb, run_b, seed_pos_b,   # context B (NCTX == 2)
+    NCTX: tl.constexpr, INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
+    PREFETCH: tl.constexpr, LANES: tl.constexpr,
+):
+    """No aliasing: count the stored entries, chain the one-entry requests in their lanes from the early seed
+    states (``run``, ``seed_pos``), then the longer ones one at a time on the per-request path; per request,
+    context A then B."""
+    count = tl.sum(inside.to(tl.int64), 0)
+    tl.atomic_add(sca, count, sem="relaxed")
+    todo = _one_entry_lanes(o0, o1, sd, rm, end_all, chain_a, fa, swa, num_slots, tok_ptr, pos_ptr,
+                            slot_ptr, exp_tok_ptr, exp_pos_ptr, ringa, widxa, capa, kinda, run_a, seed_pos_a,
+                            INPUT_ASSERT)
+    if NCTX == 2:
+        tl.atomic_add(scb, count, sem="relaxed")
+        _one_entry_lanes(o0, o1, sd, rm, end_all, chain_b, fb, swb, num_slots, tok_ptr, pos_ptr,
+                         slot_ptr, exp_tok_ptr, exp_pos_ptr, ringb, widxb, capb, kindb, run_b, seed_pos_b,
+                         INPUT_ASSERT)
+    for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
+        todo, o0_k, o1_k, sd_k = _next_long(todo, lanes, o0, o1, sd, LANES)
+        _chain_request(
+            fa, swa, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+            o0_k, o1_k, end_all, sd_k, chain_a, ringa, widxa, capa, kinda, h0,
+            INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
+        if NCTX == 2:
+            _chain_request(
+                fb, swb, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
+                o0_k, o1_k, end_all, sd_k, chain_b, ringb, widxb, capb, kindb, h0,
+                INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
 
 
 @jit_batch_sized('n_entries', 'seed_cap', 'kinda', 'kindb', scalar_ptrs=(
@@ -477,43 +647,19 @@ def _write_small_kernel(
     pdl_wait(PDL)
     pdl_release(PDL)
     lanes = tl.arange(0, LANES)
-    epoch = tl.load(state_ptr + _EPOCH)
-    tl.atomic_add(kca, 1, sem="relaxed")
-    if NCTX == 2:
-        tl.atomic_add(kcb, 1, sem="relaxed")
-    rc = lanes < seed_cap
-    o0 = tl.load(off_ptr + lanes, mask=rc, other=0).to(tl.int64)
-    o1 = tl.load(off_ptr + lanes + 1, mask=rc, other=0).to(tl.int64)
-    sd = tl.load(seed_ptr + lanes, mask=rc, other=-1).to(tl.int64)
-    s = tl.load(slot_ptr + lanes, mask=lanes < n_entries, other=-1).to(tl.int64)
-    a = tl.minimum(tl.maximum(tl.load(num_reqs_ptr).to(tl.int64), 0), seed_cap)
-    chain_a = tl.load(caa) != 0
-    chain_b = chain_a
-    if NCTX == 2:
-        chain_b = tl.load(cab) != 0
-    begin = tl.sum(tl.where(lanes == 0, o0, 0), 0)
-    end_all = tl.sum(tl.where(lanes == a - 1, o1, 0), 0)  # offsets[a], 0 when a == 0 (the work gate)
-    a = tl.where(end_all > 0, a, 0)
+    epoch, o0, o1, sd, s, a, begin, end_all, chain_a, chain_b = _small_open(
+        state_ptr, kca, kcb, off_ptr, seed_ptr, slot_ptr, num_reqs_ptr, seed_cap, n_entries, caa, cab, lanes, NCTX)
     # The parallel path's seed records, loaded now (with the atomics and fingerprint loads below in flight):
     # without aliasing no entry of this launch stores a seed's fields, so they are what that path reads.
-    run_a, seed_pos_a = _one_entry_seed_state(o0, o1, sd, lanes < a, end_all, fa, swa, num_slots, h0)
-    run_b = run_a
-    seed_pos_b = seed_pos_a
-    if NCTX == 2:
-        run_b, seed_pos_b = _one_entry_seed_state(o0, o1, sd, lanes < a, end_all, fb, swb, num_slots, h0)
+    run_a, seed_pos_a, run_b, seed_pos_b = _early_seed_states(o0, o1, sd, a, end_all, lanes, fa, swa, fb, swb,
+                                                              num_slots, h0, NCTX)
     # Aliasing, as the prepare kernel detects it (same epoch-tagged table).
-    writer_tag = epoch * 4 + 2
-    seed_tag = epoch * 4 + 1
-    w = (lanes < end_all) & (lanes >= begin) & (s >= 0)
-    inside = w & (s < num_slots)
-    rm = lanes < a
-    reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
+    writer_tag, seed_tag, inside, rm, reads = _small_masks(epoch, s, sd, o0, o1, begin, end_all, a, lanes, num_slots)
     if JITTER:  # seeded stalls before the KV is read (docs/design.md §3.11), per context
         jitter_stall(jit_params, jit_key, jit_counts, kinda, s, inside, SPIN)
         if NCTX == 2:
             jitter_stall(jit_params, jit_key, jit_counts, kindb, s, inside, SPIN)
-    old_w = tl.atomic_max(table_ptr + s, tl.zeros([LANES], tl.int64) + writer_tag, mask=inside, sem="relaxed")
-    old_r = tl.atomic_max(table_ptr + sd, tl.zeros([LANES], tl.int64) + seed_tag, mask=reads, sem="relaxed")
+    old_w, old_r = _claim(table_ptr, s, sd, inside, reads, writer_tag, seed_tag, LANES)
     fp_a = fingerprint(s, inside, a_s0, a_p0, a_n0, a_r0, a_s1, a_p1, a_n1, a_r1, a_s2, a_p2, a_n2, a_r2,
                        a_s3, a_p3, a_n3, a_r3, A_NSRC, A_W0, A_W1, A_W2, A_W3)
     if NCTX == 2:
@@ -527,40 +673,15 @@ def _write_small_kernel(
     tl.store(state_ptr + _EPOCH, epoch + 1)
     tl.store(state_ptr + _CONFLICTS + (epoch + 1) % 2, 0)  # the word the next two-kernel launch uses
     if conflicts != 0:
-        _small_serial(fa, swa, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-                      off_ptr, seed_ptr, a, end_all, chain_a, ringa, widxa, capa, sca, kinda, h0,
-                      INPUT_ASSERT, CHUNK, UNROLL, PREFETCH)
-        if NCTX == 2:
-            _small_serial(fb, swb, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-                          off_ptr, seed_ptr, a, end_all, chain_b, ringb, widxb, capb, scb, kindb, h0,
-                          INPUT_ASSERT, CHUNK, UNROLL, PREFETCH)
+        _small_serial(tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries, num_slots, h0, off_ptr, seed_ptr,
+                      a, end_all, fa, swa, chain_a, ringa, widxa, capa, sca, kinda,
+                      fb, swb, chain_b, ringb, widxb, capb, scb, kindb, NCTX, INPUT_ASSERT, CHUNK, UNROLL, PREFETCH)
     else:
-        count = tl.sum(inside.to(tl.int64), 0)
-        tl.atomic_add(sca, count, sem="relaxed")
-        todo = _one_entry_lanes(o0, o1, sd, rm, end_all, chain_a, fa, swa, num_slots, tok_ptr, pos_ptr,
-                                slot_ptr, exp_tok_ptr, exp_pos_ptr, ringa, widxa, capa, kinda, run_a, seed_pos_a,
-                                INPUT_ASSERT)
-        if NCTX == 2:
-            tl.atomic_add(scb, count, sem="relaxed")
-            _one_entry_lanes(o0, o1, sd, rm, end_all, chain_b, fb, swb, num_slots, tok_ptr, pos_ptr,
-                             slot_ptr, exp_tok_ptr, exp_pos_ptr, ringb, widxb, capb, kindb, run_b, seed_pos_b,
-                             INPUT_ASSERT)
-        for _t in range(0, tl.sum(todo.to(tl.int32), 0)):
-            k = tl.min(tl.where(todo, lanes, LANES), 0)
-            todo = todo & (lanes != k)
-            pick = lanes == k
-            o0_k = tl.sum(tl.where(pick, o0, 0), 0)
-            o1_k = tl.sum(tl.where(pick, o1, 0), 0)
-            sd_k = tl.sum(tl.where(pick, sd, 0), 0)
-            _chain_request(
-                fa, swa, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-                o0_k, o1_k, end_all, sd_k, chain_a, ringa, widxa, capa, kinda, h0,
-                INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
-            if NCTX == 2:
-                _chain_request(
-                    fb, swb, num_slots, tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries,
-                    o0_k, o1_k, end_all, sd_k, chain_b, ringb, widxb, capb, kindb, h0,
-                    INPUT_ASSERT, False, CHUNK, UNROLL, PREFETCH)
+        _small_parallel(tok_ptr, pos_ptr, slot_ptr, exp_tok_ptr, exp_pos_ptr, n_entries, num_slots, h0, o0, o1, sd,
+                        rm, end_all, inside, lanes,
+                        fa, swa, chain_a, ringa, widxa, capa, sca, kinda, run_a, seed_pos_a,
+                        fb, swb, chain_b, ringb, widxb, capb, scb, kindb, run_b, seed_pos_b,
+                        NCTX, INPUT_ASSERT, CHUNK, UNROLL, PREFETCH, LANES)
 
 
 class _Scratch:
