@@ -188,6 +188,7 @@ class TransformersCbHandle:
         pre = self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         post = self.model.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         self._hooks = [pre, post]
+        self.weights.install()  # load_state_dict / optimizer-step hooks and sentinel counters (weights.py)
         try:
             self._init_cb_wrapper = compat.stack_method(self.model, compat.INIT_CB_METHOD, self._graphs.wrap_init_cb)
         except Exception as exc:  # noqa: BLE001 — without it only the very first capture's failure goes unrepaired
@@ -635,7 +636,7 @@ class TransformersCbHandle:
     @property
     def weights_version(self) -> int:
         """The weights version requests appearing now are keyed with (0 until the weights change)."""
-        return self.weights.version
+        return self.weights.current()
 
     def raise_if_failed(self) -> None:
         """Raise the first error the canary hit in the engine thread: a `CanaryViolationError` (only
@@ -651,6 +652,7 @@ class TransformersCbHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.weights.remove()
         if self._init_cb_wrapper is not None:  # left in place (passing through) when another wrapper sits on top
             compat.unstack_method(self.model, compat.INIT_CB_METHOD, self._init_cb_wrapper)
             self._init_cb_wrapper = None
@@ -854,9 +856,10 @@ def attach(
     attention; a sliding window past position 0 does not see it). Without the hook every request is one context.
     The hook may return a `kvcanary.runtime.identity.ProducerIdentity` (adapter, salt, ...): a violation then names
     the field that differed. ``watch_weights`` (default on): the weights version is part of every request's identity,
-    taken when the request first appears; the adapter notices in-place updates of the model's parameters (`weights.py`:
-    tensor version counters, read once per step that admits a request), so a prefix-cache hit on KV computed by older
-    weights is a violation of the hitting request (``identity_weights_version``); writes the counters cannot see need
+    taken when the request first appears; the adapter notices ``load_state_dict``, optimizer steps over the model's
+    parameters and in-place writes to a few sentinel parameters (`weights.py`: hooks, and version counters read once
+    per step that admits a request), so a prefix-cache hit on KV computed by older weights is a violation of the
+    hitting request (``identity_weights_version``); writes the watch cannot see need
     ``handle.bump_weights_version()``. Off: no weights version (and no context keys without ``context_of``).
     In mode ``none`` nothing is attached.
     """

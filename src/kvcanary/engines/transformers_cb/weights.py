@@ -2,78 +2,117 @@
 
 RL loops update a serving model's weights in place (``load_state_dict``, an optimizer step on a shared model). A
 prefix cache that survives the update serves KV computed by the old weights. The adapter folds a weights version into
-every request's producer identity, taken when the request first appears; the version goes up when the watch sees a
+every request's producer identity, taken when the request first appears; the version goes up when the watch saw a
 change, so a later request hitting a block cached under the old weights fails at position 0 (``verify_chain_hash``,
 named ``identity_weights_version``).
 
-How a change is seen, per call of `current` (the adapter calls it once per engine step that admits a new request —
-never on pure decode steps):
+How a change is seen (nothing scans the weights, nor even every parameter, per step):
 
-* every parameter tensor's version counter (``Tensor._version``: bumped by every in-place write through the
-  parameter — ``copy_`` in ``load_state_dict``, an optimizer's ``add_``), read over a list taken at construction:
-  one attribute read per parameter (about 9 us for a 16-layer, 18 us for a 32-layer tiny Llama on this CPU);
-* parameter objects replaced (``load_state_dict(assign=True)``, ``module.weight = Parameter(...)``): the list is
-  re-taken every ``rescan_every`` calls (a walk of the module tree, ~0.2-0.4 ms), and a changed list is a change.
+* ``load_state_dict`` on the model or any of its submodules (``assign=True`` included): a post-hook on every module
+  marks the weights changed; free until a load runs;
+* an optimizer step (any ``torch.optim.Optimizer``) whose parameter groups hold one of the model's parameters: a
+  global step post-hook marks them changed (one set lookup per optimizer parameter, per optimizer step);
+* any other in-place write through a parameter (``p.copy_(...)``, ``p.add_(...)``) that reaches one of a few
+  sentinel parameters spread over the model (`SENTINELS`: the first, the last, evenly between): their tensor
+  version counters (``Tensor._version``) are compared in `current` — a handful of attribute reads.
 
-Writes the counters cannot see — through ``param.data`` (``p.data.copy_(...)``, ``p.data = t``) or from outside
-Python (another process writing the weights' memory) — need the manual fallback `bump`
-(``TransformersCbHandle.bump_weights_version()``). With ``auto=False`` only `bump` changes the version.
+`current` runs once per engine step that admits a request (never on pure decode steps), so a change is seen before
+the next request is keyed. Writes none of these see — through ``param.data`` (``p.data.copy_(...)``), in-place writes
+to non-sentinel parameters only, parameters replaced by assignment, or writes from outside Python (another process
+writing the weights' memory) — need the manual fallback `bump` (``TransformersCbHandle.bump_weights_version()``),
+called after the update and before the next request. With ``auto=False`` only `bump` changes the version.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from kvcanary.errors import KvCanaryValueError
 
-DEFAULT_RESCAN_EVERY = 256
+SENTINELS = 8
+
+
+def _counter(p: torch.Tensor):
+    """``p``'s version counter, or None where it has none (an inference-mode tensor)."""
+    try:
+        return p._version
+    except RuntimeError:
+        return None
 
 
 class WeightsWatch:
-    """The weights version of ``model`` (see the module docstring); starts at 0."""
+    """The weights version of ``model`` (see the module docstring); starts at 0. `install` arms the hooks,
+    `remove` disarms them (idempotent)."""
 
-    def __init__(self, model: torch.nn.Module, *, auto: bool = True, rescan_every: int = DEFAULT_RESCAN_EVERY) -> None:
-        if rescan_every < 1:
-            raise KvCanaryValueError(f"kv-canary: WeightsWatch rescan_every must be >= 1, got {rescan_every}")
+    def __init__(self, model: torch.nn.Module, *, auto: bool = True, sentinels: int = SENTINELS) -> None:
+        if sentinels < 1:
+            raise KvCanaryValueError(f"kv-canary: WeightsWatch sentinels must be >= 1, got {sentinels}")
         self.model = model
         self.auto = auto
-        self.rescan_every = rescan_every
+        self.sentinels = sentinels
         self.version = 0
-        self.checks = 0
-        self._params: list[torch.Tensor] = []
-        self._ids: tuple[int, ...] = ()
-        self._seen: list[int] = []
-        if auto:
-            self._take()
+        self.changes = 0  # changes the automatic watch saw (bumps by `bump` not counted)
+        self._dirty = False
+        self._hooks: list = []
+        self._ids: frozenset[int] = frozenset()
+        self._watched: list[torch.Tensor] = []
+        self._seen: list = []
 
-    def _take(self) -> bool:
-        """Re-take the parameter list; True when the objects differ from the last list."""
+    def install(self) -> None:
+        if not self.auto or self._hooks:
+            return
+        ref = weakref.ref(self)
+
+        def loaded(module, incompatible_keys) -> None:
+            watch = ref()
+            if watch is not None:
+                watch._dirty = True
+
+        def stepped(optimizer, args, kwargs) -> None:
+            watch = ref()
+            if watch is not None and not watch._dirty:
+                ids = watch._ids
+                watch._dirty = any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
+        self._hooks = [m.register_load_state_dict_post_hook(loaded) for m in self.model.modules()]
+        self._hooks.append(register_optimizer_step_post_hook(stepped))
+        self._take()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _take(self) -> None:
+        """Take the parameter set and the sentinels' counters as they are now."""
         params = list(self.model.parameters())
-        ids = tuple(id(p) for p in params)
-        changed = bool(self._ids) and ids != self._ids
-        self._params, self._ids = params, ids
-        self._seen = [p._version for p in params]
-        return changed
+        self._ids = frozenset(id(p) for p in params)
+        tracked = [p for p in params if _counter(p) is not None]
+        n = min(self.sentinels, len(tracked))
+        picks = sorted({round(i * (len(tracked) - 1) / max(n - 1, 1)) for i in range(n)}) if n else []
+        self._watched = [tracked[i] for i in picks]
+        self._seen = [p._version for p in self._watched]
 
     def current(self) -> int:
-        """The version now: bumped once if any parameter was written in place (or replaced) since the last call."""
-        if not self.auto:
+        """The version now: bumped once if the weights changed (see the module docstring) since the last call."""
+        if not self._hooks:
             return self.version
-        self.checks += 1
-        if self.checks % self.rescan_every == 0 and self._take():
+        if self._dirty or [p._version for p in self._watched] != self._seen:
             self.version += 1
-            return self.version
-        seen = [p._version for p in self._params]
-        if seen != self._seen:
-            self._seen = seen
-            self.version += 1
+            self.changes += 1
+            self._dirty = False
+            self._take()
         return self.version
 
     def bump(self) -> int:
-        """The manual fallback: the weights changed in a way the counters cannot see; returns the new version."""
+        """The manual fallback: the weights changed in a way the watch cannot see; returns the new version."""
         self.version += 1
-        if self.auto:
-            self._take()  # the counters as they are now belong to the new version
+        if self._hooks:
+            self._dirty = False
+            self._take()  # what the watch sees now belongs to the new version
         return self.version
 
 
-__all__ = ["WeightsWatch", "DEFAULT_RESCAN_EVERY"]
+__all__ = ["WeightsWatch", "SENTINELS"]
