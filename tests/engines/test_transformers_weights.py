@@ -19,7 +19,6 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import kvcanary  # noqa: E402
 from kvcanary.engines.transformers_cb import compat  # noqa: E402
 from kvcanary.engines.transformers_cb.forward_view import find_batch_processor  # noqa: E402
-from kvcanary.engines.transformers_cb.weights import WeightsWatch  # noqa: E402
 from kvcanary.errors import KvCanaryRuntimeError  # noqa: E402
 from kvcanary.ops import FailReason  # noqa: E402
 from kvcanary.runtime.identity import IDENTITY_WEIGHTS_VERSION  # noqa: E402
@@ -138,42 +137,3 @@ def test_watch_off_keeps_no_version(model):
     assert starts == {"a": 0, "b": 32} and handle.counters()["total"] == 0
     with pytest.raises(KvCanaryRuntimeError, match=r"^kv-canary: bump_weights_version\(\) needs"):
         handle.bump_weights_version()
-
-
-def test_watch_sees_submodule_loads_and_the_models_optimizers_only():
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
-    other = torch.nn.Linear(4, 4)
-    watch = WeightsWatch(net)
-    watch.install()
-    assert watch.current() == 0 and len(watch._watched) == 8  # sentinels, not every parameter
-    net[5].load_state_dict({k: v * 2 for k, v in net[5].state_dict().items()})  # no sentinel in net[5]
-    assert watch.current() == 1 and watch.current() == 1
-    opt = torch.optim.SGD(other.parameters(), lr=0.1)
-    other(torch.ones(1, 4)).sum().backward()
-    opt.step()
-    assert watch.current() == 1  # another model's optimizer
-    opt = torch.optim.SGD(net[5].parameters(), lr=0.1)
-    net(torch.ones(1, 4)).sum().backward()
-    opt.step()
-    assert watch.current() == 2
-    with torch.no_grad():
-        net[0].weight.mul_(2)  # a sentinel
-    assert watch.current() == 3
-    assert watch.bump() == 4 and watch.current() == 4
-    watch.remove()
-    net.load_state_dict(net.state_dict())
-    assert watch.current() == 4  # disarmed
-
-
-def test_watch_takes_inference_mode_models():
-    with torch.inference_mode():
-        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    net2 = torch.nn.Linear(4, 4)
-    net.add_module("tracked", net2)
-    watch = WeightsWatch(net)
-    watch.install()  # inference tensors keep no version counter: not sentinels, the hooks still see loads
-    assert all(p is not None for p in watch._watched) and len(watch._watched) == 2
-    with torch.inference_mode():
-        net.load_state_dict(net.state_dict())
-    assert watch.current() == 1

@@ -82,7 +82,7 @@ from kvcanary.engines.transformers_cb.forward_view import ContextFn, ForwardTran
 from kvcanary.engines.transformers_cb.graph_driver import GraphDriver
 from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_views
 from kvcanary.engines.transformers_cb.moves import MoveObserver
-from kvcanary.engines.transformers_cb.weights import WeightsWatch
+from kvcanary.runtime.weights import WeightsWatch
 from kvcanary.engines.transformers_cb.session import (
     CAUSE_CAPACITY,
     CAUSE_INTERNAL,
@@ -181,14 +181,14 @@ class TransformersCbHandle:
         self._last_suspension: Optional[str] = None  # cause of the latest suspension (kept after it ends)
         self._device_path: Optional[str] = None  # the latest session's device path (kept after it ends)
         self._graphs = GraphDriver(self)  # graph mode: the compute_batch wrappers and the capture repair
-        self.weights = WeightsWatch(self.model, auto=self.watch_weights)  # kept across sessions (weights.py)
+        self.weights = WeightsWatch(self.model, auto=self.watch_weights)  # kept across sessions (runtime/weights.py)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _install(self) -> None:
         pre = self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         post = self.model.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         self._hooks = [pre, post]
-        self.weights.install()  # load_state_dict / optimizer-step hooks and sentinel counters (weights.py)
+        self.weights.install()  # load_state_dict / optimizer-step hooks and sentinel counters (runtime/weights.py)
         try:
             self._init_cb_wrapper = compat.stack_method(self.model, compat.INIT_CB_METHOD, self._graphs.wrap_init_cb)
         except Exception as exc:  # noqa: BLE001 — without it only the very first capture's failure goes unrepaired
@@ -857,7 +857,7 @@ def attach(
     The hook may return a `kvcanary.runtime.identity.ProducerIdentity` (adapter, salt, ...): a violation then names
     the field that differed. ``watch_weights`` (default on): the weights version is part of every request's identity,
     taken when the request first appears; the adapter notices ``load_state_dict``, optimizer steps over the model's
-    parameters and in-place writes to a few sentinel parameters (`weights.py`: hooks, and version counters read once
+    parameters and in-place writes to a few sentinel parameters (`runtime/weights.py`: hooks, and version counters read once
     per step that admits a request), so a prefix-cache hit on KV computed by older weights is a violation of the
     hitting request (``identity_weights_version``); writes the watch cannot see need
     ``handle.bump_weights_version()``. Off: no weights version (and no context keys without ``context_of``).
