@@ -19,6 +19,7 @@ from kvcanary.engines.transformers_cb import compat  # noqa: E402
 from kvcanary.engines.transformers_cb.forward_view import find_batch_processor  # noqa: E402
 from kvcanary.errors import KvCanaryTypeError  # noqa: E402
 from kvcanary.ops import FailReason  # noqa: E402
+from kvcanary.runtime.identity import IDENTITY_CONTEXT  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("quiet_engine")
 
@@ -54,7 +55,10 @@ def test_prefix_hit_across_contexts_is_caught_against_the_request_served(llama):
     found = handle.violations()
     assert found and {v.request_id for v in found} == {served}
     head = [v for v in found if v.launch_tag.name == "HEAD_K_FULL"]
-    assert head and head[0].stored_position == 0 and head[0].reasons == FailReason.VERIFY_CHAIN_HASH_MISMATCH
+    assert head and head[0].stored_position == 0
+    # the chain row, named at drain time: the stored record was produced under the other adapter's context
+    assert head[0].reasons == FailReason.VERIFY_CHAIN_HASH_MISMATCH | IDENTITY_CONTEXT
+    assert head[0].identity_detail == "stored -> expected: context 'lora-B' -> 'lora-A'"
     assert all(v.stored_position == 0 and v.launch_tag.phase in ("head", "tail") for v in found)
     _, _, plain = run(llama)
     assert tokens == plain  # the hook changes nothing the engine does

@@ -68,6 +68,25 @@ def test_slice_covers_the_space_and_twins():
     assert any(c["workload"]["moves"] for c, _ in sims)
     assert {c["canary"]["real_kv_hash"] for c, _ in sims} == {"none", "partial", "all"}
     assert sum(f for _, f in sims) >= 5
+    idents = [c["workload"]["identity"] for c, _ in sims if c["workload"]["identity"]]
+    assert any(i["image_prob"] for i in idents) and any(i["adapters"] and i["salts"] for i in idents)
+    assert {i["reset"] for i in idents if i["weight_updates"]} == {True, False}  # reset, and a versioned cache key
+    assert any(c["engine"]["sliding_window"] and c["engine"]["spec_tokens"] for c, _ in sims)  # nulled slots
+
+
+@pytest.mark.parametrize("index,named", [(1, {"identity_adapter", "identity_salt"}),
+                                         (17, {"identity_salt", "identity_weights_version"})])
+def test_identity_scenarios_bite_on_an_engine_whose_cache_key_forgets_them(index, named):
+    """The clean twin of these configurations is in the slice above; here the engine's prefix-cache key holds the
+    token ids only (the bug class), and the canary names what differed."""
+    logging.getLogger("kvcanary").setLevel(logging.CRITICAL)
+    config, _ = fuzz.draw("sim", fuzz_sim, CI_SEED, index)
+    assert config["engine"]["cache_key_fields"] != []
+    config["engine"]["cache_key_fields"] = []
+    o = fuzz_sim.run_config(config, seed=fuzz.run_seed(CI_SEED, index), faulted=False)
+    assert o["violations"] and o["error"] is None
+    labels = {part for v in o["first_violations"] for word in v.split() for part in word.split("+")}
+    assert named <= labels and "verify_chain_hash" in labels
 
 
 def test_outcome_failure_reasons_and_reproducer():

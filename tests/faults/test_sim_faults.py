@@ -87,3 +87,9 @@ def test_deep_fingerprints_catch_every_cached_bit_flip():
     run = run_class("kv_flip_cached", SimCampaignConfig(seed=5, per_class=6, deep_fingerprints=True), clean_twin=False)
     assert run.outcomes and all(o.injection.expected_detectable for o in run.outcomes)
     assert sum(o.detected for o in run.outcomes) == len(run.outcomes)
+
+
+def test_every_class_has_a_seed_slot():
+    from kvcanary.faults.sim_campaign import SEED_SLOTS
+
+    assert sorted(SEED_SLOTS) == sorted(INJECTORS) and len(set(SEED_SLOTS)) == len(SEED_SLOTS)

@@ -33,12 +33,16 @@ FAMILY = {
     "write_position": "write",
     "read_table_mismatch": "mapping",
     "verify_padding_slot_read": "mapping",
+    "identity_adapter": "identity", "identity_salt": "identity", "identity_weights_version": "identity",
+    "identity_context": "identity", "identity_multimodal": "identity", "identity_mismatch": "identity",
 }
 FAMILY_HINT = {
     "bytes": "K/V bytes changed in place: memory corruption, a copy/offload/transfer, or another request's write",
     "mapping": "a table maps a position to the wrong slot: stale block table, freed-while-used slot, wrong prefix hit",
     "index": "a slot index outside the KV pool: an uninitialised table entry or an allocator bug",
     "write": "the engine stored the wrong token or position: sampler/row mix-up or position bookkeeping",
+    "identity": "KV produced under another identity (weights version, adapter, salt, image): a prefix-cache key "
+    "that leaves it out",
 }
 
 

@@ -17,6 +17,9 @@ FAULT_CLASSES = (
     "token_swap", "prefix_collision", "cross_context_hit", "double_alloc", "copy_corruption", "swa_window_stale",
     # speculative decoding (engines that verify drafts)
     "verify_draft_kept", "verify_rollback_off_by_one", "verify_draft_misdirected", "verify_positions_shifted",
+    # producer identity (a prefix-cache key that leaves out what produced the KV)
+    "weights_update_stale_prefix", "salt_ignored_by_cache_key", "adapter_ignored_by_cache_key",
+    "multimodal_key_ignores_image",
 )
 
 CHECK_OF_REASON = {  # which check produced a reason label
@@ -24,6 +27,9 @@ CHECK_OF_REASON = {  # which check produced a reason label
     "verify_real_kv_hash": "fingerprint", "write_token": "write_input", "write_position": "write_input",
     "verify_slot_out_of_range": "slot_range", "write_slot_out_of_range": "slot_range",
     "verify_padding_slot_read": "padding_read",
+    # host-side names of what differed (runtime/identity.py), over a chain or token row
+    "identity_adapter": "identity", "identity_salt": "identity", "identity_weights_version": "identity",
+    "identity_context": "identity", "identity_multimodal": "identity", "identity_mismatch": "identity",
 }
 
 

@@ -600,8 +600,11 @@ class VerifyPositionsShifted(SpecInjector):
         self._undo.append(lambda: e.batch_hooks.remove(hook))
 
 
+# producer identity (weights version, salt, adapter, images): their injectors subclass SimInjector, defined above
+from kvcanary.faults.sim_identity import IDENTITY_INJECTORS  # noqa: E402
+
 INJECTORS = {cls.fault: cls for cls in (
     KvFlipUsed, KvFlipCached, KvFlipDeepLayer, SlotRedirect, UseAfterFree, PositionShift, TokenSwap,
     PrefixCollision, CrossContextHit, DoubleAlloc, CopyCorruption, SwaWindowStale,
-    VerifyDraftKept, VerifyRollbackOffByOne, VerifyDraftMisdirected, VerifyPositionsShifted,
+    VerifyDraftKept, VerifyRollbackOffByOne, VerifyDraftMisdirected, VerifyPositionsShifted, *IDENTITY_INJECTORS,
 )}

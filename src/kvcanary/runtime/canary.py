@@ -202,6 +202,7 @@ class Canary:
             current_step=lambda: self._step, device=self.device,
             live_slots=lambda: None if self._live_slots is None else self._resolve_live(None),
         ))
+        self.identities = self.attributor.identities  # producer identities the adapter issued (runtime/identity.py)
         self.ledger = ViolationLedger(config)
         self.health = HealthWatchdog(config)
         self.stats_reporter = StatsReporter(config.stats_interval)

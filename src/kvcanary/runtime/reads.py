@@ -33,9 +33,12 @@ from typing import Optional
 import torch
 
 from kvcanary.ops import CANARY_FIELD_POSITION, CANARY_FIELD_TOKEN, CanaryLaunchTag, FailReason
+from kvcanary.runtime.identity import IDENTITY_REASONS
 
 READ_TABLE_MISMATCH = 1 << 16
-RUNTIME_REASONS = {READ_TABLE_MISMATCH: "read_table_mismatch"}
+# runtime-level reasons: read_table_mismatch (a device row), then the host-side identity classifications
+# (`kvcanary.runtime.identity`, added at drain time)
+RUNTIME_REASONS = {READ_TABLE_MISMATCH: "read_table_mismatch", **IDENTITY_REASONS}
 
 
 def reason_labels(bits: int) -> list[str]:

@@ -15,6 +15,10 @@ position) are committed, and the rejected positions are rolled back: their slots
 request's computed length reset to its committed tokens. The token table holds the committed tokens (what the user
 receives) and, during a verify forward, the drafts past them; ``committed_lens`` says where the drafts start.
 
+Producer identity (`engines/sim/identity.py`): a request may carry a `ProducerIdentity` (adapter, salt, context) and
+images; its context key is issued at admission under the engine's current weights version (``update_weights``), and
+the engine's own prefix-cache key holds the identity fields named by ``SimConfig.cache_key_fields``.
+
 Layers: with ``sliding_window == 0`` every layer is full attention (group ``full``); otherwise even
 layers are full and odd layers sliding-window (group ``swa``, own slot space, full->swa LUT).
 """
@@ -28,11 +32,13 @@ import torch
 
 from kvcanary.errors import KvCanaryValueError
 from kvcanary.engines.sim.forward_view import describe
+from kvcanary.engines.sim.identity import SimImage, cache_key, check_key_fields, model_tokens, producer
 from kvcanary.engines.sim.pool import PADDING_SLOT, RequestTable, SlotAllocator
 from kvcanary.engines.sim.radix import RadixCache, RadixNode
 from kvcanary.engines.sim.workload import SimWorkload
 from kvcanary.ops.hashing import splitmix64_mix3_tensor, splitmix64_tensor
 from kvcanary.runtime import BatchDescription, GroupSpec
+from kvcanary.runtime.identity import ProducerIdentity, identity_key
 
 BatchHook = Callable[[BatchDescription], BatchDescription]
 
@@ -42,7 +48,9 @@ class SimConfig:
     """Pool sizes and scheduling limits. kv_bytes: bytes per token per layer and side. device: where the
     KV pools and tables live (the scheduler is host Python; per-forward index arrays are built on the host).
     spec_tokens: drafts proposed per decode step (speculative decoding; 0 = off); spec_accept: the chance each
-    draft is accepted, in order (the first rejection ends the accepted run)."""
+    draft is accepted, in order (the first rejection ends the accepted run). cache_key_fields: what the prefix
+    cache's key holds besides token ids (`engines/sim/identity.py` ``KEY_FIELDS``); the default keys images but
+    ignores adapter, salt, context and weights version, as engines that shipped those bugs did."""
 
     num_slots: int = 2048
     swa_num_slots: int = 512
@@ -59,8 +67,10 @@ class SimConfig:
     spec_accept: float = 0.7
     seed: int = 0
     device: str = "cpu"
+    cache_key_fields: tuple[str, ...] = ("images",)
 
     def __post_init__(self) -> None:
+        check_key_fields(self.cache_key_fields)
         if self.kv_bytes % 16 or self.kv_bytes <= 0:
             raise KvCanaryValueError(f"kv-canary: SimConfig.kv_bytes must be a positive multiple of 16, got {self.kv_bytes}")
         if self.sliding_window and self.num_layers < 2:
@@ -99,7 +109,10 @@ class SimRequest:
     swa_dropped_upto: int = 0
     path: list[RadixNode] = field(default_factory=list)
     state: str = "waiting"
-    context: int = 0  # who produces this request's KV (adapter / tenant / salt); 0 = none
+    context: int = 0  # the context key of its producer identity (issued at admission); 0 = none
+    identity: ProducerIdentity = field(default_factory=ProducerIdentity)  # adapter / salt / context given
+    images: tuple[SimImage, ...] = ()
+    weights_version: int = 0  # the engine's weights version when the request was admitted
     drafts: list[int] = field(default_factory=list)  # this forward's speculative drafts (verify forward), else []
     accepted: int = 0  # how many of ``drafts`` the target accepts (drawn with them)
     bonus: int = 0  # the target's token at the first rejected position (or after the last draft)
@@ -148,6 +161,8 @@ class SimEngine:
         self.sampler: Optional[Callable[[str, int], int]] = None  # (request id, position) -> token; None = seeded random
         self._next_rid = 0
         self._contexts_used = False
+        self.weights_version = 0
+        self.key_fields = set(c.cache_key_fields)  # mutable: fault injectors drop a field to re-enact a bug
         self.canary = None
         if canary is not None:
             self.attach(canary)
@@ -167,13 +182,19 @@ class SimEngine:
         return live
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, prompt: list[int], max_new: int, rid: Optional[str] = None, *, context: int = 0) -> SimRequest:
-        """Queue a request. ``context``: its adapter / tenant / salt key (the radix cache ignores it, as the
-        real bugs do; the batch hands it to the canary as ``context_keys``)."""
+    def add_request(self, prompt: list[int], max_new: int, rid: Optional[str] = None, *, context: int = 0,
+                    identity: Optional[ProducerIdentity] = None, images: tuple[SimImage, ...] = ()) -> SimRequest:
+        """Queue a request. ``context``: an opaque adapter / tenant / salt key (shorthand for
+        ``identity=ProducerIdentity(context=context)``); ``identity``: its producer identity; ``images``: its
+        multimodal items (their positions in ``prompt`` hold the placeholder id). The prefix cache keys the fields of
+        ``cache_key_fields``; the batch hands the issued key to the canary as ``context_keys``."""
         if not prompt or len(prompt) + max_new > self.config.max_context:
             raise KvCanaryValueError(f"kv-canary: sim request needs 1 <= prompt and prompt + max_new <= {self.config.max_context}")
-        req = SimRequest(rid=rid or f"r{self._next_rid}", tokens=list(prompt), max_new=max_new, context=context)
-        self._contexts_used = self._contexts_used or context != 0
+        if context and identity is not None:
+            raise KvCanaryValueError("kv-canary: sim request takes context or identity, not both")
+        ident = identity if identity is not None else ProducerIdentity(context=context or None)
+        req = SimRequest(rid=rid or f"r{self._next_rid}", tokens=model_tokens(prompt, images), max_new=max_new,
+                         identity=ident, images=tuple(images))
         self._next_rid += 1
         self.waiting.append(req)
         return req
@@ -189,7 +210,9 @@ class SimEngine:
         while self.waiting and len(self.running) < c.max_running and self.table.num_free:
             req = self.waiting.pop(0)
             req.row = self.table.alloc_row()
-            path = self.cache.match(req.tokens, len(req.tokens) - 1)
+            req.weights_version = self.weights_version
+            req.context = self.issue_key(req)
+            path = self.cache.match(self.cache_key(req), len(req.tokens) - 1)
             if c.sliding_window:
                 while path and not self._window_alive(path):
                     path.pop()
@@ -206,6 +229,29 @@ class SimEngine:
             if req.full_slots:
                 self.table.req_to_token[req.row, : len(req.full_slots)] = torch.tensor(req.full_slots, dtype=torch.int32)
             self.running.append(req)
+
+    def issue_key(self, req: SimRequest) -> int:
+        """The context key of ``req``'s producer (its identity under its weights version), registered with the
+        canary's identities when attached (so violations name what differed)."""
+        ident = producer(req.identity, req.weights_version)
+        key = self.canary.identities.issue(ident) if self.canary is not None else identity_key(ident)
+        self._contexts_used = self._contexts_used or key != 0
+        return key
+
+    def cache_key(self, req: SimRequest) -> list:
+        """The prefix cache's key of ``req``'s tokens (`engines/sim/identity.py`)."""
+        return cache_key(req.tokens, req.images, producer(req.identity, req.weights_version), self.key_fields)
+
+    def update_weights(self, *, reset_prefix_cache: bool = True) -> None:
+        """New model weights, in place, between steps: the weights version goes up (KV computed from now on differs).
+        With ``reset_prefix_cache`` the engine does what a correct one does: running requests are retracted (they
+        recompute under the new weights) and every cached prefix is dropped. Without it the cache survives: right only
+        when ``weights_version`` is in the cache key (old blocks then never match), else the stale-prefix bug."""
+        self.weights_version += 1
+        if reset_prefix_cache:
+            for req in list(self.running):
+                self.retract(req)
+            self._evict(self.config.num_slots)
 
     def _window_alive(self, path: list[RadixNode]) -> bool:
         swa = [s for n in path for s in n.swa_slots]
@@ -258,7 +304,7 @@ class SimEngine:
 
     def _finish(self, req: SimRequest) -> None:
         n_blocks = req.num_computed // self.config.block_size
-        dup_full, dup_swa = self.cache.insert(req.tokens, req.full_slots, req.swa_slots, n_blocks, req.path)
+        dup_full, dup_swa = self.cache.insert(self.cache_key(req), req.full_slots, req.swa_slots, n_blocks, req.path)
         self._free(dup_full, dup_swa)
         tail = n_blocks * self.config.block_size
         self._free(req.full_slots[tail:], req.swa_slots[tail:])
@@ -382,7 +428,8 @@ class SimEngine:
             stored[group] = (loc[keep].to(dev), batch.input_ids[keep].to(dev), batch.positions[keep].to(dev))
         for group, (loc, ids, pos) in stored.items():
             layers = [(layer, kv) for (g, layer), kv in self.kv.items() if g == group]
-            sides = torch.tensor([2 * layer + side for layer, _ in layers for side in (0, 1)], dtype=torch.int64, device=dev)
+            sides = torch.tensor([2 * layer + side + (self.weights_version << 32) for layer, _ in layers for side in (0, 1)],
+                                 dtype=torch.int64, device=dev)  # the weights version changes every layer's KV
             data = kv_bytes_all(ids, pos, sides, self.config.kv_bytes)  # [n, 2 * layers, kv_bytes]
             for i, (_, (k, v)) in enumerate(layers):
                 k[loc] = data[:, 2 * i]

@@ -24,6 +24,8 @@ import torch
 
 from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
 from kvcanary.engines.sim.engine import SimEngine, SimRequest
+from kvcanary.engines.sim.identity import SimImage
+from kvcanary.runtime.identity import ProducerIdentity
 from kvcanary.engines.sim.radix import RadixCache
 
 
@@ -31,7 +33,7 @@ from kvcanary.engines.sim.radix import RadixCache
 class Transfer:
     """One request's KV in flight. kv: uint8 ``[layers * 2, n, kv_bytes]`` (layer-major, K then V) on the
     host; records: the canary export of the n slots (None without a canary); positions 0..n-1; context: the
-    request's context key (travels with it)."""
+    request's context key (travels with it), with the identity, images and weights version it was issued for."""
 
     rid: str
     tokens: tuple[int, ...]
@@ -41,6 +43,9 @@ class Transfer:
     kv: torch.Tensor
     records: Optional[torch.Tensor]
     context: int = 0
+    identity: ProducerIdentity = ProducerIdentity()
+    images: tuple[SimImage, ...] = ()
+    weights_version: int = 0
 
 
 @dataclass(kw_only=True)
@@ -72,7 +77,8 @@ class SimMoves:
         self._copy_kv(src, dst)
         child = SimRequest(rid=child_rid, tokens=list(parent.tokens), max_new=parent.max_new,
                            generated=parent.generated, num_computed=parent.num_computed, own_from=parent.own_from,
-                           state="running", context=parent.context)
+                           state="running", context=parent.context, identity=parent.identity, images=parent.images,
+                           weights_version=parent.weights_version)
         child.row = e.table.alloc_row()
         child.path = list(parent.path)
         RadixCache.lock(child.path, +1)
@@ -129,7 +135,8 @@ class SimMoves:
         slots = req.full_slots[: req.num_computed]
         records = e.canary.export_records("full", slots).cpu() if e.canary is not None else None
         t = Transfer(rid=rid, tokens=tuple(req.tokens), num_computed=req.num_computed, max_new=req.max_new,
-                     generated=req.generated, kv=self._read_kv(slots).cpu(), records=records, context=req.context)
+                     generated=req.generated, kv=self._read_kv(slots).cpu(), records=records, context=req.context,
+                     identity=req.identity, images=req.images, weights_version=req.weights_version)
         e._release(req)
         req.state = "transferred"
         return t
@@ -139,7 +146,8 @@ class SimMoves:
         after the KV bytes are final: the import verifies them at once."""
         e = self.engine
         req = SimRequest(rid=t.rid, tokens=list(t.tokens), max_new=t.max_new, generated=t.generated,
-                         num_computed=t.num_computed, state="running", context=t.context)
+                         num_computed=t.num_computed, state="running", context=t.context, identity=t.identity,
+                         images=t.images, weights_version=t.weights_version)
         e._contexts_used = e._contexts_used or t.context != 0
         req.row = e.table.alloc_row()
         dst = self._alloc(t.num_computed)

@@ -82,6 +82,7 @@ from kvcanary.engines.transformers_cb.forward_view import ContextFn, ForwardTran
 from kvcanary.engines.transformers_cb.graph_driver import GraphDriver
 from kvcanary.engines.transformers_cb.layout import build_layouts, layer_kv_views
 from kvcanary.engines.transformers_cb.moves import MoveObserver
+from kvcanary.runtime.weights import WeightsWatch
 from kvcanary.engines.transformers_cb.session import (
     CAUSE_CAPACITY,
     CAUSE_INTERNAL,
@@ -113,7 +114,7 @@ DEFAULT_MAX_REQUESTS = 256
 DEFAULT_MAX_CONTEXT = 32768
 
 ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation",
-                   "token_oracle", "capture_sweep", "context_of", "committed_tokens")
+                   "token_oracle", "capture_sweep", "context_of", "committed_tokens", "watch_weights")
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, TransformersCbHandle]" = weakref.WeakKeyDictionary()
 
@@ -157,6 +158,7 @@ class TransformersCbHandle:
     capture_sweep: bool = True
     context_of: Optional[ContextFn] = None
     committed_tokens: bool = True
+    watch_weights: bool = True
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -179,12 +181,14 @@ class TransformersCbHandle:
         self._last_suspension: Optional[str] = None  # cause of the latest suspension (kept after it ends)
         self._device_path: Optional[str] = None  # the latest session's device path (kept after it ends)
         self._graphs = GraphDriver(self)  # graph mode: the compute_batch wrappers and the capture repair
+        self.weights = WeightsWatch(self.model, auto=self.watch_weights)  # kept across sessions (runtime/weights.py)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _install(self) -> None:
         pre = self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         post = self.model.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
         self._hooks = [pre, post]
+        self.weights.install()  # load_state_dict / optimizer-step hooks and sentinel counters (runtime/weights.py)
         try:
             self._init_cb_wrapper = compat.stack_method(self.model, compat.INIT_CB_METHOD, self._graphs.wrap_init_cb)
         except Exception as exc:  # noqa: BLE001 — without it only the very first capture's failure goes unrepaired
@@ -433,6 +437,7 @@ class TransformersCbHandle:
             max_context=self.max_context or min(max_read, DEFAULT_MAX_CONTEXT), max_rows=max_rows, device=device,
             token_oracle=self.token_oracle, context_of=self.context_of,
             committed_tokens=self.committed_tokens and self.config.write_input_assert,
+            weights_version=self.weights.current if self.watch_weights else None,
         )
         config = self.config
         graphs = any(compat.graph_flags(processor))
@@ -461,6 +466,7 @@ class TransformersCbHandle:
             device=device,
         )
         self._device_path = canary.device_path.path
+        translator.issue = canary.identities.issue  # identities issued from now on are named in this canary's reports
         for g in layouts:
             canary.set_kv_cache(g.name, lambda layer, g=g: layer_kv_views(cache, g, layer)[:2], page_size=g.page_size)
         canary.set_live_slots_provider(translator.live_slots)
@@ -528,7 +534,7 @@ class TransformersCbHandle:
         s.moves = MoveObserver(cache=s.cache, processor=s.processor, layouts=s.translator.layouts,
                                enter=lambda: self._enter_move(s),
                                failed=lambda exc: self._canary_failed(s, s.cache, exc),
-                               context_id=s.translator.context_id if self.context_of is not None else None)
+                               context_id=s.translator.context_id if s.translator.keyed else None)
         s.moves.install()
 
     def _enter_move(self, s: _Session) -> Optional[Canary]:
@@ -619,6 +625,19 @@ class TransformersCbHandle:
             return None
         return self._current.canary.sweep()
 
+    def bump_weights_version(self) -> int:
+        """The manual fallback for weight changes the watch cannot see (writes through ``param.data``, or from
+        outside Python): requests that appear from now on are produced by new weights, so a prefix-cache hit on KV
+        cached before is a violation. Returns the new version. Needs ``watch_weights`` (the default) at attach."""
+        if not self.watch_weights:
+            raise KvCanaryRuntimeError("kv-canary: bump_weights_version() needs attach(..., watch_weights=True)")
+        return self.weights.bump()
+
+    @property
+    def weights_version(self) -> int:
+        """The weights version requests appearing now are keyed with (0 until the weights change)."""
+        return self.weights.current()
+
     def raise_if_failed(self) -> None:
         """Raise the first error the canary hit in the engine thread: a `CanaryViolationError` (only
         raised in ``raise`` mode) or a ``kv-canary:`` usage error (any mode — the engine failed the
@@ -633,6 +652,7 @@ class TransformersCbHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.weights.remove()
         if self._init_cb_wrapper is not None:  # left in place (passing through) when another wrapper sits on top
             compat.unstack_method(self.model, compat.INIT_CB_METHOD, self._init_cb_wrapper)
             self._init_cb_wrapper = None
@@ -801,6 +821,7 @@ def attach(
     capture_sweep: bool = True,
     context_of: Optional[ContextFn] = None,
     committed_tokens: bool = True,
+    watch_weights: bool = True,
     **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
@@ -833,6 +854,13 @@ def attach(
     parent's). KV computed under one context and served to a request of another — a prefix-cache hit on identical
     tokens across adapters — is then a ``verify_chain_hash`` violation of that request at position 0 (full
     attention; a sliding window past position 0 does not see it). Without the hook every request is one context.
+    The hook may return a `kvcanary.runtime.identity.ProducerIdentity` (adapter, salt, ...): a violation then names
+    the field that differed. ``watch_weights`` (default on): the weights version is part of every request's identity,
+    taken when the request first appears; the adapter notices ``load_state_dict``, optimizer steps over the model's
+    parameters and in-place writes to a few sentinel parameters (`runtime/weights.py`: hooks, and version counters read once
+    per step that admits a request), so a prefix-cache hit on KV computed by older weights is a violation of the
+    hitting request (``identity_weights_version``); writes the watch cannot see need
+    ``handle.bump_weights_version()``. Off: no weights version (and no context keys without ``context_of``).
     In mode ``none`` nothing is attached.
     """
     check_transformers_version()
@@ -845,6 +873,8 @@ def attach(
                                 f"got {type(token_oracle).__name__}")
     if not isinstance(committed_tokens, bool):
         raise KvCanaryTypeError(f"kv-canary: committed_tokens must be a bool, got {type(committed_tokens).__name__}")
+    if not isinstance(watch_weights, bool):
+        raise KvCanaryTypeError(f"kv-canary: watch_weights must be a bool, got {type(watch_weights).__name__}")
     if context_of is not None and not callable(context_of):
         raise KvCanaryTypeError(f"kv-canary: context_of must be a callable request_id -> hashable key (or None), "
                                 f"got {type(context_of).__name__}")
@@ -861,7 +891,7 @@ def attach(
         return TransformersCbHandle(model=model, config=cfg, max_requests=max_requests, max_context=max_context,
                                     device=dev, capture_canary=capture_canary, static_translation=static_translation,
                                     token_oracle=token_oracle, capture_sweep=capture_sweep, context_of=context_of,
-                                    committed_tokens=committed_tokens)
+                                    committed_tokens=committed_tokens, watch_weights=watch_weights)
     check_real_kv_layers(model, cfg)
     target = dev if dev is not None else _model_device(model)
     if target is not None and target.type == "cuda":  # prove the device path now, not at the first forward
@@ -876,6 +906,7 @@ def attach(
         model=model, config=cfg, max_requests=max_requests, max_context=max_context, device=dev,
         capture_canary=capture_canary, static_translation=static_translation, token_oracle=token_oracle,
         capture_sweep=capture_sweep, context_of=context_of, committed_tokens=committed_tokens,
+        watch_weights=watch_weights,
     )
     handle._install()
     _ATTACHED[model] = handle

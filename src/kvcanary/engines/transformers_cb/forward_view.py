@@ -32,9 +32,11 @@ Per batch row with ``P`` = first position and ``E`` = query length (padding rows
   a ring (``GroupSpec.ring_window``): the runtime's TAIL verify skips exactly those positions.
 * token history: the tokens of ``[P, P + E)`` are the forward's ``input_ids`` (scattered on the device);
   positions below ``P`` the canary has not seen come from the request's prompt / generated tokens.
-* context (optional, ``context_of``): each request's context key (LoRA adapter, tenant, cache salt) goes to the
-  runtime as ``context_keys``; a keyed request's position 0 chains from its key, so KV of another context served
-  to it (a prefix-cache hit on identical tokens) fails the chain check at position 0.
+* producer identity (``context_of`` and the weights version, `kvcanary.runtime.identity`): each request's key — its
+  context (LoRA adapter, tenant, cache salt; a ``ProducerIdentity`` or any hashable) under the weights version when
+  the request first appears — goes to the runtime as ``context_keys``; a keyed request's position 0 chains from its
+  key, so KV of another context or of older weights served to it (a prefix-cache hit on identical tokens) fails the
+  chain check at position 0, named at drain time.
 * committed tokens (default, ``committed_tokens``): the write-input assert's expected tokens are what each request
   has committed — its prompt and the tokens it has generated (``initial_tokens + generated_tokens``, what the user
   receives), staged by `host_step` — not the forward's own ``input_ids``, which would make the assert vacuous for
@@ -44,7 +46,7 @@ Per batch row with ``P`` = first position and ``E`` = query length (padding rows
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Optional
 
 import torch
@@ -54,6 +56,7 @@ from kvcanary.engines.transformers_cb.compat import find_batch_processor  # noqa
 from kvcanary.engines.transformers_cb.layout import NOT_STORED, PADDING_SLOT, GroupLayout
 from kvcanary.errors import KvCanaryCapacityError, KvCanaryTypeError
 from kvcanary.runtime.batch import BatchDescription, GroupBatch, classify_forward, ReadCheck
+from kvcanary.runtime.identity import ProducerIdentity, as_identity, identity_key
 
 # rows of `ForwardTranslator.meta`
 META_ROWS, META_PREFIX, META_EXTEND, META_TOKEN_LENS, META_CONTEXT = range(5)
@@ -107,10 +110,12 @@ class ForwardTranslator:
     Tables (by reference in every `BatchDescription`; the same tensor objects for the session's life, as
     CUDA-graph capture needs): ``req_to_token[group]`` and ``token_table``, int32 ``[max_requests + 1,
     max_context]``. ``meta``: int64 ``[5, max_rows]`` — request row, P, E, token-history length, context key
-    per batch row (padding rows: zeros), refreshed by `host_step`. With a ``context_of`` hook, each request's
-    key (asked once, when the request gets its row; a forked child takes its parent's) becomes a non-zero int64
-    id (equal keys, equal ids, for the translator's life; None is 0, no context) handed to the runtime as
-    ``context_keys``. With ``committed_tokens`` or a ``token_oracle``, ``expected``: int64
+    per batch row (padding rows: zeros), refreshed by `host_step`. Keyed (a ``context_of`` hook, or a
+    ``weights_version`` source): each request's producer identity — its ``context_of`` value (`as_identity`) with
+    the weights version replaced by ``weights_version()`` when given — is taken once, when the request gets its row
+    (a forked child takes its parent's), and ``issue`` turns it into the int64 key handed to the runtime as
+    ``context_keys`` (the null identity is 0, no context). ``weights_version`` is asked at most once per step, and
+    only in steps that admit a request. With ``committed_tokens`` or a ``token_oracle``, ``expected``: int64
     ``[max_batch_tokens]`` — the token each of the forward's query tokens should be (the prompt's, then the
     generated tokens the request committed or the oracle's; padding tokens 0), refreshed by `host_step` and handed
     to the runtime as ``expected_input_ids``.
@@ -118,7 +123,9 @@ class ForwardTranslator:
 
     def __init__(self, *, cache, processor, layouts: list[GroupLayout], max_requests: int, max_context: int,
                  max_rows: int, device, token_oracle: Optional[TokenOracleFn] = None,
-                 context_of: Optional[ContextFn] = None, committed_tokens: bool = False) -> None:
+                 context_of: Optional[ContextFn] = None, committed_tokens: bool = False,
+                 weights_version: Optional[Callable[[], int]] = None,
+                 issue: Callable[[ProducerIdentity], int] = identity_key) -> None:
         self.cache = cache
         self.processor = processor
         self.layouts = layouts
@@ -133,8 +140,10 @@ class ForwardTranslator:
         self.has_window = any(g.sliding_window for g in layouts)
         self.last_extend: dict[str, int] = {}  # request id -> E of its latest forward (sliding-window sweep)
         self.context_of = context_of
-        self.context_ids: dict = {}  # context key -> its int64 id (1, 2, ...)
-        self.context_of_row = [0] * (max_requests + 1)  # host: context id of each request row
+        self.weights_version = weights_version
+        self.issue = issue  # identity -> context key (the canary's registry, so violations name what differed)
+        self.keyed = context_of is not None or weights_version is not None
+        self.context_of_row = [0] * (max_requests + 1)  # host: context key of each request row
         self.meta = torch.zeros((5, max_rows), dtype=torch.int64, device=self.device)
         cuda = self.device.type == "cuda"
         self._meta_host = torch.zeros((5, max_rows), dtype=torch.int64, pin_memory=cuda) if cuda else self.meta
@@ -175,6 +184,7 @@ class ForwardTranslator:
                 self.last_extend = {rid: e for rid, e in self.last_extend.items() if rid in live}
         row_of, filled, ctx = self.rows.row_of, self.filled, self.max_context
         rows, prefix, extend, ends, ids, history = [], [], [], [], [], []
+        version = None  # the weights version, asked once in a step that admits a request
         for fs in batch:
             state = fs.state
             rid = state.request_id
@@ -184,8 +194,10 @@ class ForwardTranslator:
             if row is None:
                 row = self.rows.assign(rid)
                 filled[row] = 0
-                if self.context_of is not None:
-                    self.context_of_row[row] = self._context_id(rid)
+                if self.keyed:
+                    if version is None and self.weights_version is not None:
+                        version = self.weights_version()
+                    self.context_of_row[row] = self._context_id(rid, version)
             if p + e > ctx:
                 raise KvCanaryCapacityError(
                     f"kv-canary: request {rid} reaches position {p + e - 1}, beyond max_context={ctx}; "
@@ -203,30 +215,33 @@ class ForwardTranslator:
             self.last_extend.update(zip(ids, extend))
         if history:
             self._stage_history(history)
-        contexts = [self.context_of_row[r] for r in rows] if self.context_of is not None else [0] * len(rows)
+        contexts = [self.context_of_row[r] for r in rows] if self.keyed else [0] * len(rows)
         self._write_meta(rows, prefix, extend, ends, contexts)
         if self.expected is not None:
             self._write_expected(self._expected_tokens(batch))
         return StepInfo(request_ids=tuple(ids), rows=tuple(rows), forward_kind=classify_forward(prefix, extend))
 
-    def _context_id(self, request_id: str) -> int:
-        """The int64 id of ``request_id``'s context (0: none); a forked child has its parent's context."""
+    def _context_id(self, request_id: str, version: Optional[int] = None) -> int:
+        """The context key of ``request_id`` (0: none) under weights ``version`` (None: asked now, if watched); a
+        forked child has its parent's key."""
         parent = compat.fork_parent(request_id)
         row = self.rows.row_of.get(parent) if parent is not None else None
         if row is not None:
             return self.context_of_row[row]
-        key = self.context_of(parent if parent is not None else request_id)
-        if key is None:
-            return 0
+        value = self.context_of(parent if parent is not None else request_id) if self.context_of is not None else None
         try:
-            return self.context_ids.setdefault(key, len(self.context_ids) + 1)
+            hash(value)
         except TypeError:
             raise KvCanaryTypeError(f"kv-canary: context_of({request_id!r}) must return a hashable key or None, "
-                                    f"got {type(key).__name__}") from None
+                                    f"got {type(value).__name__}") from None
+        identity = as_identity(value)
+        if self.weights_version is not None:
+            identity = replace(identity, weights_version=self.weights_version() if version is None else version)
+        return self.issue(identity)
 
     def context_id(self, request_id: str) -> int:
-        """The context id of ``request_id`` (0: none, or no ``context_of`` hook): its row's, else asked now."""
-        if self.context_of is None:
+        """The context key of ``request_id`` (0: none, or not keyed): its row's, else asked now."""
+        if not self.keyed:
             return 0
         row = self.rows.row_of.get(request_id)
         return self.context_of_row[row] if row is not None else self._context_id(request_id)
@@ -342,7 +357,7 @@ class ForwardTranslator:
         return BatchDescription(
             req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend, input_ids=input_ids, positions=positions,
             groups=groups, token_table=self.token_table, token_table_lens=token_lens, expected_input_ids=expected,
-            context_keys=meta[META_CONTEXT] if self.context_of is not None else None,
+            context_keys=meta[META_CONTEXT] if self.keyed else None,
         )
 
     def _indexed(self, g: GroupLayout, table, kwargs, bsz, n, rows, prefix, extend, cu_q, cu_k, tok_row, tok_valid,

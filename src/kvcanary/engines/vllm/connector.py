@@ -64,6 +64,8 @@ from kvcanary.engines.vllm.layout import (
 )
 from kvcanary.engines.vllm.metrics import KvCanaryPromMetrics, KvCanaryStats
 from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryTypeError, KvCanaryValueError
+from kvcanary.runtime.identity import ProducerIdentity
+from kvcanary.runtime.weights import WeightsWatch
 from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViolationError, GroupSpec, Violation
 
 logger = logging.getLogger("kvcanary")
@@ -84,8 +86,8 @@ class KvCanaryMetadata(KVConnectorMetadata):
 
     tokens: the token ids the scheduler recorded since the last step (`TokenBatch`: request ids, first
     positions, counts, tokens; or a dict request id -> (first position, token ids)).
-    contexts: request id -> context key (`context_key` of its LoRA adapter and cache salt), sent once
-    with a request's first tokens, for requests that have one.
+    contexts: request id -> context key (`context_key` of its LoRA adapter and cache salt; 0: none), sent once
+    with a request's first tokens, for every new request (the worker folds its weights version in).
     finished / preempted: request ids since the last step. cached_blocks: ``(block id, valid tokens,
     KV cache group index)`` of every idle block in the prefix cache (no running request holds it: those are swept
     from the requests' tables), on sweep steps only (else None).
@@ -197,6 +199,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self.canary: Optional[Canary] = None
         self.view: Optional[WorkerView] = None
+        self.weights: Optional[WeightsWatch] = None  # the model's weights version (armed with the view)
         self._layouts = []
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._open = False
@@ -274,9 +277,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             sent = sent_of.get(rid)
             if sent is None:
                 sent = 0
-                key = request_context_key(req)
-                if key:
-                    contexts[rid] = key
+                contexts[rid] = request_context_key(req)  # 0 too: the worker keys it with its weights version
             known = req.num_tokens
             if known > sent:
                 ids.append(rid)
@@ -508,8 +509,9 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                                    max_context=self.max_context, device=self.canary.device,
                                    track_read_slots=bool(self._mirrors))
             self._v2 = is_v2_runner(runner)
+            self._watch_weights(runner)
         self.view.apply(tokens=connector_metadata.tokens, finished=connector_metadata.finished,
-                        preempted=connector_metadata.preempted, contexts=connector_metadata.contexts,
+                        preempted=connector_metadata.preempted, contexts=self._keyed(connector_metadata.contexts),
                         drafts=connector_metadata.drafts)
         step = self._step()
         if step is None:
@@ -528,6 +530,33 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._open = True
         if self.canary.suspended is not None:
             self.unchecked_forwards += 1  # the bracket passed through: suspended (by this forward or before)
+
+    # ---- weights version (docs/design.md §5.6) ------------------------------------------------
+    def _watch_weights(self, runner) -> None:
+        get = getattr(runner, "get_model", None)
+        model = get() if callable(get) else getattr(runner, "model", None)
+        if isinstance(model, torch.nn.Module):
+            self.weights = WeightsWatch(model, methods=("load_weights",))
+            self.weights.install()
+
+    def _keyed(self, contexts: dict) -> dict:
+        """New requests' context keys as the scheduler sent them while the weights are the ones loaded at start
+        (version 0); after an update, each is its identity (that key as ``context``, the weights version) as issued
+        by the canary's registry, so a hit on KV of older weights is named ``identity_weights_version``."""
+        version = self.weights.current() if self.weights is not None and contexts else 0
+        if version == 0:
+            return {rid: key for rid, key in contexts.items() if key}
+        issue = self.canary.identities.issue
+        return {rid: issue(ProducerIdentity(context=key or None, weights_version=version))
+                for rid, key in contexts.items()}
+
+    def bump_weights_version(self) -> int:
+        """The manual fallback for weight changes the watch cannot see (a transfer that writes the parameters'
+        memory directly): requests that appear from now on are keyed with a new weights version. Worker role; call
+        it on every worker (`bump_weights_version` through ``LLM.collective_rpc``). Returns the new version."""
+        if self.weights is None:  # no forward yet: nothing is cached, the next model is the one watched
+            return 0
+        return self.weights.bump()
 
     def _step(self):
         """The forward about to run (`forward_view.StepInputs`), or None when this call is not before a forward.
@@ -747,3 +776,16 @@ def _rank_path(path: Optional[str], rank: int, world: int) -> Optional[str]:
     if "{rank}" in path:
         return path.replace("{rank}", str(rank))
     return f"{path}.rank{rank}" if world > 1 else path
+
+
+def bump_weights_version(worker=None) -> int:
+    """``LLM.collective_rpc(bump_weights_version)``: the manual fallback on every worker — requests that appear from
+    now on are keyed with a new weights version (see `KvCanaryConnector.bump_weights_version`). Returns this
+    worker's new version."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    group = get_kv_transfer_group()
+    for conn in [group, *(getattr(group, "sub_connectors", None) or getattr(group, "_connectors", None) or [])]:
+        if isinstance(conn, KvCanaryConnector):
+            return conn.bump_weights_version()
+    raise KvCanaryRuntimeError("kv-canary: no KvCanaryConnector in this worker's KV-transfer config")

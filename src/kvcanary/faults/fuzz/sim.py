@@ -4,8 +4,12 @@ A configuration draws the engine's own knobs — layers, bytes per slot, page si
 a sliding-window group (window shorter or longer than the prompts), pool sizes small enough to evict
 cached prefixes and retract running requests, chunk size and batch budget (chunked prefill), requests
 running at once, shared system prompts, aborts, forks and host offload / restore (`SimMoves`,
-full-attention engines only), speculative decoding (drafts per step, acceptance rate), the token oracle — and the canary's options (``sweep_interval``,
-``real_kv_hash``, ``real_kv_layers``, ``deep_fingerprints``, ``drain_interval``, ``verify_token``).
+full-attention engines only), speculative decoding (drafts per step, acceptance rate), the token oracle, producer
+identity (images in prompts from a small pool of contents, adapters and salts per request, weight updates between
+forwards followed by the engine's own cache reset or keyed into its cache; the prefix-cache key holds every field,
+as a correct engine's does) — and the canary's options (``sweep_interval``, ``real_kv_hash``, ``real_kv_layers``,
+``deep_fingerprints``, ``drain_interval``, ``verify_token``). Sliding windows and speculative rollbacks null slots
+(the padding slot) that a correct engine never reads again: the padding-read check stays silent on them.
 
 `run_config` runs the workload unchecked, then checked (``raise``), then — faulted twin — checked
 (``log``) with one `kvcanary.faults.sim` injector fired once: ``kv_flip_used`` (a bit in the
@@ -19,6 +23,7 @@ import time
 from typing import Optional
 
 from kvcanary.engines.sim import SimConfig, SimEngine, SimWorkload
+from kvcanary.engines.sim.identity import IMAGE_TOKEN, SimImage
 from kvcanary.engines.sim.moves import SimMoves
 from kvcanary.errors import KvCanaryRuntimeError
 from kvcanary.faults.accounting import account
@@ -27,6 +32,7 @@ from kvcanary.faults.ledger import FaultLedger
 from kvcanary.faults.oracle import TokenOracle
 from kvcanary.faults.sim import KvFlipUsed, SimTarget, SlotRedirect
 from kvcanary.runtime import Canary, CanaryConfig
+from kvcanary.runtime.identity import ProducerIdentity
 from kvcanary.runtime.report import CanaryViolationError
 
 ENGINE = "sim"
@@ -79,7 +85,59 @@ def sample_config(rng: random.Random) -> dict:
     spec = rng.random() < 0.5
     config["engine"]["spec_tokens"] = rng.choice([1, 2, 3, 4, 6]) if spec else 0
     config["engine"]["spec_accept"] = rng.choice([0.0, 0.3, 0.6, 0.8, 1.0]) if spec else 0.7
+    # producer identity, drawn after the fields above: images, adapters / salts, weight updates (with a cache reset,
+    # or a cache key that holds the weights version), on a correct engine whose prefix-cache key holds every field
+    ident = None
+    if rng.random() < 0.6:
+        steps = config["workload"]["steps"]
+        ident = {"image_prob": rng.choice([0.0, 0.3, 0.7, 1.0]), "image_len": [1, rng.randint(1, 8)],
+                 "image_pool": rng.randint(1, 4), "adapters": rng.randint(0, 3), "salts": rng.randint(0, 2),
+                 "weight_updates": sorted(rng.sample(range(1, steps), k=min(steps - 1, rng.randint(0, 3)))),
+                 "reset": rng.random() < 0.5, "repeat_prob": rng.choice([0.0, 0.3, 0.6])}
+    config["workload"]["identity"] = ident
+    config["engine"]["cache_key_fields"] = key_fields(ident)
     return config
+
+
+def key_fields(ident: Optional[dict]) -> list:
+    """The prefix-cache key of a correct engine for the identity scenario ``ident``."""
+    fields = ["images"]
+    if ident is not None:
+        fields += ["adapter"] * bool(ident["adapters"]) + ["salt"] * bool(ident["salts"])
+        fields += ["weights_version"] * bool(ident["weight_updates"] and not ident["reset"])
+    return fields
+
+
+class _Identities:
+    """Per arrival: its images and producer identity, drawn from the run's own generator (the same in every twin). With
+    ``repeat_prob`` an arrival repeats an earlier arrival's text (an RL group's samples of one prompt) under its own
+    draw of images and identity: the prefix cache then meets the same tokens under other producers."""
+
+    def __init__(self, ident: dict, seed: int) -> None:
+        self.d = ident
+        self.rng = random.Random(f"sim-identity:{seed}")
+        self.images = 0
+        self.texts: list = []
+
+    def draw(self, prompt: list, limit: int) -> tuple[list, tuple, ProducerIdentity]:
+        """``prompt`` (or an earlier text, cut to ``limit`` tokens) with its images, and its identity."""
+        d, rng = self.d, self.rng
+        if self.texts and rng.random() < d.get("repeat_prob", 0.0):
+            prompt = list(rng.choice(self.texts))[:limit]
+        else:
+            self.texts.append(tuple(prompt))
+        images = ()
+        if rng.random() < d["image_prob"]:
+            # often inside a shared system prompt: same text, another (or the same) picture
+            start = rng.randrange(min(len(prompt), 8)) if rng.random() < 0.5 else rng.randrange(len(prompt))
+            n = min(rng.randint(*d["image_len"]), len(prompt) - start)
+            prompt = prompt[:start] + [IMAGE_TOKEN] * n + prompt[start + n:]
+            images = (SimImage(start=start, length=n, content=f"image-{rng.randrange(d['image_pool'])}"),)
+            self.images += 1
+        adapter = rng.randrange(d["adapters"] + 1) if d["adapters"] else 0
+        salt = rng.randrange(d["salts"] + 1) if d["salts"] else 0
+        identity = ProducerIdentity(adapter=f"lora-{adapter}" if adapter else None, salt=f"salt-{salt}" if salt else None)
+        return prompt, images, identity
 
 
 class _Run:
@@ -87,7 +145,7 @@ class _Run:
 
     def __init__(self, config: dict, seed: int, mode: Optional[str]) -> None:
         e, w, c = config["engine"], config["workload"], config["canary"]
-        self.sc = SimConfig(seed=seed, **e)
+        self.sc = SimConfig(seed=seed, **dict(e, cache_key_fields=tuple(e.get("cache_key_fields", ("images",)))))
         self.canary = None
         if mode is not None:
             opts = dict(c, real_kv_layers=tuple(c["real_kv_layers"]))
@@ -112,6 +170,10 @@ class _Run:
         self.last_batch = None
         self.steps_done = 0
         self.moved = {"forks": 0, "offloads": 0, "restores": 0}
+        ident = w.get("identity")
+        self.identities = _Identities(ident, seed) if ident else None
+        self.updates = set(ident["weight_updates"]) if ident else set()
+        self.reset_on_update = bool(ident and ident["reset"])
 
     def register(self, rid: str, prompt: list) -> None:
         if self.oracle is not None:
@@ -119,11 +181,17 @@ class _Run:
 
     def step(self, arrivals: bool = True) -> None:
         eng = self.engine
+        if arrivals and self.steps_done in self.updates:  # new weights between two forwards
+            eng.update_weights(reset_prefix_cache=self.reset_on_update)
         if arrivals:
             for prompt, new in next(self.stream)[: max(0, self.max_arrivals - len(self.requests))]:
-                req = eng.add_request(prompt, new)
+                if self.identities is None:
+                    req = eng.add_request(prompt, new)
+                else:
+                    prompt, images, identity = self.identities.draw(prompt, self.sc.max_context - new - 1)
+                    req = eng.add_request(prompt, new, identity=identity, images=images)
                 self.requests[req.rid] = req
-                self.register(req.rid, prompt)
+                self.register(req.rid, req.tokens[: len(prompt)])  # the model's tokens: images as content tokens
             if eng.running and self.rng.random() < self.workload.abort_prob:
                 eng.abort(self.rng.choice(eng.running))
         if self.moves is not None:
@@ -227,7 +295,9 @@ def run_config(config: dict, *, seed: int, faulted: bool) -> dict:
         first_violations=[describe_violation(v) for v in found[:5]],
         stats={"requests": len(reference), "finished": checked.engine.finished, "aborted": checked.engine.aborted,
                "retracted": checked.engine.retracted, "evicted_blocks": checked.engine.evicted_blocks,
-               "cache_hit_tokens": checked.engine.cache_hit_tokens, **checked.moved},
+               "cache_hit_tokens": checked.engine.cache_hit_tokens, **checked.moved,
+               "weight_updates": checked.engine.weights_version,
+               "image_requests": checked.identities.images if checked.identities else 0},
     )
     if faulted:
         out["fault"] = _faulted_twin(config, seed)
@@ -262,7 +332,10 @@ def _faulted_twin(config: dict, seed: int) -> dict:
             else:  # the request sat this forward out (batch budget, abort, offload): undo, try again
                 target.ledger = FaultLedger()
                 injector.t = target
-        if state["fired"] is None and state["pending"] is None and r.steps_done >= after and state["tries"] < 50:
+        # a weight update with a cache reset before the next forward would drop the corrupted KV unread: wait
+        erased = r.reset_on_update and r.steps_done in r.updates
+        if state["fired"] is None and state["pending"] is None and r.steps_done >= after and state["tries"] < 50 \
+                and not erased:
             state["pending"] = injector.fire()
             state["tries"] += state["pending"] is not None
 
