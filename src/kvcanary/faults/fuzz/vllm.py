@@ -5,7 +5,8 @@ the canary, then with it in ``raise`` mode; a random subset also runs a faulted 
 layer sliding) or hybrid Llama (odd layers sliding) with 2-8 layers and windows shorter and longer than
 the prompts; 32/64-token blocks; a KV pool small enough to preempt; a step budget small enough to chunk
 prefills; prefix caching on or off; ``max_num_seqs`` 1-8; prompts sharing system prefixes; ``n`` up to
-3; aborted requests; and canary options (``sweep_interval``, ``real_kv_hash``, ``real_kv_layers``,
+3; aborted requests; speculative decoding (in about a third: 1-4 draft tokens from n-gram lookup or a one-layer
+random-weight EAGLE / EAGLE-3 head); and canary options (``sweep_interval``, ``real_kv_hash``, ``real_kv_layers``,
 deep fingerprints).
 
 `run_config` runs every engine of one configuration in a worker process of its own (started once and
