@@ -7,7 +7,9 @@ FULL_AND_PIECEWISE CUDA graphs, FlashAttention, async scheduling). Random-weight
 engine of its own, alive for the whole run in a child process: ``none`` (no canary), ``canary`` (default options), ``canary_nokv`` (``real_kv_hash="none"``), ``none_again`` (a second engine without the canary: how far vLLM's own
 tokens vary between two engines, the yardstick for the canary arms' token differences; ``--arms``),
 ``none_ngram`` / ``canary_ngram`` (n-gram speculative decoding, 3 draft tokens; ``canary_ngram`` is compared with
-``none_ngram``, every other arm with ``none``).
+``none_ngram``), ``none_eagle`` / ``canary_eagle`` (EAGLE speculative decoding, 3 draft tokens from a one-layer
+random-weight EAGLE head of the same shape, its weights re-scaled like the target's; ``canary_eagle`` is compared with
+``none_eagle``), every other arm with ``none``.
 One unrecorded warm-up round per arm, then interleaved rounds: round r runs on every arm (rotating order) before
 round r + 1, each arm the same prompts.
 
@@ -44,11 +46,39 @@ SHAPES = {
                intermediate_size=14336, head_dim=128, tie_word_embeddings=False),
 }
 ARMS = {"none": None, "none_again": None, "canary": {}, "canary_nokv": {"real_kv_hash": "none"}, "none_ngram": None,
-        "canary_ngram": {}}
+        "canary_ngram": {}, "none_eagle": None, "canary_eagle": {}}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-SPECULATIVE = {"none_ngram": NGRAM, "canary_ngram": NGRAM}  # arm -> vLLM speculative_config
-BASELINE = {"canary_ngram": "none_ngram"}  # arm -> the arm it is compared with (default "none")
+EAGLE = {"method": "eagle", "num_speculative_tokens": 3}  # + "model": a one-layer draft written by the child
+SPECULATIVE = {"none_ngram": NGRAM, "canary_ngram": NGRAM, "none_eagle": EAGLE, "canary_eagle": EAGLE}  # arm -> vLLM speculative_config
+BASELINE = {"canary_ngram": "none_ngram", "canary_eagle": "none_eagle"}  # arm -> the arm it is compared with (default "none")
 REQUESTS, NEW_TOKENS, PROMPT_MIN, PROMPT_MAX, VOCAB = 64, 128, 2048, 3072, 128256
+
+
+def _reinit_with_draft(worker) -> int:
+    """`_reinit` of the target model, then the same re-scaling of the speculative draft model's own parameters (the
+    EAGLE head: V1 runner ``drafter.model``, V2 ``speculator.model``; those it shares with the target, the embeddings
+    and the LM head, are left as the target's). Returns the parameters re-scaled."""
+    import torch
+
+    n = _reinit(worker)
+    runner = getattr(getattr(worker, "worker", worker), "model_runner")
+    draft = getattr(getattr(runner, "drafter", None) or getattr(runner, "speculator", None), "model", None)
+    if not isinstance(draft, torch.nn.Module):
+        return n
+    target = runner.model if hasattr(runner, "model") else runner.get_model()
+    shared = {p.data_ptr() for p in target.parameters()}
+    g = torch.Generator(device="cpu").manual_seed(1)
+    with torch.no_grad():
+        for name, prm in draft.named_parameters():
+            if prm.data_ptr() in shared:
+                continue
+            if "norm" in name:
+                prm.fill_(1.0)
+            else:
+                fan_in = prm.shape[-1] if prm.dim() > 1 else 1
+                prm.copy_(torch.randn(prm.shape, generator=g).mul_(fan_in ** -0.5).to(prm.dtype))
+            n += 1
+    return n
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -78,6 +108,11 @@ def child(arm: str, shape: str, util: float) -> None:
     options = ARMS[arm]
     if arm in SPECULATIVE:
         kw["speculative_config"] = dict(SPECULATIVE[arm])
+        if kw["speculative_config"]["method"] == "eagle":
+            ddir = tempfile.mkdtemp(prefix=f"bench-{shape}-eagle-")
+            with open(os.path.join(ddir, "config.json"), "w") as fh:
+                json.dump(dict(cfg, num_hidden_layers=1), fh)  # vLLM builds EagleLlamaForCausalLM from it
+            kw["speculative_config"]["model"] = ddir
     if options is not None:
         from kvcanary.engines.vllm import kv_transfer_config
 
@@ -86,7 +121,7 @@ def child(arm: str, shape: str, util: float) -> None:
     llm = LLM(**kw)
     start_s = time.perf_counter() - t0
     try:
-        reinit = llm.collective_rpc(_reinit)[0]
+        reinit = llm.collective_rpc(_reinit_with_draft)[0]
     except Exception as exc:  # noqa: BLE001 — recorded: the tokens then come from flat logits
         reinit = f"failed: {type(exc).__name__}: {exc}"
     conn = options is not None
@@ -253,7 +288,9 @@ def summarise(result: dict) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
-    ap.add_argument("--arms", nargs="+", default=None, help="default: none, canary, canary_nokv for 1b; none + canary for 8b (none_again: a second canary-off engine)")
+    ap.add_argument("--arms", nargs="+", default=None, choices=sorted(ARMS),
+                    help="default: none, canary, canary_nokv for 1b; none + canary for 8b (none_again: a second canary-off "
+                         "engine; none_ngram / canary_ngram, none_eagle / canary_eagle: speculative decoding)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--util", type=float, default=None, help="gpu_memory_utilization per engine")
     ap.add_argument("--out", default=None)

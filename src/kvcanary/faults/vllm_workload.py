@@ -72,10 +72,35 @@ def write_tiny_model(directory: str, kind: str = "llama", **shape: Any) -> str:
     return directory
 
 
+SPEC_METHODS = ("ngram", "eagle", "eagle3")  # the speculative decoding methods `engine_kwargs` sets up
+
+
+def write_tiny_draft(directory: str, method: str = "eagle", target: str = "llama", layers: int = 1,
+                     target_layers: Optional[int] = None) -> str:
+    """Write ``config.json`` of a tiny EAGLE draft model for the tiny ``target`` model (same hidden size, vocabulary and
+    heads; ``layers`` layers) into ``directory``: vLLM turns it into its EAGLE head (``EagleLlamaForCausalLM`` /
+    ``Eagle3LlamaForCausalLM`` for ``method`` "eagle" / "eagle3") and fills dummy weights like the target's; returns the
+    directory. EAGLE-3 reads three of the target's hidden states: the embeddings and the output of each of its layers
+    (ids 0..L for a target of ``target_layers`` layers, default the tiny model's; vLLM's default ids assume a deeper
+    target)."""
+    cfg = model_config(target, layers=layers)
+    if method == "eagle3":
+        depth = int(target_layers or model_config(target)["num_hidden_layers"])
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(range(depth + 1))[-3:]
+    elif method != "eagle":
+        raise KvCanaryValueError(f"kv-canary: a tiny draft model is for eagle or eagle3, got {method!r}")
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh)
+    return directory
+
+
 def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, num_blocks: int = 16,
                   max_num_seqs: int = 6, max_num_batched_tokens: int = 128, stats: bool = True,
-                  spec_tokens: int = 0) -> dict[str, Any]:
-    """``LLM(**engine_kwargs(...))`` for the tiny model in a cramped KV cache (see the module docstring)."""
+                  spec_tokens: int = 0, spec_method: str = "ngram", draft_dir: Optional[str] = None) -> dict[str, Any]:
+    """``LLM(**engine_kwargs(...))`` for the tiny model in a cramped KV cache (see the module docstring).
+    ``spec_tokens`` > 0: speculative decoding with ``spec_method`` (`SPEC_METHODS`); "eagle" / "eagle3" draft with the
+    tiny draft model in ``draft_dir`` (`write_tiny_draft`)."""
     import torch
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -92,11 +117,18 @@ def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, 
         kw["enforce_eager"] = True
     if kv_transfer_config is not None:
         kw["kv_transfer_config"] = kv_transfer_config
-    if spec_tokens:
+    if spec_method not in SPEC_METHODS:
+        raise KvCanaryValueError(f"kv-canary: spec_method must be one of {', '.join(SPEC_METHODS)}, got {spec_method!r}")
+    if spec_tokens and spec_method == "ngram":
         # n-gram drafts (prompt lookup over the request's own tokens): the tiny random model repeats itself, so drafts
         # are proposed, accepted and rejected
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(spec_tokens),
                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    elif spec_tokens:
+        if draft_dir is None:
+            raise KvCanaryValueError(f"kv-canary: spec_method={spec_method!r} needs draft_dir (write_tiny_draft)")
+        # a random-weight EAGLE head: its drafts are accepted at the rate its (dummy) weights happen to give
+        kw["speculative_config"] = {"method": spec_method, "model": draft_dir, "num_speculative_tokens": int(spec_tokens)}
     return kw
 
 
@@ -207,12 +239,13 @@ FAULT_PLAN_SPEC = (
 def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
                faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1,
                model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log",
-               on_violation: str = "log", spec_tokens: int = 0) -> dict[str, Any]:
+               on_violation: str = "log", spec_tokens: int = 0, spec_method: str = "ngram") -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
     verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger.
     ``shape``: `model_config` options (layers, sliding window); ``mode_option``: the canary's mode; ``on_violation``:
-    the adapter's response (log, abort, recompute)."""
+    the adapter's response (log, abort, recompute); ``spec_tokens`` / ``spec_method``: speculative decoding
+    (`engine_kwargs`)."""
     import time
 
     from vllm import LLM
@@ -239,7 +272,12 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     # tensor_parallel > 1: one worker process per rank, each rank's threads on a core of its own.
     processes = processes or tensor_parallel > 1
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if processes else "0"
-    kwargs = engine_kwargs(model, kv_transfer_config=ktc, spec_tokens=spec_tokens)
+    draft = None
+    if spec_tokens and spec_method != "ngram":
+        draft = write_tiny_draft(os.path.join(workdir, f"tiny-{model_kind}-{spec_method}"), spec_method, model_kind,
+                                 target_layers=(shape or {}).get("layers"))
+    kwargs = engine_kwargs(model, kv_transfer_config=ktc, spec_tokens=spec_tokens, spec_method=spec_method,
+                           draft_dir=draft)
     if tensor_parallel > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tensor_parallel)))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -255,10 +293,31 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     out = generate(llm, requests)
     t2 = time.perf_counter()
     violations = [dict(v, rank=r) for r, p in enumerate(vpaths) for v in read_jsonl(p)]
-    out.update(mode=mode, model=model_kind, on_violation=on_violation, spec_tokens=spec_tokens, processes=processes, tensor_parallel=tensor_parallel, pid=os.getpid(),
+    out.update(mode=mode, model=model_kind, on_violation=on_violation, spec_tokens=spec_tokens, spec_method=spec_method,
+               processes=processes, tensor_parallel=tensor_parallel, pid=os.getpid(),
                metrics=vllm_metrics(llm), violations=violations, ledger=read_jsonl(lpath),
+               canary_layers=None if processes or mode == "ref" else canary_layers(),
                start_seconds=round(t1 - t0, 2), generate_seconds=round(t2 - t1, 3))
     return out
+
+
+def canary_layers() -> Optional[dict[str, Any]]:
+    """The layers this process's canary worker checks, per group, and the speculative draft model's layers it leaves
+    out (None where no canary worker runs in this process: vLLM's worker processes)."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return None
+    if not has_kv_transfer_group():
+        return None
+    from kvcanary.engines.vllm.connector import KvCanaryConnector
+
+    group = get_kv_transfer_group()
+    for conn in [group, *getattr(group, "_connectors", ())]:
+        if isinstance(conn, KvCanaryConnector) and conn._layouts:
+            return {"groups": {g.name: list(g.layer_names) for g in conn._layouts},
+                    "draft": sorted(conn.draft_layers), "all": sorted(conn._kv_caches)}
+    return None
 
 
 def main(argv=None) -> int:
@@ -279,7 +338,9 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=None, help="sliding window of the tiny model")
     parser.add_argument("--canary-mode", default="log", choices=("log", "raise"), help="the canary's mode")
     parser.add_argument("--on-violation", default="log", choices=("log", "abort", "recompute"), help="the adapter's response")
-    parser.add_argument("--spec", type=int, default=0, help="n-gram speculative decoding with this many draft tokens")
+    parser.add_argument("--spec", type=int, default=0, help="speculative decoding with this many draft tokens")
+    parser.add_argument("--spec-method", default="ngram", choices=SPEC_METHODS,
+                        help="speculative decoding method (eagle / eagle3: a tiny random-weight draft model)")
     parser.add_argument("--fault-plan", default=None, help="faults: a JSON list of fault settings instead of the default plan")
     args = parser.parse_args(argv)
     logging.getLogger("kvcanary").setLevel(logging.ERROR)
@@ -288,15 +349,16 @@ def main(argv=None) -> int:
     result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes,
                         tensor_parallel=args.tensor_parallel, faults=faults, model_kind=args.model,
                         shape={k: v for k, v in (("layers", args.layers), ("sliding_window", args.window)) if v is not None},
-                        mode_option=args.canary_mode, on_violation=args.on_violation, spec_tokens=args.spec)
+                        mode_option=args.canary_mode, on_violation=args.on_violation, spec_tokens=args.spec,
+                        spec_method=args.spec_method)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0
 
 
-__all__ = ["MODELS", "BLOCK_SIZE", "model_config", "write_tiny_model", "engine_kwargs", "Request", "PATTERN",
+__all__ = ["MODELS", "BLOCK_SIZE", "SPEC_METHODS", "model_config", "write_tiny_model", "write_tiny_draft", "engine_kwargs", "Request", "PATTERN",
            "PARALLEL", "workload", "generate", "vllm_metrics", "read_jsonl", "transfer_config", "FAULT_PLAN",
-           "FAULT_PLAN_SPEC", "run_engine"]
+           "FAULT_PLAN_SPEC", "run_engine", "canary_layers"]
 
 
 if __name__ == "__main__":

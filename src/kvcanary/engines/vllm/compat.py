@@ -109,3 +109,50 @@ def is_v2_runner(runner) -> bool:
     """True for vLLM's V2 model runner (``vllm.v1.worker.gpu``): its batch is a per-step ``InputBatch``."""
     return type(runner).__module__.startswith("vllm.v1.worker.gpu.") or any(
         c.__module__.startswith("vllm.v1.worker.gpu.") for c in type(runner).__mro__)
+
+
+#: speculative decoding methods whose drafts come from a draft model with attention layers (and a KV cache) of its
+#: own, beside the target's: EAGLE / EAGLE-3 heads (vLLM names their layers after the target's,
+#: ``model.layers.<target layers + i>``)
+DRAFT_MODEL_METHODS = ("eagle", "eagle3")
+
+
+def draft_layer_names(vllm_config, layer_names, attention_layers=None, runner=None) -> frozenset:
+    """Which of ``layer_names`` (the KV cache's attention layers) belong to the speculative draft model rather than
+    the target model; empty without a draft model. Read only, from what vLLM marks, in this order:
+
+    1. the attention layer's ``is_draft_layer`` flag (``attention_layers``: vLLM's static forward context; the V2
+       runner's speculator sets it, vLLM 0.32);
+    2. the runner's drafter: ``runner.drafter._draft_attn_layer_names`` (V1 runner), ``runner.speculator.
+       draft_attn_layer_names`` (V2), ``attn_layer_names`` (older V1 proposers);
+    3. else the layer number: a draft model's layers are numbered after the target's (vLLM builds EAGLE heads with
+       ``start_layer_id`` = the target's layer count), so layers numbered at or past the target's
+       ``num_hidden_layers`` are the draft's.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "draft_model_config", None) is None:
+        return frozenset()
+    names = set(layer_names)
+    found = {n for n in names if getattr((attention_layers or {}).get(n), "is_draft_layer", False) is True}
+    for owner in (getattr(runner, "drafter", None), getattr(runner, "speculator", None)):
+        for attr in ("_draft_attn_layer_names", "draft_attn_layer_names", "attn_layer_names"):
+            value = getattr(owner, attr, None)
+            if isinstance(value, (set, frozenset, list, tuple)):
+                found |= {n for n in value if isinstance(n, str)} & names
+    if found:
+        return frozenset(found)
+    from kvcanary.engines.vllm.layout import layer_number
+
+    text = getattr(vllm_config.model_config, "hf_text_config", None) or vllm_config.model_config.hf_config
+    target = getattr(text, "num_hidden_layers", None)
+    if not isinstance(target, int):
+        return frozenset()
+    return frozenset(n for n in names if layer_number(n, -1) >= target)
+
+
+def runner_if_found(kv_tensor=None):
+    """`find_model_runner`, or None where no single runner is found (tests that build a connector by hand)."""
+    try:
+        return find_model_runner(kv_tensor)
+    except KvCanaryRuntimeError:
+        return None

@@ -47,7 +47,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcanary.engines.vllm import ON_VIOLATION
-from kvcanary.engines.vllm.compat import check_vllm_version, find_model_runner, is_v2_runner
+from kvcanary.engines.vllm.compat import (
+    DRAFT_MODEL_METHODS,
+    check_vllm_version,
+    draft_layer_names,
+    find_model_runner,
+    is_v2_runner,
+    runner_if_found,
+)
 from kvcanary.engines.vllm.forward_view import (
     TokenBatch,
     WorkerView,
@@ -71,9 +78,12 @@ from kvcanary.runtime import Canary, CanaryConfig, CanaryHealthError, CanaryViol
 logger = logging.getLogger("kvcanary")
 
 OPTIONS_KEY = "kvcanary"
-#: speculative decoding methods the adapter checks: drafts proposed without a draft model (no draft KV cache); the
-#: target model writes the drafts' KV in its verify forward, and the next forward rewrites the rejected positions
-SPEC_METHODS = ("ngram",)
+#: speculative decoding methods the adapter checks. In each the target model writes the drafts' KV into its own layers
+#: in its verify forward (checked like any write) and the next forward rewrites the rejected positions. "ngram" drafts
+#: without a model; "eagle" / "eagle3" (`compat.DRAFT_MODEL_METHODS`) draft with a model whose attention layers keep a
+#: KV cache of their own, written by the drafter's forwards outside the target's: those layers are left out of the
+#: canary's layer set (`compat.draft_layer_names`), not checked
+SPEC_METHODS = ("ngram",) + DRAFT_MODEL_METHODS
 STATS_PERIOD_S = 1.0  # on CUDA, default: seconds between two reads of the canary's counters for vLLM's stats
 ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s", "capture_canary", "on_violation")
 
@@ -218,6 +228,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._mirrors: dict[str, list[StripMirror]] = {}
         self._v2 = False
         self._stats_at = float("-inf")
+        self.draft_layers: frozenset = frozenset()  # a speculative draft model's layers, left out of the checks
 
     # ---- configuration checks ------------------------------------------------------------------
     @staticmethod
@@ -226,7 +237,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if spec is not None and getattr(spec, "method", None) not in SPEC_METHODS:
             raise KvCanaryValueError(
                 f"kv-canary: speculative decoding method {getattr(spec, 'method', None)!r} is not supported by the vLLM "
-                f"canary adapter (supported: {', '.join(SPEC_METHODS)}: drafts without a draft model's KV cache)"
+                f"canary adapter (supported: {', '.join(SPEC_METHODS)})"
             )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise KvCanaryValueError("kv-canary: pipeline parallelism is not supported by the vLLM canary adapter")
@@ -373,7 +384,15 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self._kv_caches = dict(kv_caches)
         static = self._vllm_config.compilation_config.static_forward_context
-        self._layouts = build_group_layouts(self._kv_cache_config, self._kv_caches, attention_layers=static)
+        # a speculative draft model's own attention layers (EAGLE): written by the drafter's forwards, which run
+        # outside the target forward the canary brackets, so they are not in the canary's layer set (not checked)
+        self.draft_layers = draft_layer_names(self._vllm_config, self._kv_caches, attention_layers=static,
+                                              runner=self._draft_runner())
+        if self.draft_layers:
+            logger.info("kv-canary: %d layer(s) of the speculative draft model are not checked: %s",
+                        len(self.draft_layers), ", ".join(sorted(self.draft_layers)))
+        self._layouts = build_group_layouts(self._kv_cache_config, self._kv_caches, attention_layers=static,
+                                            exclude=self.draft_layers)
         device = next(iter(kv_caches.values())).device
         if device.type not in ("cpu", "cuda"):
             raise KvCanaryValueError(f"kv-canary: KV cache on {device}; the vLLM adapter checks CPU and CUDA caches")
@@ -410,6 +429,12 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 self._register_cpu_group(g, config, static)
         logger.info("kv-canary: vLLM worker rank %d attached to %s (KV layout %s)", self.rank,
                     ", ".join(f"{g.name}: {g.num_blocks} blocks x {g.block_size}" for g in self._layouts), self.hash_layout)
+
+    def _draft_runner(self):
+        """The model runner, where a draft model's layers are to be told apart (found only then: once, at start)."""
+        if getattr(self._vllm_config.speculative_config, "draft_model_config", None) is None:
+            return None
+        return runner_if_found(next(iter(self._kv_caches.values())))
 
     def _register_gpu_group(self, g, config: CanaryConfig) -> None:
         """GPU backends: the canary's kernels read the cache's own byte strips (`layout.gpu_kv_sources`)."""

@@ -121,12 +121,16 @@ def layer_number(name: str, fallback: int) -> int:
 
 
 def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], kernel_block_sizes=None,
-                        attention_layers=None) -> list[GroupLayout]:
+                        attention_layers=None, exclude=frozenset()) -> list[GroupLayout]:
     """Canary groups of a vLLM ``KVCacheConfig`` (read only): one ``full`` and at most one ``swa``.
     ``attention_layers`` (layer name -> ``Attention`` layer, vLLM's static forward context): gives each
-    sliding-window group its ``window_left``."""
+    sliding-window group its ``window_left``. ``exclude``: layer names left out of the canary's layer sets (a
+    speculative draft model's own layers, `compat.draft_layer_names`); a group of excluded layers only is no canary
+    group (the others keep their ``index``)."""
     layouts = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        if exclude and group.layer_names and all(n in exclude for n in group.layer_names):
+            continue
         spec = group.kv_cache_spec
         kind = type(spec).__name__
         if kind == "SlidingWindowSpec":
@@ -138,7 +142,7 @@ def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], ker
                 f"kv-canary: vLLM KV cache group {index} is {kind}; the canary checks full-attention and "
                 "sliding-window groups only"
             )
-        names = tuple(n for n in group.layer_names if n in kv_caches)
+        names = tuple(n for n in group.layer_names if n in kv_caches and n not in exclude)
         if not names:
             raise KvCanaryValueError(f"kv-canary: vLLM KV cache group {index} has no registered KV tensors")
         manager_bs = int(spec.block_size)

@@ -5,7 +5,8 @@ the canary, then with it in ``raise`` mode; a random subset also runs a faulted 
 layer sliding) or hybrid Llama (odd layers sliding) with 2-8 layers and windows shorter and longer than
 the prompts; 32/64-token blocks; a KV pool small enough to preempt; a step budget small enough to chunk
 prefills; prefix caching on or off; ``max_num_seqs`` 1-8; prompts sharing system prefixes; ``n`` up to
-3; aborted requests; and canary options (``sweep_interval``, ``real_kv_hash``, ``real_kv_layers``,
+3; aborted requests; speculative decoding (in about a third: 1-4 draft tokens from n-gram lookup or a one-layer
+random-weight EAGLE / EAGLE-3 head); and canary options (``sweep_interval``, ``real_kv_hash``, ``real_kv_layers``,
 deep fingerprints).
 
 `run_config` runs every engine of one configuration in a worker process of its own (started once and
@@ -80,7 +81,7 @@ def sample_config(rng: random.Random) -> dict:
     if spec_tokens:
         for r in requests:
             r["n"] = 1
-    return {
+    config = {
         "arch": arch, "layers": layers, "window": window, "block_size": block, "num_blocks": blocks,
         "prefix_caching": rng.random() < 0.75, "max_num_seqs": seqs, "max_num_batched_tokens": budget,
         "max_model_len": max_len, "system_lens": [rng.randint(20, 120) for _ in range(n_sys)],
@@ -90,6 +91,9 @@ def sample_config(rng: random.Random) -> dict:
         # abort / recompute need one KV cache group (the adapter refuses them on a hybrid model)
         "on_violation": "log" if arch == "hybrid" else rng.choice(("log", "abort", "recompute")),
     }
+    if spec_tokens:  # drawn last: the draws above stay those of the configurations drawn before EAGLE was
+        config["spec_method"] = rng.choice(("ngram", "eagle", "eagle3"))
+    return config
 
 
 def _model_shape(config: dict) -> tuple[str, dict]:
@@ -114,15 +118,19 @@ def _prompts(config: dict, seed: int) -> list[list[int]]:
 
 
 # ---- one engine run (inside the worker) -----------------------------------------------------------
-def _llm_kwargs(config: dict, model: str, ktc: Optional[dict]) -> dict:
-    """``LLM(...)`` arguments of one configuration (eager on the CPU; n-gram drafts when it draws them)."""
+def _llm_kwargs(config: dict, model: str, ktc: Optional[dict], draft: Optional[str] = None) -> dict:
+    """``LLM(...)`` arguments of one configuration (eager on the CPU; n-gram or EAGLE drafts when it draws them)."""
     kw: dict[str, Any] = dict(
         model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         enable_prefix_caching=config["prefix_caching"], enforce_eager=True, max_model_len=config["max_model_len"],
         seed=0, block_size=config["block_size"], num_gpu_blocks_override=config["num_blocks"],
         max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=config["max_num_batched_tokens"],
         disable_log_stats=True, kv_transfer_config=ktc)
-    if config.get("spec_tokens"):
+    if config.get("spec_tokens") and config.get("spec_method", "ngram") != "ngram":
+        # a one-layer random-weight EAGLE / EAGLE-3 head beside the model (``draft``: written by `_engine_run`)
+        kw["speculative_config"] = {"method": config["spec_method"], "model": draft,
+                                    "num_speculative_tokens": int(config["spec_tokens"])}
+    elif config.get("spec_tokens"):
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": int(config["spec_tokens"]),
                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     return kw
@@ -134,12 +142,15 @@ def _engine_run(config: dict, seed: int, *, canary: Optional[dict], faults: Opti
     from vllm import LLM, SamplingParams
 
     from kvcanary.faults.vllm_experiments import close, handles
-    from kvcanary.faults.vllm_workload import transfer_config, write_tiny_model
+    from kvcanary.faults.vllm_workload import transfer_config, write_tiny_draft, write_tiny_model
 
     kind, shape = _model_shape(config)
     model = write_tiny_model(os.path.join(work, "model"), kind, **shape)
+    draft = None
+    if config.get("spec_tokens") and config.get("spec_method", "ngram") != "ngram":
+        draft = write_tiny_draft(os.path.join(work, "draft"), config["spec_method"], target_layers=config["layers"])
     ktc = transfer_config(canary, faults=faults) if canary is not None else None
-    llm = LLM(**_llm_kwargs(config, model, ktc))
+    llm = LLM(**_llm_kwargs(config, model, ktc, draft))
     result: dict[str, Any] = {}
     try:
         engine = llm.llm_engine
