@@ -341,12 +341,13 @@ def weights_runs(workdir: str) -> dict[str, Any]:
 
 
 def main(argv=None) -> int:
-    """``python -m kvcanary.faults.vllm_experiments {window-edge,defaults,context} WORKDIR OUT.json``, as JSON:
+    """``python -m kvcanary.faults.vllm_experiments {window-edge,defaults,context,weights,multimodal} WORKDIR OUT.json``, as JSON:
 
     window-edge: the window convention experiment on a Mistral with every layer sliding (``--window W``):
     no fault, and the K/V of ``p - (W - 1)`` / ``p - W`` overwritten (`window_edge_run`), the latter two
     with the canary (and without it too with ``--no-canary-runs``), each in a fresh in-process engine.
-    defaults: `defaults_runs`. context: `context_runs`. weights: `weights_runs`."""
+    defaults: `defaults_runs`. context: `context_runs`. weights: `weights_runs`. multimodal:
+    `kvcanary.faults.vllm_multimodal.multimodal_runs` (a tiny vision-language model)."""
     import argparse
     import json
     import logging
@@ -354,7 +355,7 @@ def main(argv=None) -> int:
     import sys
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("what", choices=("window-edge", "defaults", "context", "weights"))
+    parser.add_argument("what", choices=("window-edge", "defaults", "context", "weights", "multimodal"))
     parser.add_argument("workdir")
     parser.add_argument("out")
     parser.add_argument("--window", type=int, default=40)
@@ -381,6 +382,10 @@ def main(argv=None) -> int:
         runs = context_runs(args.workdir)
     elif args.what == "weights":
         runs = weights_runs(args.workdir)
+    elif args.what == "multimodal":
+        from kvcanary.faults.vllm_multimodal import multimodal_runs
+
+        runs = multimodal_runs(args.workdir)
     else:
         runs = defaults_runs(args.workdir, flips=args.flips)
     with open(args.out, "w", encoding="utf-8") as fh:

@@ -70,6 +70,7 @@ from kvcanary.engines.vllm.layout import (
     probe_cpu_layout,
 )
 from kvcanary.engines.vllm.metrics import KvCanaryPromMetrics, KvCanaryStats
+from kvcanary.engines.vllm.multimodal import RequestContent
 from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryTypeError, KvCanaryValueError
 from kvcanary.runtime.identity import ProducerIdentity
 from kvcanary.runtime.weights import WeightsWatch
@@ -98,6 +99,8 @@ class KvCanaryMetadata(KVConnectorMetadata):
     positions, counts, tokens; or a dict request id -> (first position, token ids)).
     contexts: request id -> context key (`context_key` of its LoRA adapter and cache salt; 0: none), sent once
     with a request's first tokens, for every new request (the worker folds its weights version in).
+    multimodal: request id -> placeholder runs ``(start, end)``, sent once for a new request with multimodal items;
+    the tokens shipped at those positions are the items' content tokens (`kvcanary.engines.vllm.multimodal`).
     finished / preempted: request ids since the last step. cached_blocks: ``(block id, valid tokens,
     KV cache group index)`` of every idle block in the prefix cache (no running request holds it: those are swept
     from the requests' tables), on sweep steps only (else None).
@@ -109,6 +112,9 @@ class KvCanaryMetadata(KVConnectorMetadata):
     preempted: tuple[str, ...] = ()
     cached_blocks: Optional[list[tuple[int, int, int]]] = None
     drafts: dict[str, int] = field(default_factory=dict)  # request id -> draft tokens scheduled (speculative decoding)
+    #: request id -> ``(start, end)`` of each multimodal placeholder run, sent once with a new request that has any
+    #: (its tokens at those positions are content tokens: `kvcanary.engines.vllm.multimodal`)
+    multimodal: dict[str, tuple] = field(default_factory=dict)
 
 
 @dataclass
@@ -203,6 +209,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._requests: dict[str, Any] = {}
         self._sent: dict[str, int] = {}
+        self._content: dict[str, RequestContent] = {}  # requests with multimodal items: their content tokens
         self._verdicts: dict[str, list] = {}
         self._metas = 0
         self._block_pool = None
@@ -243,6 +250,13 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             raise KvCanaryValueError("kv-canary: pipeline parallelism is not supported by the vLLM canary adapter")
         if getattr(vllm_config.model_config, "uses_mrope", False):
             raise KvCanaryValueError("kv-canary: M-RoPE models (multi-dimensional positions) are not supported")
+        mm = getattr(vllm_config.model_config, "multimodal_config", None)
+        if mm is not None and getattr(mm, "mm_processor_cache_type", None) == "shm" and \
+                float(getattr(mm, "mm_processor_cache_gb", 0) or 0) > 0:
+            raise KvCanaryValueError(
+                "kv-canary: mm_processor_cache_type='shm' keeps multimodal items' data out of the scheduler, where the "
+                "canary hashes each item's content; use mm_processor_cache_type='lru' (vLLM's default) or "
+                "mm_processor_cache_gb=0")
 
     def _check_response_path(self, vllm_config, kv_cache_config) -> None:
         """``abort`` / ``recompute`` answer through vLLM's KV-load-failure path (``get_block_ids_with_load_errors`` +
@@ -280,7 +294,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KvCanaryMetadata:
         ids, starts, counts, flat = [], [], [], []
         contexts: dict[str, int] = {}
-        requests, sent_of = self._requests, self._sent
+        multimodal: dict[str, tuple] = {}
+        requests, sent_of, content = self._requests, self._sent, self._content
         for rid in scheduler_output.num_scheduled_tokens:
             req = requests.get(rid)
             if req is None:
@@ -289,12 +304,21 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             if sent is None:
                 sent = 0
                 contexts[rid] = request_context_key(req)  # 0 too: the worker keys it with its weights version
+                if getattr(req, "mm_features", None):  # hashed once per request; a request without items pays nothing more
+                    mine = RequestContent.of(req)
+                    if mine is not None:
+                        content[rid] = mine
+                        multimodal[rid] = mine.spans()
             known = req.num_tokens
             if known > sent:
                 ids.append(rid)
                 starts.append(sent)
                 counts.append(known - sent)
-                flat.extend(req.all_token_ids[sent:known])
+                mine = content.get(rid) if content else None
+                if mine is not None and sent < mine.end:
+                    flat.extend(mine.substitute(req.all_token_ids[sent:known], sent))
+                else:
+                    flat.extend(req.all_token_ids[sent:known])
                 sent_of[rid] = known
         tokens = TokenBatch.from_lists(ids, starts, counts, flat)
         self._metas += 1
@@ -308,6 +332,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             drafts=drafts,
             tokens=tokens,
             contexts=contexts,
+            multimodal=multimodal,
             finished=tuple(scheduler_output.finished_req_ids or ()),
             preempted=tuple(scheduler_output.preempted_req_ids or ()),
             cached_blocks=cached,
@@ -364,6 +389,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         rid = request.request_id
         self._requests.pop(rid, None)
         self._sent.pop(rid, None)
+        self._content.pop(rid, None)
         n, reasons = self._verdicts.pop(rid, [0, []])
         return False, {"kv_canary": {"violations": n, "reasons": reasons}}
 
@@ -537,7 +563,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self._watch_weights(runner)
         self.view.apply(tokens=connector_metadata.tokens, finished=connector_metadata.finished,
                         preempted=connector_metadata.preempted, contexts=self._keyed(connector_metadata.contexts),
-                        drafts=connector_metadata.drafts)
+                        drafts=connector_metadata.drafts, multimodal=connector_metadata.multimodal)
         step = self._step()
         if step is None:
             return

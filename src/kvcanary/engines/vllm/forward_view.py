@@ -28,6 +28,7 @@ import torch
 
 from kvcanary.engines.vllm.compat import find_model_runner, is_v2_runner  # noqa: F401  (their old home)
 from kvcanary.engines.vllm.layout import GroupLayout
+from kvcanary.engines.vllm.multimodal import MultimodalSpans
 from kvcanary.errors import KvCanaryRuntimeError
 from kvcanary.ops.paged import launch_block_table_slots_kernel, launch_mark_written_slots_kernel
 from kvcanary.runtime.batch import BatchDescription, GroupBatch, classify_forward
@@ -237,6 +238,7 @@ class WorkerView:
         self._any_key = False  # a context key was applied (rows' keys are read from then on)
         self.events = ForwardEvents()
         self.drafts: dict[str, int] = {}
+        self.mm = MultimodalSpans()  # live requests with multimodal placeholder runs
         # per group: slots of positions < seq_len of the last forward (kept only for adapters that mirror KV)
         self.track_read_slots = track_read_slots
         self.read_slots: dict[str, torch.Tensor] = {}
@@ -247,9 +249,9 @@ class WorkerView:
 
     # ---- scheduler events ----------------------------------------------------------------------
     def apply(self, *, tokens, finished, preempted, contexts: Optional[dict] = None,
-              drafts: Optional[dict] = None) -> None:
-        """One step's scheduler events: requests preempted and finished, context keys of new requests, and each
-        request's newly known tokens — a `TokenBatch`, or ``{request id: (first position, tokens)}`` — (a resend
+              drafts: Optional[dict] = None, multimodal: Optional[dict] = None) -> None:
+        """One step's scheduler events: requests preempted and finished, context keys and multimodal placeholder
+        runs (``(start, end)`` pairs) of new requests, and each request's newly known tokens — a `TokenBatch`, or ``{request id: (first position, tokens)}`` — (a resend
         from an earlier position replaces the tail; a gap is ignored until the scheduler resends from before it)."""
         self.drafts = dict(drafts or {})  # this step's draft tokens per request (speculative decoding)
         rows = self.rows
@@ -265,6 +267,12 @@ class WorkerView:
                 self._any_key = self._any_key or bool(key)
         if done:
             self.writes.drop_rows(released)
+            if self.mm:
+                for rid in done:
+                    self.mm.drop(rid)
+        for rid, spans in (multimodal or {}).items():
+            if rid not in done:
+                self.mm.add(rid, spans)
         batch = tokens if isinstance(tokens, TokenBatch) else TokenBatch.from_dict(tokens or {})
         if not batch.request_ids:
             return
@@ -316,6 +324,8 @@ class WorkerView:
         positions = step.positions[:num_tokens]
         if input_ids.device != self.device:
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+        if self.mm:
+            input_ids = self._content_inputs(req_ids, rows, prefix, query, input_ids)
         todo = np.flatnonzero(first & (prefix > 0))
         shared_t = None
         if todo.size:
@@ -358,6 +368,18 @@ class WorkerView:
         if values.size:
             self.token_table[at_r, at_c] = at_v.to(torch.int32)
         return rows_t, seq_t, prefix_t, extend_t, lens_t, (keys_t[0] if keys_t else None)
+
+    def _content_inputs(self, req_ids: list, rows, prefix, query, input_ids: torch.Tensor) -> torch.Tensor:
+        """The forward's input ids with each multimodal placeholder position's id replaced by its content token (the
+        token history's, `kvcanary.engines.vllm.multimodal`): a copy, the runner's buffer is left as it is. The model
+        reads the item's embedding there, not the id; the content token stands for it."""
+        cells = self.mm.cells(req_ids, rows, prefix, query)
+        if cells is None:
+            return input_ids
+        idx, at_rows, at_pos = self._upload(*cells)
+        out = input_ids.clone()
+        out[idx] = self.token_table[at_rows, at_pos].to(out.dtype)
+        return out
 
     def _verify_rows(self, req_ids: list) -> Optional[np.ndarray]:
         """Speculative decoding: which batch rows verify drafts this forward (None without drafts); counts them."""
