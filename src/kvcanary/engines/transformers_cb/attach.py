@@ -94,6 +94,8 @@ from kvcanary.engines.transformers_cb.session import (
     _Session,
     _SessionResult,
     _Suspended,
+    merge_counters,
+    session_result,
 )
 from kvcanary.errors import (
     KvCanaryCapacityError,
@@ -114,7 +116,7 @@ DEFAULT_MAX_REQUESTS = 256
 DEFAULT_MAX_CONTEXT = 32768
 
 ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation",
-                   "token_oracle", "capture_sweep", "context_of", "committed_tokens", "watch_weights")
+                   "token_oracle", "capture_sweep", "context_of", "committed_tokens", "watch_weights", "graph_driver")
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, TransformersCbHandle]" = weakref.WeakKeyDictionary()
 
@@ -159,6 +161,7 @@ class TransformersCbHandle:
     context_of: Optional[ContextFn] = None
     committed_tokens: bool = True
     watch_weights: bool = True
+    graph_driver: bool = False
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -312,7 +315,7 @@ class TransformersCbHandle:
 
     def _suspend(self, s: Optional[_Session], cache, cause: str, *, reason: str = "") -> None:
         processor = s.processor if s is not None else _processor_of(cache)
-        graphs = bool(s.graphs) if s is not None else processor is not None and any(compat.graph_flags(processor))
+        graphs = bool(s.graphs) if s is not None else processor is not None and self._graph_mode(processor)
         if s is not None and s in self._sessions:
             try:
                 self._close_session(s, final_sweep=False)  # its records no longer match what the engine wrote
@@ -355,6 +358,11 @@ class TransformersCbHandle:
                 "kv-canary: this canary handle was detached; its results stay readable (counters, violations, "
                 "stats), but it checks nothing: attach again for a new one"
             )
+
+    def _graph_mode(self, processor) -> bool:
+        """Whether the steps of ``processor``'s sessions are driven by the ``compute_batch`` wrapper (graph mode):
+        when the engine captures CUDA graphs, or always with ``graph_driver=True``."""
+        return self.graph_driver or any(compat.graph_flags(processor))
 
     # ---- steps ---------------------------------------------------------------------------------
     def _begin(self, s: _Session, phase: str) -> None:
@@ -439,7 +447,7 @@ class TransformersCbHandle:
             committed_tokens=self.committed_tokens and self.config.write_input_assert,
             weights_version=self.weights.current if self.watch_weights else None,
         )
-        graphs = any(compat.graph_flags(processor))
+        graphs = self._graph_mode(processor)
         path = prove_device_path(device, allow_eager_fallback=self.config.allow_eager_fallback)  # refuses, or falls back
         if path.degraded and graphs:
             raise KvCanaryRuntimeError(path.refusal("continuous batching with the engine's CUDA graphs (use_cuda_graph)"))
@@ -574,12 +582,12 @@ class TransformersCbHandle:
             try:
                 session.canary.close(final_sweep=final_sweep)
             finally:
-                self._closed.append(_result(session))
+                self._closed.append(session_result(session))
                 self._sessions.remove(session)
 
     # ---- user API ------------------------------------------------------------------------------
     def _results(self) -> list:
-        return self._closed + [_result(s) for s in self._sessions]
+        return self._closed + [session_result(s) for s in self._sessions]
 
     @property
     def sessions(self) -> int:
@@ -681,38 +689,6 @@ class TransformersCbHandle:
         self.detach()
         if exc_type is None:
             self.raise_if_failed()
-
-
-def _result(s: _Session) -> _SessionResult:
-    counters = dict(s.canary.counters())
-    coverage = getattr(s.canary, "coverage", None)  # the runtime's account of what it skipped, when it has one
-    if callable(coverage) and "coverage" not in counters:
-        counters["coverage"] = dict(coverage())
-    counters.update(engine_forwards=s.engine_forwards, warmup_forwards=s.warmup_forwards,
-                    graphs_captured=s.graphs_captured, graphs_dropped=s.graphs_dropped)
-    if s.moves is not None:
-        counters["moves"] = s.moves.counts()
-    return _SessionResult(forwards=s.canary.step, stats=s.canary.stats(), violations=s.canary.violations(),
-                          counters=counters)
-
-
-def merge_counters(parts: list[dict]) -> dict:
-    """Sum per-session counters: numbers add, dicts merge recursively (e.g. ``coverage``), lists become the
-    sorted union of their items (e.g. ``coverage["unhashed_groups"]``); other values are dropped."""
-    out: dict = {}
-    for part in parts:
-        _merge_into(out, part)
-    return out
-
-
-def _merge_into(out: dict, part: dict) -> None:
-    for key, value in part.items():
-        if isinstance(value, dict):
-            _merge_into(out.setdefault(key, {}), value)
-        elif isinstance(value, (list, tuple, set)):
-            out[key] = sorted(set(out.get(key, [])) | set(value))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = out.get(key, 0) + value
 
 
 def check_attach_options(options: dict) -> None:
@@ -819,7 +795,7 @@ def attach(
     device: Optional[torch.device] = None, config: Optional[CanaryConfig] = None,
     capture_canary: Optional[bool] = None, static_translation: Optional[bool] = None,
     token_oracle: Optional[TokenOracleFn] = None, capture_sweep: bool = True, context_of: Optional[ContextFn] = None,
-    committed_tokens: bool = True, watch_weights: bool = True, **options: object,
+    committed_tokens: bool = True, watch_weights: bool = True, graph_driver: bool = False, **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
     CUDA-graphed. In mode ``none`` nothing is attached.
@@ -849,12 +825,15 @@ def attach(
     request first appears (`runtime/weights.py`: ``load_state_dict``, optimizer steps and sentinel parameters
     are watched), so a prefix-cache hit on KV computed by older weights is an ``identity_weights_version``
     violation; writes the watch cannot see need ``handle.bump_weights_version()``. Off: no weights version.
+    ``graph_driver``: drive the steps from the ``compute_batch`` wrapper as in CUDA-graph mode even when the engine
+    runs eagerly (graph mode without the capture: reproduces the graph-mode path on a machine without graphs).
     """
     check_transformers_version()
     check_attach_options(options)
     settings = dict(max_requests=max_requests, max_context=max_context, capture_canary=capture_canary,
                     static_translation=static_translation, token_oracle=token_oracle, capture_sweep=capture_sweep,
-                    context_of=context_of, committed_tokens=committed_tokens, watch_weights=watch_weights)
+                    context_of=context_of, committed_tokens=committed_tokens, watch_weights=watch_weights,
+                    graph_driver=graph_driver)
     check_adapter_arguments(settings)
     dev = check_device(device)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate_batch"):
@@ -875,7 +854,7 @@ def attach(
 def check_adapter_arguments(settings: dict) -> None:
     """The adapter's own options of `attach` (all but ``device`` and ``config``), each refused with a ``kv-canary:``
     error in this order: ``capture_sweep``, the limits, ``token_oracle``, ``committed_tokens``, ``watch_weights``,
-    ``context_of``."""
+    ``context_of``, ``graph_driver``."""
     _check_bool("capture_sweep", settings["capture_sweep"])
     check_limits(settings["max_requests"], settings["max_context"])
     token_oracle, context_of = settings["token_oracle"], settings["context_of"]
@@ -887,6 +866,7 @@ def check_adapter_arguments(settings: dict) -> None:
     if context_of is not None and not callable(context_of):
         raise KvCanaryTypeError(f"kv-canary: context_of must be a callable request_id -> hashable key (or None), "
                                 f"got {type(context_of).__name__}")
+    _check_bool("graph_driver", settings["graph_driver"])
 
 
 def _check_bool(name: str, value: object) -> None:
