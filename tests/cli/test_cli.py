@@ -12,13 +12,8 @@ from kvcanary.cli import main as cli_main
 from kvcanary.errors import KvCanaryIndexError
 
 
-def _no_demo(monkeypatch):
-    import kvcanary.cli.demo as demo
-
-    def must_not_run(**kwargs):
-        raise AssertionError("the demo ran although its arguments were bad")
-
-    monkeypatch.setattr(demo, "run_demo", must_not_run)
+def _no_demo(**kwargs):
+    raise AssertionError("the demo ran although its arguments were bad")
 
 
 def test_version(capsys):
@@ -28,35 +23,31 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"kvcanary {kvcanary.__version__}"
 
 
-def test_json_path_is_checked_before_the_run(tmp_path, monkeypatch, capsys):
+def test_json_path_is_checked_before_the_run(tmp_path, capsys):
     pytest.importorskip("transformers")
-    _no_demo(monkeypatch)
-    rc = cli_main.main(["demo", "--json", str(tmp_path / "missing" / "out.json")])
+    rc = cli_main.main(["demo", "--json", str(tmp_path / "missing" / "out.json")], demo_runner=_no_demo)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert err[0].startswith("kv-canary: --json ") and "does not exist" in err[0]
-    rc = cli_main.main(["demo", "--json", str(tmp_path)])
+    rc = cli_main.main(["demo", "--json", str(tmp_path)], demo_runner=_no_demo)
     assert rc == 2 and "is a directory" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
-def test_cuda_without_a_gpu_is_a_one_line_error(monkeypatch, capsys):
+def test_cuda_without_a_gpu_is_a_one_line_error(capsys):
     pytest.importorskip("transformers")
-    _no_demo(monkeypatch)
-    rc = cli_main.main(["demo", "--device", "cuda"])
+    rc = cli_main.main(["demo", "--device", "cuda"], demo_runner=_no_demo)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("kv-canary: device 'cuda' is not usable")
 
 
-def test_kvcanary_errors_are_caught_by_type(monkeypatch, capsys):
+def test_kvcanary_errors_are_caught_by_type(capsys):
     pytest.importorskip("transformers")
-    import kvcanary.cli.demo as demo
 
     def broken(**kwargs):
         raise KvCanaryIndexError("kv-canary: request row 9 is outside the request table")
 
-    monkeypatch.setattr(demo, "run_demo", broken)
-    assert cli_main.main(["demo"]) == 2
+    assert cli_main.main(["demo"], demo_runner=broken) == 2
     assert capsys.readouterr().err.strip() == "kv-canary: request row 9 is outside the request table"
 
 
@@ -75,10 +66,9 @@ def test_demo_json_records_versions_device_and_seed(tmp_path):
     assert result["versions"]["python"].count(".") == 2
 
 
-def test_unknown_demo_model_lists_the_valid_ones_before_the_run(monkeypatch, capsys):
+def test_unknown_demo_model_lists_the_valid_ones_before_the_run(capsys):
     pytest.importorskip("transformers")
-    _no_demo(monkeypatch)
-    assert cli_main.main(["demo", "--models", "gpt2"]) == 2
+    assert cli_main.main(["demo", "--models", "gpt2"], demo_runner=_no_demo) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kv-canary: unknown demo model 'gpt2' (--models: ")
     assert "llama" in err[0] and "qwen3_swa" in err[0]

@@ -1,8 +1,9 @@
 """Helpers for the transformers continuous-batching tests (CPU and CUDA graphs).
 
 * `padded_like_graphs` — on a machine without graphs, make the engine pad its batches and run its warmup
-  exactly as in CUDA-graph mode (static shapes, padding sequences, ``__warmup_*`` forwards), and make the
-  adapter drive the steps from its ``compute_batch`` wrapper: everything of graph mode but the capture.
+  exactly as in CUDA-graph mode (static shapes, padding sequences, ``__warmup_*`` forwards); with
+  ``attach(..., graph_driver=True)`` the adapter drives the steps from its ``compute_batch`` wrapper:
+  everything of graph mode but the capture.
 * `BetweenSteps` — runs a demo fault injector after the engine prepared each batch, on the engine's static
   buffers: outside any graph, so the fault reaches replayed forwards (forward pre-hooks do not run there).
 """
@@ -23,7 +24,6 @@ def padded_like_graphs(monkeypatch) -> None:
         self.pad_inputs = True
 
     monkeypatch.setattr(model_runner.ModelRunner, "__init__", padded_init)
-    monkeypatch.setattr(compat, "graph_flags", lambda processor: (True, True))
 
 
 def static_kwargs(io) -> dict:

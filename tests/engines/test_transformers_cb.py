@@ -181,28 +181,21 @@ def test_rotating_sweep_with_a_shared_sector_pool(qwen3):
     assert sum(s.sweep_stale for s in handle.stats()) == 0
 
 
-def test_graph_driver_on_eager_forwards(llama, monkeypatch):
+def test_graph_driver_on_eager_forwards(llama):
     """The graph-mode driver (the compute_batch wrapper: host half around the engine call, hooks doing
     device work only) on an engine that runs eagerly: every forward checked, same tokens, wrapper removed."""
     prompts = workload(seed=1, num_requests=6)
     reference = generate(llama, prompts)
-    monkeypatch.setattr(compat, "graph_flags", lambda processor: (True, True))
-    runners = []
-    install = compat.install_compute_wrapper
-
-    def spy(processor, make):
-        runners.append(processor.model_runner)
-        return install(processor, make)
-
-    monkeypatch.setattr(compat, "install_compute_wrapper", spy)
-    with attach(llama, mode="raise", sweep_interval=4) as handle:
+    with attach(llama, mode="raise", sweep_interval=4, graph_driver=True) as handle:
         checked = generate(llama, prompts)
-        assert "compute_batch" in vars(runners[0])
+        runner = handle._current.processor.model_runner
+        assert "compute_batch" in vars(runner)
     assert checked == reference
     assert handle.violations() == [] and handle.errors == []
     counters = handle.counters()
     assert counters["engine_forwards"] == counters["checked_forwards"] == handle.forwards > 0
-    assert len(runners) == 1 and "compute_batch" not in vars(runners[0])  # detach restored the class method
+    # one session, never suspended: the wrapper was installed once; detach restored the class method
+    assert handle.sessions == 1 and counters["last_suspension"] is None and "compute_batch" not in vars(runner)
 
 
 def test_decode_fast_path_translation_matches_the_indexed_one(llama, monkeypatch):
@@ -260,7 +253,7 @@ def test_padded_batches_and_warmup_as_in_graph_mode(kind, llama, qwen3, monkeypa
         return out
 
     monkeypatch.setattr(ForwardTranslator, "describe", keep)
-    with attach(model, mode="raise", sweep_interval=4) as handle:
+    with attach(model, mode="raise", sweep_interval=4, graph_driver=True) as handle:
         checked = generate(model, prompts)
     assert checked == reference
     assert handle.violations() == [] and handle.errors == []
@@ -274,8 +267,8 @@ def test_padded_batches_and_warmup_as_in_graph_mode(kind, llama, qwen3, monkeypa
 def test_tables_are_staged_before_the_runtime_freezes_them(llama, monkeypatch):
     """Under CUDA graphs the runtime freezes its static inputs at the first stage it sees inside a capture
     and from then on insists on the same table objects. The warmup's eager forward stages the adapter's
-    tables first; here every stage after a session's first is treated as captured (frozen identity checks)."""
-    import kvcanary.runtime.canary as canary_module
+    tables first; here every stage after a session's first finds the buffers frozen, as a capture leaves them
+    (frozen identity checks)."""
     from kvcanary.runtime import Canary
 
     padded_like_graphs(monkeypatch)
@@ -283,12 +276,13 @@ def test_tables_are_staged_before_the_runtime_freezes_them(llama, monkeypatch):
     stage = Canary.stage
 
     def counted(self, batch):
+        if stages["n"] > 0:
+            self.static.frozen = True  # what a stage inside an engine's capture sets (`Canary.stage`)
         stage(self, batch)
         stages["n"] += 1
 
     monkeypatch.setattr(Canary, "stage", counted)
-    monkeypatch.setattr(canary_module, "capturing", lambda: stages["n"] > 0)
-    with attach(llama, mode="raise", sweep_interval=4) as handle:
+    with attach(llama, mode="raise", sweep_interval=4, graph_driver=True) as handle:
         generate(llama, workload(seed=1, num_requests=6))
     assert handle.errors == [] and handle.violations() == [] and stages["n"] > 2
     counters = handle.counters()
@@ -300,7 +294,7 @@ def test_redirected_read_between_steps_with_padded_batches(llama, monkeypatch):
     would read it), and is charged to the reading request at its step."""
     padded_like_graphs(monkeypatch)
     injector = RedirectRead(group="full", seed=4, after_step=2)
-    handle = attach(llama, mode="log", sweep_interval=0)
+    handle = attach(llama, mode="log", sweep_interval=0, graph_driver=True)
     BetweenSteps(injector, handle, replays_only=False).install(monkeypatch)
     with handle:
         generate(llama, workload(seed=1))

@@ -61,7 +61,7 @@ def _run_case(llama, monkeypatch, point, at_call, when, *, graph_driver: bool, r
     inj = inject(monkeypatch, point, at_call=at_call, when=when)
     torch.manual_seed(77)
     with caplog.at_level(logging.ERROR, logger="kvcanary"):
-        with attach(llama, mode="log", **OPTIONS) as handle:
+        with attach(llama, mode="log", graph_driver=graph_driver, **OPTIONS) as handle:
             out = generate(llama, _prompts())
     assert out == tokens  # identical tokens, no request lost
     assert torch.equal(torch.get_rng_state(), rng)
@@ -128,7 +128,7 @@ def test_eager_fallback_refuses_engine_graphs_and_serves_unchecked(llama, monkey
     tokens, _, _ = reference
     padded_like_graphs(monkeypatch)  # graph mode without the capture
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
-        with attach(llama, mode="log", **{**OPTIONS, "stats_interval": 4}) as handle:
+        with attach(llama, mode="log", graph_driver=True, **{**OPTIONS, "stats_interval": 4}) as handle:
             out = generate(llama, _prompts())
     assert out == tokens
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_canary stats:")]
@@ -137,7 +137,7 @@ def test_eager_fallback_refuses_engine_graphs_and_serves_unchecked(llama, monkey
     assert "needs CUDA graphs" in c["last_suspension"] and "eager fallback" in c["last_suspension"]
     assert c["checked_forwards"] == 0 < c["engine_forwards"] == c["unchecked_forwards"] and c["canary_errors"] == 1
     with pytest.raises(KvCanaryError, match=r"^kv-canary: continuous batching with the engine's CUDA graphs"):
-        with attach(llama, mode="raise", **OPTIONS):
+        with attach(llama, mode="raise", graph_driver=True, **OPTIONS):
             generate(llama, _prompts())
     ROWS.append(ChaosRow(engine="transformers/graph-driver", mode="log", case="eager fallback + engine graphs",
                          fired=True, same_outputs=out == tokens, engine_forwards=c["engine_forwards"],

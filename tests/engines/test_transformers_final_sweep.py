@@ -87,16 +87,31 @@ def test_clean_session_end_sweeps_and_stays_silent(llama):
     assert handle.violations() == [] and handle.errors == []
 
 
-def test_close_sweeps_a_session_whose_engine_did_not_stop(llama, monkeypatch):
-    """Without the stop hook (a manager stopped without joining, or never stopped), `detach` closes the
-    session's canary with its final sweep."""
-    monkeypatch.setattr(compat, "find_manager", lambda processor: None, raising=False)
+def _stop_already_shadowed(model):
+    """Another wrapper shadows each new manager's ``stop`` before the canary sees it (an instance attribute
+    ``stop``): the adapter then installs no stop hook, as for a manager it cannot find. Returns the undo."""
+    init = model.init_continuous_batching
+
+    def init_continuous_batching(*args, **kwargs):
+        manager = init(*args, **kwargs)
+        manager.stop = manager.stop  # the bound method, as an instance attribute
+        return manager
+
+    model.init_continuous_batching = init_continuous_batching
+    return lambda: delattr(model, "init_continuous_batching")
+
+
+def test_close_sweeps_a_session_whose_engine_did_not_stop(llama):
+    """Without the stop hook (a manager stopped without joining, never stopped, or whose ``stop`` another
+    wrapper already shadows), `detach` closes the session's canary with its final sweep."""
     flip, hook = _flipped_run(llama)
+    undo = _stop_already_shadowed(llama)
     try:
         with attach(llama, mode="log", sweep_interval=64) as handle:
             generate(llama, _prompts(), max_requests_per_batch=1, max_new_tokens=4)
             assert handle.violations() == []
     finally:
+        undo()
         hook.remove()
     found = handle.violations()
     assert found and {v.slot for v in found} == {flip.hit} and all(v.phase == "sweep" for v in found)

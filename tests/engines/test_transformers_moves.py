@@ -104,10 +104,19 @@ def test_clean_fork_run_is_silent_and_unchanged(model):
     assert compat.FORK_COPY_METHOD not in vars(cache)
 
 
-def test_unobserved_fork_copies_would_read_as_corruption(model, monkeypatch):
-    """The same fork run with the move wrappers left out: the copied blocks carry no records."""
-    monkeypatch.setattr(moves_mod.MoveObserver, "install", lambda self: None)
-    _, handle, _ = _checked(model, lambda: _fork_run(model))
+def test_unobserved_fork_copies_would_read_as_corruption(model):
+    """The same fork run with the move wrappers left out (each session's `MoveObserver` removed at its first
+    forward, before any fork): the copied blocks carry no records."""
+    with attach(model, mode="log") as handle:
+        def unobserve(module, args, kwargs):  # runs after the canary's pre-hook, which opened the session
+            if handle._current is not None:
+                handle._current.moves.remove()
+
+        hook = model.register_forward_pre_hook(unobserve, with_kwargs=True)
+        try:
+            _fork_run(model)
+        finally:
+            hook.remove()
     assert handle.counters()["total"] > 0
 
 

@@ -155,7 +155,7 @@ def test_surplus_page_read_is_reported_in_padded_graph_layout(llama, monkeypatch
     """Padded static shapes and the compute_batch-driven steps of graph mode (everything but the capture)."""
     padded_like_graphs(monkeypatch)
     surplus = SurplusPage(monkeypatch, FullAttentionCacheAllocator, target="req_4")
-    handle, _ = run(llama, _prompts())
+    handle, _ = run(llama, _prompts(), graph_driver=True)
     found = [v for v in handle.violations() if int(v.reasons) & READ_TABLE_MISMATCH]
     assert surplus.fired and [v.request_id for v in found] == ["req_4"]
     c = handle.counters()
@@ -177,7 +177,7 @@ def test_clean_runs_report_no_read_table_mismatch(request, monkeypatch, model_na
         padded_like_graphs(monkeypatch)
     model = request.getfixturevalue(model_name)
     handle, _ = run(model, workload(seed=5, num_requests=7), page_size=page, num_blocks=blocks, max_batch_tokens=tokens,
-                    per_batch=per_batch, sharing=sharing, max_new_tokens=6, sweep_interval=3)
+                    per_batch=per_batch, sharing=sharing, max_new_tokens=6, sweep_interval=3, graph_driver=padded)
     c = handle.counters()
     assert c["total"] == 0 and not handle.violations(), c["by_reason"]
     assert c["checked_forwards"] == c["engine_forwards"] > 0

@@ -29,7 +29,7 @@ def test_stale_read_of_a_position_leaving_the_window_is_caught_at_head(qwen3, se
         padded_like_graphs(monkeypatch)
     injector = StaleWindowRead(seed=seed, after_step=2).install(qwen3)
     try:
-        with attach(qwen3, mode="log", sweep_interval=4, readable_per_step=0) as handle:
+        with attach(qwen3, mode="log", sweep_interval=4, readable_per_step=0, graph_driver=padded) as handle:
             generate(qwen3, workload(seed))
     finally:
         injector.remove()

@@ -72,7 +72,7 @@ def test_oracle_with_padded_batches_and_warmup_as_in_graph_mode(llama, prompts, 
     with padded batches too."""
     padded_like_graphs(monkeypatch)
     with OracleSampler(VOCAB).install(llama) as sampler:
-        with attach(llama, token_oracle=sampler.token, **OPTS) as handle:
+        with attach(llama, token_oracle=sampler.token, graph_driver=True, **OPTS) as handle:
             out = generate(llama, prompts, max_new_tokens=MAX_NEW)
     assert out == oracle_outputs(prompts)
     counters = handle.counters()

@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from kvcanary import __version__
 from kvcanary.cli.paths import check_output_path  # noqa: F401  (re-exported)
@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, *, demo_runner: Optional[Callable[..., dict]] = None) -> int:
+    """Run the ``kvcanary`` command line on ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+    ``demo_runner``: what ``kvcanary demo`` (transformers) runs once its arguments are checked, called with
+    `kvcanary.cli.demo.run_demo`'s keywords and returning its result (default: that function)."""
     args = _parser().parse_args(argv)
     if args.command == "demo" and args.engine == "vllm":
         return _demo_vllm(args)
@@ -60,7 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             models = check_models(m for m in args.models.split(",") if m)
             check_device(args.device)
-            result = run_demo(device=args.device, seed=args.seed, models=models, verbose=args.verbose,
+            result = (demo_runner or run_demo)(device=args.device, seed=args.seed, models=models, verbose=args.verbose,
                               progress=None if args.no_progress else _progress("demo"), jsonl_path=args.jsonl)
         except Exception as exc:
             return _usage_error(exc)

@@ -143,23 +143,25 @@ class Canary:
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         device: Union[str, torch.device] = "cpu",
     ) -> None:
-        if not config.enabled:
-            raise KvCanaryValueError("kv-canary: Canary needs mode 'log' or 'raise'; mode 'none' attaches nothing (use create_canary)")
-        if not groups:
-            raise KvCanaryValueError("kv-canary: Canary needs at least one GroupSpec")
-        names = [g.name for g in groups]
-        if len(set(names)) != len(names):
-            raise KvCanaryValueError(f"kv-canary: GroupSpec names must be unique, got {names}")
-        for name, value in (("max_requests", max_requests), ("max_context", max_context),
-                            ("max_batch_tokens", max_batch_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise KvCanaryValueError(f"kv-canary: Canary {name} must be a positive integer, got {value!r}")
+        _check_arguments(config, groups, max_requests=max_requests, max_context=max_context,
+                         max_batch_tokens=max_batch_tokens)
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": tensors compare by index
             self.device = torch.device("cuda", torch.cuda.current_device())
         # before any buffer exists: refuse (or fall back) while nothing has been allocated
         self.device_path: DevicePath = prove_device_path(self.device, allow_eager_fallback=config.allow_eager_fallback)
+        self._build_device_parts(groups, max_requests=max_requests, max_context=max_context,
+                                 max_batch_tokens=max_batch_tokens)
+        self._init_host_state()
+        self._build_host_parts()
+        logger.info("kv-canary: attached (%s): %s", config.mode, self.memory_report())
+
+    def _build_device_parts(self, groups: Sequence[GroupSpec], *, max_requests: int, max_context: int,
+                            max_batch_tokens: int) -> None:
+        """The per-group records, the polled words and counters, the violation rings, the static batch buffers,
+        the per-forward launches and the drain (every device buffer but the sweeper's)."""
+        config = self.config
         self.groups: dict[str, CanaryGroup] = {
             spec.name: CanaryGroup(spec, config=config, device=self.device, anchor_rows=max_requests) for spec in groups
         }
@@ -179,6 +181,9 @@ class Canary:
         )
         self.drain = ViolationDrain(self.rings, synchronous=config.mode == "raise", polled=self.polled,
                                     interval=config.drain_interval)
+
+    def _init_host_state(self) -> None:
+        """Host-side state: graphs, the step counters, suspension and the error bookkeeping."""
         self._plans_disabled_seen = [0] * len(self.groups)
         self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
         self._graphs: Optional[CanaryGraphs] = None
@@ -193,6 +198,16 @@ class Canary:
         self._drain_failed = False  # a drain raised: the rings are not read again (suspended)
         self._unchecked = False
         self._errors_logged: set[tuple[str, str]] = set()
+        self._live_slots: Optional[LiveSlotsProvider] = None
+        self._depth = 0
+        self._step = 0
+        self._engine_forwards = 0
+        self._closed = False
+        self._static_size = (self.static.max_rows, self.static.max_tokens)
+
+    def _build_host_parts(self) -> None:
+        """The sweeper, the step log and attribution, the ledger, the health watchdog and the stats reporter."""
+        config = self.config
         self.sweeper = Sweeper(
             self.groups, config=config, rings=self.rings, counters=self.launch_counters, step=self.launches.step,
         )
@@ -206,13 +221,6 @@ class Canary:
         self.ledger = ViolationLedger(config)
         self.health = HealthWatchdog(config)
         self.stats_reporter = StatsReporter(config.stats_interval)
-        self._live_slots: Optional[LiveSlotsProvider] = None
-        self._depth = 0
-        self._step = 0
-        self._engine_forwards = 0
-        self._closed = False
-        self._static_size = (self.static.max_rows, self.static.max_tokens)
-        logger.info("kv-canary: attached (%s): %s", config.mode, self.memory_report())
 
     # ---- engine-facing -------------------------------------------------------------------
     def set_kv_cache(self, group: str, layers: KvLayers, *, page_size: int = 1, deep_layers: Optional[KvLayers] = None,
@@ -823,6 +831,21 @@ class Canary:
     def _check_open(self) -> None:
         if self._closed:
             raise KvCanaryRuntimeError("kv-canary: this Canary is closed")
+
+
+def _check_arguments(config: CanaryConfig, groups: Sequence[GroupSpec], **sizes: object) -> None:
+    """`Canary`'s refusals, before anything is built: mode ``none``, no groups, duplicate group names, a size
+    (``max_requests``, ``max_context``, ``max_batch_tokens``, in that order) that is not a positive integer."""
+    if not config.enabled:
+        raise KvCanaryValueError("kv-canary: Canary needs mode 'log' or 'raise'; mode 'none' attaches nothing (use create_canary)")
+    if not groups:
+        raise KvCanaryValueError("kv-canary: Canary needs at least one GroupSpec")
+    names = [g.name for g in groups]
+    if len(set(names)) != len(names):
+        raise KvCanaryValueError(f"kv-canary: GroupSpec names must be unique, got {names}")
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise KvCanaryValueError(f"kv-canary: Canary {name} must be a positive integer, got {value!r}")
 
 
 def _verify_capacity(g: CanaryGroup, max_requests: int, max_context: int) -> int:

@@ -94,6 +94,8 @@ from kvcanary.engines.transformers_cb.session import (
     _Session,
     _SessionResult,
     _Suspended,
+    merge_counters,
+    session_result,
 )
 from kvcanary.errors import (
     KvCanaryCapacityError,
@@ -114,7 +116,7 @@ DEFAULT_MAX_REQUESTS = 256
 DEFAULT_MAX_CONTEXT = 32768
 
 ADAPTER_OPTIONS = ("max_requests", "max_context", "device", "config", "capture_canary", "static_translation",
-                   "token_oracle", "capture_sweep", "context_of", "committed_tokens", "watch_weights")
+                   "token_oracle", "capture_sweep", "context_of", "committed_tokens", "watch_weights", "graph_driver")
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, TransformersCbHandle]" = weakref.WeakKeyDictionary()
 
@@ -159,6 +161,7 @@ class TransformersCbHandle:
     context_of: Optional[ContextFn] = None
     committed_tokens: bool = True
     watch_weights: bool = True
+    graph_driver: bool = False
     errors: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _sessions: list = field(default_factory=list)
@@ -312,7 +315,7 @@ class TransformersCbHandle:
 
     def _suspend(self, s: Optional[_Session], cache, cause: str, *, reason: str = "") -> None:
         processor = s.processor if s is not None else _processor_of(cache)
-        graphs = bool(s.graphs) if s is not None else processor is not None and any(compat.graph_flags(processor))
+        graphs = bool(s.graphs) if s is not None else processor is not None and self._graph_mode(processor)
         if s is not None and s in self._sessions:
             try:
                 self._close_session(s, final_sweep=False)  # its records no longer match what the engine wrote
@@ -355,6 +358,11 @@ class TransformersCbHandle:
                 "kv-canary: this canary handle was detached; its results stay readable (counters, violations, "
                 "stats), but it checks nothing: attach again for a new one"
             )
+
+    def _graph_mode(self, processor) -> bool:
+        """Whether the steps of ``processor``'s sessions are driven by the ``compute_batch`` wrapper (graph mode):
+        when the engine captures CUDA graphs, or always with ``graph_driver=True``."""
+        return self.graph_driver or any(compat.graph_flags(processor))
 
     # ---- steps ---------------------------------------------------------------------------------
     def _begin(self, s: _Session, phase: str) -> None:
@@ -439,37 +447,11 @@ class TransformersCbHandle:
             committed_tokens=self.committed_tokens and self.config.write_input_assert,
             weights_version=self.weights.current if self.watch_weights else None,
         )
-        config = self.config
-        graphs = any(compat.graph_flags(processor))
-        path = prove_device_path(device, allow_eager_fallback=config.allow_eager_fallback)  # refuses, or falls back
+        graphs = self._graph_mode(processor)
+        path = prove_device_path(device, allow_eager_fallback=self.config.allow_eager_fallback)  # refuses, or falls back
         if path.degraded and graphs:
             raise KvCanaryRuntimeError(path.refusal("continuous batching with the engine's CUDA graphs (use_cuda_graph)"))
-        if any(g.sliding_window and max_batch_tokens >= g.sliding_window for g in layouts) and (
-            config.chain_position_warmup >= 0
-        ):
-            # A chunk of >= W tokens recycles every ring slot, including the one the write chains
-            # from: the chain restarts from the padding slot there, which the chain-position assert
-            # would flag. Positions are still checked by the write-input assert (prefix_len + i).
-            logger.info("kv-canary: chain-position assert off (sliding window %s <= max_batch_tokens %s)",
-                        min(g.sliding_window for g in layouts if g.sliding_window), max_batch_tokens)
-            config = config.with_options(chain_position_warmup=-1)
-        canary = Canary(
-            config,
-            groups=[
-                GroupSpec(name=g.name, num_slots=g.num_slots, sliding_window=g.sliding_window, layer_ids=g.layer_ids,
-                          ring_window=bool(g.sliding_window))
-                for g in layouts
-            ],
-            max_requests=max_rows,
-            max_context=translator.max_context,
-            max_batch_tokens=max_batch_tokens,
-            device=device,
-        )
-        self._device_path = canary.device_path.path
-        translator.issue = canary.identities.issue  # identities issued from now on are named in this canary's reports
-        for g in layouts:
-            canary.set_kv_cache(g.name, lambda layer, g=g: layer_kv_views(cache, g, layer)[:2], page_size=g.page_size)
-        canary.set_live_slots_provider(translator.live_slots)
+        canary = self._session_canary(cache, translator, max_batch_tokens=max_batch_tokens)
         cuda = torch.device(device).type == "cuda"
         own_graphs = ((self.capture_canary if self.capture_canary is not None else cuda) and cuda and not graphs
                       and path.graphs)
@@ -486,6 +468,38 @@ class TransformersCbHandle:
         self._observe_stop(session)
         self._sessions.append(session)
         return session
+
+    def _session_canary(self, cache, translator: ForwardTranslator, *, max_batch_tokens: int) -> Canary:
+        """The canary of a new session, sized from the translator and wired to the cache's KV views and live
+        slots; identities issued from now on are named in its reports."""
+        layouts, config = translator.layouts, self.config
+        if any(g.sliding_window and max_batch_tokens >= g.sliding_window for g in layouts) and (
+            config.chain_position_warmup >= 0
+        ):
+            # A chunk of >= W tokens recycles every ring slot, including the one the write chains
+            # from: the chain restarts from the padding slot there, which the chain-position assert
+            # would flag. Positions are still checked by the write-input assert (prefix_len + i).
+            logger.info("kv-canary: chain-position assert off (sliding window %s <= max_batch_tokens %s)",
+                        min(g.sliding_window for g in layouts if g.sliding_window), max_batch_tokens)
+            config = config.with_options(chain_position_warmup=-1)
+        canary = Canary(
+            config,
+            groups=[
+                GroupSpec(name=g.name, num_slots=g.num_slots, sliding_window=g.sliding_window, layer_ids=g.layer_ids,
+                          ring_window=bool(g.sliding_window))
+                for g in layouts
+            ],
+            max_requests=translator.max_rows,
+            max_context=translator.max_context,
+            max_batch_tokens=max_batch_tokens,
+            device=translator.device,
+        )
+        self._device_path = canary.device_path.path
+        translator.issue = canary.identities.issue
+        for g in layouts:
+            canary.set_kv_cache(g.name, lambda layer, g=g: layer_kv_views(cache, g, layer)[:2], page_size=g.page_size)
+        canary.set_live_slots_provider(translator.live_slots)
+        return canary
 
     def _observe_stop(self, s: _Session) -> None:
         """Shadow the running manager's ``stop`` (removed when the session closes): once the engine has stopped
@@ -568,12 +582,12 @@ class TransformersCbHandle:
             try:
                 session.canary.close(final_sweep=final_sweep)
             finally:
-                self._closed.append(_result(session))
+                self._closed.append(session_result(session))
                 self._sessions.remove(session)
 
     # ---- user API ------------------------------------------------------------------------------
     def _results(self) -> list:
-        return self._closed + [_result(s) for s in self._sessions]
+        return self._closed + [session_result(s) for s in self._sessions]
 
     @property
     def sessions(self) -> int:
@@ -677,38 +691,6 @@ class TransformersCbHandle:
             self.raise_if_failed()
 
 
-def _result(s: _Session) -> _SessionResult:
-    counters = dict(s.canary.counters())
-    coverage = getattr(s.canary, "coverage", None)  # the runtime's account of what it skipped, when it has one
-    if callable(coverage) and "coverage" not in counters:
-        counters["coverage"] = dict(coverage())
-    counters.update(engine_forwards=s.engine_forwards, warmup_forwards=s.warmup_forwards,
-                    graphs_captured=s.graphs_captured, graphs_dropped=s.graphs_dropped)
-    if s.moves is not None:
-        counters["moves"] = s.moves.counts()
-    return _SessionResult(forwards=s.canary.step, stats=s.canary.stats(), violations=s.canary.violations(),
-                          counters=counters)
-
-
-def merge_counters(parts: list[dict]) -> dict:
-    """Sum per-session counters: numbers add, dicts merge recursively (e.g. ``coverage``), lists become the
-    sorted union of their items (e.g. ``coverage["unhashed_groups"]``); other values are dropped."""
-    out: dict = {}
-    for part in parts:
-        _merge_into(out, part)
-    return out
-
-
-def _merge_into(out: dict, part: dict) -> None:
-    for key, value in part.items():
-        if isinstance(value, dict):
-            _merge_into(out.setdefault(key, {}), value)
-        elif isinstance(value, (list, tuple, set)):
-            out[key] = sorted(set(out.get(key, [])) | set(value))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = out.get(key, 0) + value
-
-
 def check_attach_options(options: dict) -> None:
     """Unknown keyword arguments of `attach`: a ``kv-canary:`` `TypeError` naming the valid ones."""
     valid = ADAPTER_OPTIONS + CanaryConfig.option_names()
@@ -809,105 +791,107 @@ def _refuse_unobservable_paths(processor) -> None:
 
 
 def attach(
-    model: torch.nn.Module,
-    *,
-    max_requests: int = DEFAULT_MAX_REQUESTS,
-    max_context: Optional[int] = None,
-    device: Optional[torch.device] = None,
-    config: Optional[CanaryConfig] = None,
-    capture_canary: Optional[bool] = None,
-    static_translation: Optional[bool] = None,
-    token_oracle: Optional[TokenOracleFn] = None,
-    capture_sweep: bool = True,
-    context_of: Optional[ContextFn] = None,
-    committed_tokens: bool = True,
-    watch_weights: bool = True,
-    **options: object,
+    model: torch.nn.Module, *, max_requests: int = DEFAULT_MAX_REQUESTS, max_context: Optional[int] = None,
+    device: Optional[torch.device] = None, config: Optional[CanaryConfig] = None,
+    capture_canary: Optional[bool] = None, static_translation: Optional[bool] = None,
+    token_oracle: Optional[TokenOracleFn] = None, capture_sweep: bool = True, context_of: Optional[ContextFn] = None,
+    committed_tokens: bool = True, watch_weights: bool = True, graph_driver: bool = False, **options: object,
 ) -> TransformersCbHandle:
     """Check every continuous-batching forward of ``model`` (``generate_batch`` / the manager), eager or
-    CUDA-graphed.
+    CUDA-graphed. In mode ``none`` nothing is attached.
 
     ``options`` are `CanaryConfig` fields (``mode="raise"``, ``sweep_interval=...``); unset ones come
     from ``KVCANARY_*`` environment variables. ``max_requests``: live requests tracked at once;
     ``max_context``: longest request (default: the cache's capacity, at most 32768).
     ``capture_canary``: when the engine runs eagerly on CUDA, capture the canary's own HEAD / TAIL work in
     CUDA graphs after the first forward (`Canary.capture_graphs`; default on; off = launch per forward).
-    ``capture_sweep``: when the engine captures its own graphs (HEAD / TAIL inside them), capture the sweep
-    slice that runs between forwards in a graph of its own (`Canary.capture_sweep_graph`), saving its launches
-    from Python each step (1.3 ms of a replayed decode step on an H200, docs/lab/NOTES.md run 21). Default on
-    (its GPU test passed on an H200 in run 23); off = the slice's kernels launched from Python each step.
+    ``capture_sweep``: when the engine captures its own graphs (HEAD / TAIL inside them), replay the sweep slice
+    that runs between forwards from a graph of its own (`Canary.capture_sweep_graph`; default on; off = its
+    kernels launched from Python each step, about 1.3 ms of a replayed decode step on an H200).
     ``static_translation``: translate eager forwards from fixed-shape copies of their kwargs, with the
     translation captured once in a CUDA graph alongside (default: with ``capture_canary``).
-    ``token_oracle``: ``(request_id, position) -> token`` the engine's sampler is known to emit past the
-    prompt (a deterministic test sampler such as `kvcanary.faults.tf_oracle.OracleSampler.token`); the adapter
-    then stages every forward's expected input tokens from it (prompt tokens from the request), so the
-    write-input assert checks each written token against the oracle rather than against the forward's own
-    input ids.
-    ``committed_tokens`` (default on, with the config's ``write_input_assert``): without an oracle, the expected
-    input tokens are the ones each request has committed — its prompt and its generated tokens, read from the
-    engine's request states on the host (a list slice per request per forward, one small copy to the device) — so
-    a forward fed another token than its request committed (inputs routed to the wrong row, a stale or rolled-back
-    token kept as context) is a ``write_token`` violation of that request at once. Off: the assert compares each
-    written token with the forward's own input ids (it then checks positions only).
-    ``context_of``: ``request_id -> key`` naming the context a request's KV belongs to (LoRA adapter, tenant, cache
-    salt; any hashable, None = no context), asked once per request (a forked child ``<id>__child#<i>`` takes its
-    parent's). KV computed under one context and served to a request of another — a prefix-cache hit on identical
-    tokens across adapters — is then a ``verify_chain_hash`` violation of that request at position 0 (full
-    attention; a sliding window past position 0 does not see it). Without the hook every request is one context.
-    The hook may return a `kvcanary.runtime.identity.ProducerIdentity` (adapter, salt, ...): a violation then names
-    the field that differed. ``watch_weights`` (default on): the weights version is part of every request's identity,
-    taken when the request first appears; the adapter notices ``load_state_dict``, optimizer steps over the model's
-    parameters and in-place writes to a few sentinel parameters (`runtime/weights.py`: hooks, and version counters read once
-    per step that admits a request), so a prefix-cache hit on KV computed by older weights is a violation of the
-    hitting request (``identity_weights_version``); writes the watch cannot see need
-    ``handle.bump_weights_version()``. Off: no weights version (and no context keys without ``context_of``).
-    In mode ``none`` nothing is attached.
+    ``token_oracle``: ``(request_id, position) -> token`` the engine's sampler is known to emit past the prompt
+    (e.g. `kvcanary.faults.tf_oracle.OracleSampler.token`): the write-input assert then checks each written token
+    against it. ``committed_tokens`` (default on, with the config's ``write_input_assert``): without an oracle,
+    each written token is checked against the tokens its request committed (prompt and generated tokens, read
+    from the engine's request states), so a forward fed another token is a ``write_token`` violation of that
+    request at once; off: against the forward's own input ids (positions only).
+    ``context_of``: ``request_id -> key`` naming the context a request's KV belongs to (LoRA adapter, tenant,
+    cache salt; any hashable, or a `kvcanary.runtime.identity.ProducerIdentity`; None = no context), asked once
+    per request (a forked child takes its parent's): KV computed under one context and served to a request of
+    another is a ``verify_chain_hash`` violation of that request at position 0 (full attention; a sliding window
+    past position 0 does not see it); a `ProducerIdentity` violation names the field that differed.
+    ``watch_weights`` (default on): the weights version is part of every request's identity, taken when the
+    request first appears (`runtime/weights.py`: ``load_state_dict``, optimizer steps and sentinel parameters
+    are watched), so a prefix-cache hit on KV computed by older weights is an ``identity_weights_version``
+    violation; writes the watch cannot see need ``handle.bump_weights_version()``. Off: no weights version.
+    ``graph_driver``: drive the steps from the ``compute_batch`` wrapper as in CUDA-graph mode even when the engine
+    runs eagerly (graph mode without the capture: reproduces the graph-mode path on a machine without graphs).
     """
     check_transformers_version()
     check_attach_options(options)
-    if not isinstance(capture_sweep, bool):
-        raise KvCanaryTypeError(f"kv-canary: capture_sweep must be a bool, got {type(capture_sweep).__name__}")
-    check_limits(max_requests, max_context)
-    if token_oracle is not None and not callable(token_oracle):
-        raise KvCanaryTypeError(f"kv-canary: token_oracle must be a callable (request_id, position) -> token, "
-                                f"got {type(token_oracle).__name__}")
-    if not isinstance(committed_tokens, bool):
-        raise KvCanaryTypeError(f"kv-canary: committed_tokens must be a bool, got {type(committed_tokens).__name__}")
-    if not isinstance(watch_weights, bool):
-        raise KvCanaryTypeError(f"kv-canary: watch_weights must be a bool, got {type(watch_weights).__name__}")
-    if context_of is not None and not callable(context_of):
-        raise KvCanaryTypeError(f"kv-canary: context_of must be a callable request_id -> hashable key (or None), "
-                                f"got {type(context_of).__name__}")
+    settings = dict(max_requests=max_requests, max_context=max_context, capture_canary=capture_canary,
+                    static_translation=static_translation, token_oracle=token_oracle, capture_sweep=capture_sweep,
+                    context_of=context_of, committed_tokens=committed_tokens, watch_weights=watch_weights,
+                    graph_driver=graph_driver)
+    check_adapter_arguments(settings)
     dev = check_device(device)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate_batch"):
         raise KvCanaryTypeError(
             f"kv-canary: attach() needs a transformers model with continuous batching (generate_batch), "
             f"got {type(model).__name__}"
         )
-    cfg = config if config is not None else CanaryConfig.from_env(**options)
-    if config is not None and options:
-        cfg = config.with_options(**options)
+    cfg = resolve_config(config, options)
     if not cfg.enabled:  # mode "none": nothing attached, nothing checked
-        return TransformersCbHandle(model=model, config=cfg, max_requests=max_requests, max_context=max_context,
-                                    device=dev, capture_canary=capture_canary, static_translation=static_translation,
-                                    token_oracle=token_oracle, capture_sweep=capture_sweep, context_of=context_of,
-                                    committed_tokens=committed_tokens, watch_weights=watch_weights)
-    check_real_kv_layers(model, cfg)
-    target = dev if dev is not None else _model_device(model)
-    if target is not None and target.type == "cuda":  # prove the device path now, not at the first forward
-        prove_device_path(target, allow_eager_fallback=cfg.allow_eager_fallback)
+        return TransformersCbHandle(model=model, config=cfg, device=dev, **settings)
+    _check_attachable(model, cfg, dev)
+    handle = TransformersCbHandle(model=model, config=cfg, device=dev, **settings)
+    handle._install()
+    _ATTACHED[model] = handle
+    return handle
+
+
+def check_adapter_arguments(settings: dict) -> None:
+    """The adapter's own options of `attach` (all but ``device`` and ``config``), each refused with a ``kv-canary:``
+    error in this order: ``capture_sweep``, the limits, ``token_oracle``, ``committed_tokens``, ``watch_weights``,
+    ``context_of``, ``graph_driver``."""
+    _check_bool("capture_sweep", settings["capture_sweep"])
+    check_limits(settings["max_requests"], settings["max_context"])
+    token_oracle, context_of = settings["token_oracle"], settings["context_of"]
+    if token_oracle is not None and not callable(token_oracle):
+        raise KvCanaryTypeError(f"kv-canary: token_oracle must be a callable (request_id, position) -> token, "
+                                f"got {type(token_oracle).__name__}")
+    _check_bool("committed_tokens", settings["committed_tokens"])
+    _check_bool("watch_weights", settings["watch_weights"])
+    if context_of is not None and not callable(context_of):
+        raise KvCanaryTypeError(f"kv-canary: context_of must be a callable request_id -> hashable key (or None), "
+                                f"got {type(context_of).__name__}")
+    _check_bool("graph_driver", settings["graph_driver"])
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise KvCanaryTypeError(f"kv-canary: {name} must be a bool, got {type(value).__name__}")
+
+
+def resolve_config(config: Optional[CanaryConfig], options: dict) -> CanaryConfig:
+    """The canary's config: ``config`` with ``options`` applied over it, or, without one, ``options`` over the
+    ``KVCANARY_*`` environment."""
+    if config is None:
+        return CanaryConfig.from_env(**options)
+    return config.with_options(**options) if options else config
+
+
+def _check_attachable(model: torch.nn.Module, config: CanaryConfig, device: Optional[torch.device]) -> None:
+    """What an enabled canary needs before attaching: ``real_kv_layers`` in range, a working device path on CUDA
+    (proved now, not at the first forward), no other live canary on ``model``."""
+    check_real_kv_layers(model, config)
+    target = device if device is not None else _model_device(model)
+    if target is not None and target.type == "cuda":
+        prove_device_path(target, allow_eager_fallback=config.allow_eager_fallback)
     previous = _ATTACHED.get(model)
     if previous is not None and not previous._detached:
         raise KvCanaryRuntimeError(
             f"kv-canary: a canary is already attached to this {type(model).__name__}; detach() it first "
             "(or leave its `with` block)"
         )
-    handle = TransformersCbHandle(
-        model=model, config=cfg, max_requests=max_requests, max_context=max_context, device=dev,
-        capture_canary=capture_canary, static_translation=static_translation, token_oracle=token_oracle,
-        capture_sweep=capture_sweep, context_of=context_of, committed_tokens=committed_tokens,
-        watch_weights=watch_weights,
-    )
-    handle._install()
-    _ATTACHED[model] = handle
-    return handle

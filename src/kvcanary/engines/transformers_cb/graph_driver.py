@@ -48,7 +48,7 @@ class GraphDriver:
         def create_batch_processor(*args, **kwargs):
             processor = original(*args, **kwargs)
             try:
-                if not self.h._detached and torch.cuda.is_available() and any(compat.graph_flags(processor)):
+                if not self.h._detached and torch.cuda.is_available() and self.h._graph_mode(processor):
                     compat.install_compute_guard(processor, lambda compute: self._capture_guard(processor, compute))
             except Exception as exc:  # noqa: BLE001 — without the guard only a failed first capture goes unrepaired
                 logger.debug("kv-canary: could not guard the first compute_batch: %s", exc)

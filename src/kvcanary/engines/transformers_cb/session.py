@@ -1,6 +1,7 @@
 """The state the transformers adapter keeps per engine session (one ``PagedAttentionCache``): `_Session` (its
 canary and where the engine's current step stands), `_Suspended` (a cache whose forwards run unchecked after a
-canary error in ``log`` mode) and `_SessionResult` (what a closed session leaves readable)."""
+canary error in ``log`` mode) and `_SessionResult` (what a closed session leaves readable; `session_result` builds
+one, `merge_counters` sums them over sessions)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,3 +61,36 @@ class _SessionResult:
     stats: object
     violations: list
     counters: dict
+
+
+def session_result(s: _Session) -> _SessionResult:
+    """What ``s`` leaves readable: its canary's steps, stats, violations and counters, with the adapter's counts."""
+    counters = dict(s.canary.counters())
+    coverage = getattr(s.canary, "coverage", None)  # the runtime's account of what it skipped, when it has one
+    if callable(coverage) and "coverage" not in counters:
+        counters["coverage"] = dict(coverage())
+    counters.update(engine_forwards=s.engine_forwards, warmup_forwards=s.warmup_forwards,
+                    graphs_captured=s.graphs_captured, graphs_dropped=s.graphs_dropped)
+    if s.moves is not None:
+        counters["moves"] = s.moves.counts()
+    return _SessionResult(forwards=s.canary.step, stats=s.canary.stats(), violations=s.canary.violations(),
+                          counters=counters)
+
+
+def merge_counters(parts: list[dict]) -> dict:
+    """Sum per-session counters: numbers add, dicts merge recursively (e.g. ``coverage``), lists become the
+    sorted union of their items (e.g. ``coverage["unhashed_groups"]``); other values are dropped."""
+    out: dict = {}
+    for part in parts:
+        _merge_into(out, part)
+    return out
+
+
+def _merge_into(out: dict, part: dict) -> None:
+    for key, value in part.items():
+        if isinstance(value, dict):
+            _merge_into(out.setdefault(key, {}), value)
+        elif isinstance(value, (list, tuple, set)):
+            out[key] = sorted(set(out.get(key, [])) | set(value))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = out.get(key, 0) + value

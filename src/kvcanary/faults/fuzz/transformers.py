@@ -16,7 +16,7 @@ redirected to another live slot) that must be caught against the request that re
 
 ``device="cuda", cuda_graphs=True`` runs the engine with ``use_cuda_graph=True``; ``dry_graphs=True``
 (CPU) pads batches and runs the warmup exactly as graph mode does, the steps driven from the adapter's
-``compute_batch`` wrapper — everything of graph mode but the capture. In both, faults are fired between
+``compute_batch`` wrapper (``attach(..., graph_driver=True)``) — everything of graph mode but the capture. In both, faults are fired between
 the engine's batch preparation and the forward (replays run no forward hooks).
 """
 from __future__ import annotations
@@ -152,10 +152,9 @@ class _HostTorch:
 
 @contextlib.contextmanager
 def engine_patches(*, offload: bool, dry_graphs: bool):
-    """CPU offload without pinned memory (when no CUDA), and the graph-mode dry run (see the module docstring)."""
+    """CPU offload without pinned memory (when no CUDA), and the graph-mode dry run's padded batches (see the module
+    docstring)."""
     from transformers.generation.continuous_batching import model_runner, offloading_manager
-
-    from kvcanary.engines.transformers_cb import compat
 
     saved = []
     if offload and not torch.cuda.is_available():
@@ -169,9 +168,7 @@ def engine_patches(*, offload: bool, dry_graphs: bool):
             self.pad_inputs = True
 
         saved.append((model_runner.ModelRunner, "__init__", init))
-        saved.append((compat, "graph_flags", compat.graph_flags))
         model_runner.ModelRunner.__init__ = padded_init
-        compat.graph_flags = lambda processor: (True, True)
     try:
         yield
     finally:
@@ -320,7 +317,7 @@ class _Trial:
                     tokens = self.generate()
                 else:
                     handle = attach(self.model, mode=mode, token_oracle=sampler.token if sampler else None,
-                                    **_canary_options(self.config))
+                                    graph_driver=self.dry_graphs, **_canary_options(self.config))
                     between = self._install(injector, handle)
                     try:
                         with handle:
