@@ -3,8 +3,7 @@ can see, charged to the injected request; the clean twin is silent; the same see
 import pytest
 
 from kvcanary.faults import FAULT_CLASSES
-from kvcanary.faults.sim import INJECTORS
-from kvcanary.faults.sim_campaign import SimCampaignConfig, run_class
+from kvcanary.faults.sim_campaign import INJECTORS, SimCampaignConfig, run_class
 
 
 def test_every_class_has_a_sim_injector():

@@ -600,11 +600,10 @@ class VerifyPositionsShifted(SpecInjector):
         self._undo.append(lambda: e.batch_hooks.remove(hook))
 
 
-# producer identity (weights version, salt, adapter, images): their injectors subclass SimInjector, defined above
-from kvcanary.faults.sim_identity import IDENTITY_INJECTORS  # noqa: E402
-
-INJECTORS = {cls.fault: cls for cls in (
+#: the engine-level fault classes by name; the campaign's full registry (`kvcanary.faults.sim_campaign.INJECTORS`)
+#: adds the producer-identity classes of `kvcanary.faults.sim_identity`, which subclass `SimInjector`
+CORE_INJECTORS = {cls.fault: cls for cls in (
     KvFlipUsed, KvFlipCached, KvFlipDeepLayer, SlotRedirect, UseAfterFree, PositionShift, TokenSwap,
     PrefixCollision, CrossContextHit, DoubleAlloc, CopyCorruption, SwaWindowStale,
-    VerifyDraftKept, VerifyRollbackOffByOne, VerifyDraftMisdirected, VerifyPositionsShifted, *IDENTITY_INJECTORS,
+    VerifyDraftKept, VerifyRollbackOffByOne, VerifyDraftMisdirected, VerifyPositionsShifted,
 )}

@@ -18,11 +18,14 @@ from kvcanary.engines.sim import SimConfig, SimEngine, SimWorkload
 from kvcanary.faults.accounting import Outcome, account
 from kvcanary.faults.ledger import FaultLedger
 from kvcanary.faults.oracle import TokenOracle
-from kvcanary.faults.sim import INJECTORS, SimTarget
+from kvcanary.faults.sim import CORE_INJECTORS, SimTarget
+from kvcanary.faults.sim_identity import IDENTITY_INJECTORS
 from kvcanary.runtime import Canary, CanaryConfig
 
 VOCAB = 32000
 QUIET = dict(health_interval=0, stats_interval=0, readable_per_step=0)
+#: every simulated-engine fault class by name: the engine-level ones and the producer-identity ones
+INJECTORS = {**CORE_INJECTORS, **{cls.fault: cls for cls in IDENTITY_INJECTORS}}
 
 
 @dataclass(frozen=True, kw_only=True)

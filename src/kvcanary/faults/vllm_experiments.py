@@ -17,48 +17,8 @@ import torch
 
 from kvcanary.engines.vllm.layout import GroupLayout, slot_elements
 from kvcanary.errors import KvCanaryRuntimeError
+from kvcanary.faults.vllm_workload import Handles, _canary_of, close, handles  # noqa: F401 (re-exported)
 from kvcanary.runtime import CanaryViolationError
-
-
-@dataclass(frozen=True)
-class Handles:
-    """The canary's scheduler-side and worker-side connectors of one in-process engine."""
-
-    scheduler: Any
-    worker: Any
-
-
-def _canary_of(connector) -> Any:
-    from kvcanary.engines.vllm.connector import KvCanaryConnector
-
-    if isinstance(connector, KvCanaryConnector):
-        return connector
-    for sub in getattr(connector, "sub_connectors", None) or getattr(connector, "_connectors", []):
-        if isinstance(sub, KvCanaryConnector):
-            return sub
-    raise KvCanaryRuntimeError("kv-canary: no KvCanaryConnector in this engine's KV-transfer config")
-
-
-def handles(llm) -> Handles:
-    """The in-process engine's canary connectors (scheduler role, worker role)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    if core is None:
-        raise KvCanaryRuntimeError("kv-canary: experiments need VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process engine core)")
-    return Handles(scheduler=_canary_of(core.scheduler.connector), worker=_canary_of(get_kv_transfer_group()))
-
-
-def close(llm) -> None:
-    """Shut the in-process engine down and release vLLM's process-wide state, so another can start."""
-    import gc
-
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 def flip_bit(kv: torch.Tensor, layout: str, side: int, block_size: int, slot: int, byte: int, bit: int) -> None:

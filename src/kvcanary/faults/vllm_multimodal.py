@@ -150,7 +150,7 @@ def multimodal_runs(workdir: str) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from kvcanary.engines.vllm import kv_transfer_config
-    from kvcanary.faults.vllm_experiments import close, handles
+    from kvcanary.faults.vllm_workload import close, handles
 
     allow_without_torchvision()
     model = write_tiny_vlm(os.path.join(workdir, "tiny-vlm"))

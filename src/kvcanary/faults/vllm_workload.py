@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from kvcanary.errors import KvCanaryValueError
+from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
 
 MODELS = {
     # head_dim 64: the CPU attention backend refuses 16
@@ -236,6 +236,24 @@ FAULT_PLAN_SPEC = (
 )
 
 
+def _run_outputs(mode: str, workdir: str, *, faults: tuple, tensor_parallel: int, sweep_interval: int,
+                 mode_option: str, on_violation: str) -> tuple[list[str], str, Optional[dict[str, Any]]]:
+    """(violation JSONL path per rank, ledger path, KV-transfer config or None for ``ref``) of one `run_engine`
+    run; stale files of an earlier run in ``workdir`` are removed."""
+    vpath, lpath = os.path.join(workdir, f"{mode}.violations.{{rank}}.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
+    vpaths = [vpath.replace("{rank}", str(r)) for r in range(tensor_parallel)]
+    for p in vpaths + [lpath]:
+        if os.path.exists(p):
+            os.remove(p)
+    if mode == "ref":
+        return vpaths, lpath, None
+    plan = [dict(f, ledger_path=lpath) for f in faults] if mode == "faults" else None
+    extra = {"on_violation": on_violation} if on_violation != "log" else {}
+    options = dict(mode=mode_option, jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
+                   stats_period_s=0, **extra)
+    return vpaths, lpath, transfer_config(options, faults=plan)
+
+
 def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
                faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1,
                model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log",
@@ -253,18 +271,8 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     if mode not in ("ref", "clean", "faults"):
         raise KvCanaryValueError(f"kv-canary: run_engine mode must be ref, clean or faults, got {mode!r}")
     model = write_tiny_model(os.path.join(workdir, f"tiny-{model_kind}"), model_kind, **(shape or {}))
-    vpath, lpath = os.path.join(workdir, f"{mode}.violations.{{rank}}.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
-    vpaths = [vpath.replace("{rank}", str(r)) for r in range(tensor_parallel)]
-    for p in vpaths + [lpath]:
-        if os.path.exists(p):
-            os.remove(p)
-    ktc = None
-    if mode != "ref":
-        plan = [dict(f, ledger_path=lpath) for f in faults] if mode == "faults" else None
-        extra = {"on_violation": on_violation} if on_violation != "log" else {}
-        options = dict(mode=mode_option, jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
-                       stats_period_s=0, **extra)
-        ktc = transfer_config(options, faults=plan)
+    vpaths, lpath, ktc = _run_outputs(mode, workdir, faults=faults, tensor_parallel=tensor_parallel,
+                                      sweep_interval=sweep_interval, mode_option=mode_option, on_violation=on_violation)
     # processes=False: engine core and worker run in this process and step only when LLM.generate
     # steps them, so every run batches the same requests together (identical forwards with and
     # without the canary) and starts in seconds. processes=True: vLLM's default layout — engine-core
@@ -356,9 +364,51 @@ def main(argv=None) -> int:
     return 0
 
 
+# ---- handles on a live in-process engine (experiments, multimodal runs, the fuzzer) ----
+@dataclass(frozen=True)
+class Handles:
+    """The canary's scheduler-side and worker-side connectors of one in-process engine."""
+
+    scheduler: Any
+    worker: Any
+
+
+def _canary_of(connector) -> Any:
+    from kvcanary.engines.vllm.connector import KvCanaryConnector
+
+    if isinstance(connector, KvCanaryConnector):
+        return connector
+    for sub in getattr(connector, "sub_connectors", None) or getattr(connector, "_connectors", []):
+        if isinstance(sub, KvCanaryConnector):
+            return sub
+    raise KvCanaryRuntimeError("kv-canary: no KvCanaryConnector in this engine's KV-transfer config")
+
+
+def handles(llm) -> Handles:
+    """The in-process engine's canary connectors (scheduler role, worker role)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise KvCanaryRuntimeError("kv-canary: experiments need VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process engine core)")
+    return Handles(scheduler=_canary_of(core.scheduler.connector), worker=_canary_of(get_kv_transfer_group()))
+
+
+def close(llm) -> None:
+    """Shut the in-process engine down and release vLLM's process-wide state, so another can start."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
 __all__ = ["MODELS", "BLOCK_SIZE", "SPEC_METHODS", "model_config", "write_tiny_model", "write_tiny_draft", "engine_kwargs", "Request", "PATTERN",
            "PARALLEL", "workload", "generate", "vllm_metrics", "read_jsonl", "transfer_config", "FAULT_PLAN",
-           "FAULT_PLAN_SPEC", "run_engine", "canary_layers"]
+           "FAULT_PLAN_SPEC", "run_engine", "canary_layers", "Handles", "handles", "close"]
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def _engine_run(config: dict, seed: int, *, canary: Optional[dict], faults: Opti
     close it; returns tokens per request and, with the canary, its counts and violations."""
     from vllm import LLM, SamplingParams
 
-    from kvcanary.faults.vllm_experiments import close, handles
+    from kvcanary.faults.vllm_workload import close, handles
     from kvcanary.faults.vllm_workload import transfer_config, write_tiny_draft, write_tiny_model
 
     kind, shape = _model_shape(config)
