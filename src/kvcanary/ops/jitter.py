@@ -20,7 +20,9 @@ A firing entry adds 1 to ``counters[0]`` (stalls) and ``cycles`` to ``counters[1
 Triton program holding the entry then spins on the SM clock (``%clock64``) for the largest draw among its
 firing entries (its lanes stall together; a two-context launch stalls once per context), before it reads the
 records and the KV. The spin is the only part that is not computed everywhere: the torch twins and the Triton
-interpreter count exactly the same stalls and cycles but do not wait. Nothing else a launch does depends on the
+interpreter count exactly the same stalls and cycles; the interpreter and the twins on CUDA tensors do not wait,
+while the twins on CPU tensors stall the calling host thread before they read, for the launch's longest fired draw
+at 1 ns per cycle (`kvcanary.ops.reference.jitter.host_stall`). Nothing else a launch does depends on the
 jitter: buffers, rings, indices and the launch counters are byte-identical with or without it.
 """
 from __future__ import annotations

@@ -33,8 +33,9 @@ def launch_canary_verify_kernel(
     Slots or predecessors outside the canary buffer never raise: they are
     ``FailReason.VERIFY_SLOT_OUT_OF_RANGE`` rows (see ``FailReason``).
 
-    ``jitter`` (*extension*, docs/design.md §3.11): a `KernelJitter` stalls seeded entries on the GPU and counts
-    them in its counters; nothing else changes. None (default): the launch is the one without jitter.
+    ``jitter`` (*extension*, docs/design.md §3.11): a `KernelJitter` stalls seeded entries on the GPU (on the
+    CPU the twin stalls the calling thread) and counts them in its counters; nothing else changes. None
+    (default): the launch is the one without jitter.
     """
     dev = check_context(_OP, context)
     check_verify_plan(_OP, plan, dev)

@@ -44,8 +44,9 @@ def launch_canary_write_kernel(
     ``FailReason.WRITE_SLOT_OUT_OF_RANGE`` row and is not stored; a seed past the buffer reads as
     an all-zero record (see ``FailReason``). Negative slots are skipped, as before.
 
-    ``jitter`` (*extension*, docs/design.md §3.11): a `KernelJitter` stalls seeded entries on the GPU and counts
-    them in its counters; nothing else changes. None (default): the launch is the one without jitter.
+    ``jitter`` (*extension*, docs/design.md §3.11): a `KernelJitter` stalls seeded entries on the GPU (on the
+    CPU the twin stalls the calling thread) and counts them in its counters; nothing else changes. None
+    (default): the launch is the one without jitter.
     """
     dev = check_context(_OP, context)
     _check_write_args(_OP, dev, plan, input_ids, positions, out_cache_loc, expected_input_tokens,

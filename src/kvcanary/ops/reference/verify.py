@@ -34,7 +34,8 @@ def launch_canary_verify_kernel_torch_reference(
     Mutates: ``kernel_run_counter`` (+1), ``slot_run_counter`` (+active entries), the ring and its
     write index. Never writes the canary buffer. A slot or predecessor outside the buffer is a
     ``VERIFY_SLOT_OUT_OF_RANGE`` row (``FailReason``), never an index error. ``jitter`` (*extension*,
-    `kvcanary.ops.jitter`): once the lazy checks passed, count the stalls of the entries checked (slot != 0).
+    `kvcanary.ops.jitter`): once the lazy checks passed and before any record or KV read, count the stalls of the
+    entries checked (slot != 0); on the CPU also wait them out (`apply_jitter_torch_reference`).
     """
     ctx = context
     ctx.kernel_run_counter.add_(1)

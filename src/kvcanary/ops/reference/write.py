@@ -268,8 +268,9 @@ def launch_canary_write_kernel_torch_reference(
     Mutates: ``kernel_run_counter`` (+1, first), the canary buffer, ``slot_run_counter``
     (+entries written), the ring and its write index. A slot or seed past the buffer is never
     indexed: see ``FailReason.WRITE_SLOT_OUT_OF_RANGE``. ``jitter`` (*extension*, `kvcanary.ops.jitter`):
-    once the lazy checks passed, count the stalls of the flat entries in ``[offsets[0], offsets[a])`` whose slot is
-    inside the buffer.
+    once the lazy checks passed and before any record or KV read, count the stalls of the flat entries in
+    ``[offsets[0], offsets[a])`` whose slot is inside the buffer; on the CPU also wait them out
+    (`apply_jitter_torch_reference`).
     """
     ctx = context
     ctx.kernel_run_counter.add_(1)
