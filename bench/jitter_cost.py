@@ -15,7 +15,9 @@ drawn per step (`CanaryStats.jitter_stalls` / ``jitter_cycles``), and the wall t
 
     python bench/jitter_cost.py [--quick] [--graphs] [--max-cycles N] [--json PATH]
 
-On a machine without CUDA it says so and exits 0: the stall is a GPU clock spin, there is nothing to time.
+On a machine without CUDA the same cases run on the torch twins, whose stalls really wait on the host (1 ns per
+cycle, ``kvcanary.ops.reference.jitter``): HEAD and TAIL are timed with the host clock (the twins are synchronous),
+so the columns are host microseconds, not GPU time. ``--graphs`` needs CUDA.
 """
 from __future__ import annotations
 
@@ -30,17 +32,17 @@ PROBS = (0.0, 0.001, 0.01, 0.1)
 WARMUP_S = 3.0
 
 
-def case(bs: int, ctx: int, prob: float, *, max_cycles: int, graphs: bool, rounds: int) -> dict:
+def case(bs: int, ctx: int, prob: float, *, max_cycles: int, graphs: bool, rounds: int, device: str = "cuda") -> dict:
     from kvcanary.engines.sim import SimConfig, SimEngine
     from kvcanary.runtime import Canary, CanaryConfig
     from kvcanary.runtime.staging import MIRRORS
 
     sc = SimConfig(num_slots=bs * (ctx + 160) + 8, max_requests=bs + 1, max_context=ctx + 160, chunk_size=ctx,
-                   max_batch_tokens=max(ctx, 8192), max_running=bs, num_layers=4, kv_bytes=256, seed=0, device="cuda")
+                   max_batch_tokens=max(ctx, 8192), max_running=bs, num_layers=4, kv_bytes=256, seed=0, device=device)
     cfg = CanaryConfig(sweep_interval=0, health_interval=0, readable_per_step=0, jitter_fire_prob=prob,
                        jitter_max_cycles=max_cycles, jitter_seed=1)
     canary = Canary(cfg, groups=sc.group_specs(), max_requests=sc.max_requests, max_context=sc.max_context,
-                    max_batch_tokens=sc.max_batch_tokens, device="cuda")
+                    max_batch_tokens=sc.max_batch_tokens, device=device)
     engine = SimEngine(sc, canary)
     for i in range(bs):
         engine.add_request([1 + (7 * i + j) % 31000 for j in range(ctx)], max_new=120, rid=f"b{i}")
@@ -49,6 +51,7 @@ def case(bs: int, ctx: int, prob: float, *, max_cycles: int, graphs: bool, round
         batch = engine.step()
     if graphs:
         canary.capture_graphs()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     ids = list(batch.request_ids)
 
     def step(events=None) -> None:
@@ -68,17 +71,29 @@ def case(bs: int, ctx: int, prob: float, *, max_cycles: int, graphs: bool, round
     while time.perf_counter() - t_warm < WARMUP_S:
         for _ in range(5):
             step()
-        torch.cuda.synchronize()
+        sync()
     before = canary.stats()
     reps = 200
     t0 = time.perf_counter()
     for _ in range(reps):
         step()
-    torch.cuda.synchronize()
+    sync()
     wall_us = (time.perf_counter() - t0) / reps * 1e6
     n = MIRRORS - 1  # steps enqueued behind the sleep kernel (fewer than the staging mirrors: the host never waits)
     head = tail = 0.0
-    for _ in range(rounds):
+    if device == "cpu":  # the twins run synchronously on the host: host time is the work (stalls included)
+        n = 10
+        for _ in range(rounds * n):
+            canary.begin_step(request_ids=ids, forward_kind="decode")
+            canary.stage(batch)
+            t1 = time.perf_counter()
+            canary.launch_head()
+            t2 = time.perf_counter()
+            canary.launch_tail()
+            t3 = time.perf_counter()
+            canary.end_step()
+            head, tail = head + (t2 - t1) * 1e6, tail + (t3 - t2) * 1e6
+    for _ in range(rounds if device == "cuda" else 0):
         torch.cuda.synchronize()
         torch.cuda._sleep(int(4 * n * wall_us * 2000) + 2_000_000)  # ~2 cycles per ns: longer than the host enqueue
         marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]
@@ -106,18 +121,19 @@ def main() -> int:
     ap.add_argument("--grid", help="cases as BSxCTX,... (default: 8x1024, 64x4096)")
     ap.add_argument("--rounds", type=int, default=20, help="sleep-held rounds per case for the device time")
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--machine", default="host CPU", help="what to call the machine on the CPU path (cores, load)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("# jitter_cost: needs a CUDA GPU (the jitter's stall is a spin on the GPU clock; the CPU twins count "
-              "stalls without waiting, so there is no cost to measure here). Nothing run.")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and args.graphs:
+        print("# jitter_cost: --graphs needs a CUDA GPU. Nothing run.")
         return 0
     probs = [float(p) for p in args.probs.split(",")]
     grid = [(8, 1024), (64, 4096)] if not args.quick else [(1, 256), (64, 4096)]
     if args.grid:
         grid = [tuple(int(v) for v in c.split("x")) for c in args.grid.split(",")]
-    machine = torch.cuda.get_device_name()
+    machine = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({args.machine})"
     variant = "graphs" if args.graphs else "eager"
-    print(f"# kvcanary timing jitter: HEAD / TAIL device time per decode step (simulated engine, {variant}, sweep off,")
+    print(f"# kvcanary timing jitter: HEAD / TAIL {'device' if device == 'cuda' else 'host (torch twins)'} time per decode step (simulated engine, {variant}, sweep off,")
     print(f"#   real_kv_hash=partial, jitter_max_cycles={args.max_cycles}); machine: {machine}; torch {torch.__version__}; "
           f"python {sys.version.split()[0]}")
     print(f"{'bs':>4} {'ctx':>6} {'prob':>6} {'head us':>8} {'tail us':>8} {'sum us':>8} {'added us':>9} {'added %':>8} "
@@ -126,7 +142,7 @@ def main() -> int:
     for bs, ctx in grid:
         base = None
         for prob in probs:
-            r = case(bs, ctx, prob, max_cycles=args.max_cycles, graphs=args.graphs, rounds=args.rounds)
+            r = case(bs, ctx, prob, max_cycles=args.max_cycles, graphs=args.graphs, rounds=args.rounds, device=device)
             rows.append(r)
             total = r["head_us"] + r["tail_us"]
             if base is None and prob == 0.0:
