@@ -34,12 +34,18 @@ MM_DOMAIN = 0x4D4D_C0DE_1A6E_0001
 ItemContent = Union[bytes, bytearray, memoryview, str, int, torch.Tensor]
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's dtype and shape header (``"{dtype}{shape}"``) and its bytes in row-major order (moved to the host)."""
+    t = t.detach().contiguous().cpu()
+    head = f"{t.dtype}{tuple(t.shape)}".encode()
+    return head + (t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
 def item_hash(content: ItemContent) -> int:
     """A 64-bit hash of one multimodal item's content: bytes as given, a str as UTF-8, an int as its decimal text,
     a tensor as its dtype, shape and bytes (moved to the host). Deterministic across processes."""
     if isinstance(content, torch.Tensor):
-        t = content.detach().contiguous().cpu()
-        data = f"t{t.dtype}{tuple(t.shape)}".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        data = b"t" + tensor_bytes(content)
     elif isinstance(content, (bytes, bytearray, memoryview)):
         data = b"y" + bytes(content)
     elif isinstance(content, str):

@@ -23,16 +23,13 @@ import numpy as np
 import torch
 
 from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
-from kvcanary.runtime.multimodal import PlaceholderRun, canary_token_ids, item_hash
+from kvcanary.runtime.multimodal import PlaceholderRun, canary_token_ids, item_hash, tensor_bytes
 
 
 def _feed(h, value: Any) -> None:
     """Fold one nested field value (tensors, sequences, numbers, strings) into blake2b ``h``."""
     if isinstance(value, torch.Tensor):
-        t = value.detach().contiguous().cpu()
-        h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(b"T" + tensor_bytes(value) + b";")  # the header's shape fixes the length that follows
     elif isinstance(value, np.ndarray):
         a = np.ascontiguousarray(value)
         h.update(f"N{a.dtype}{a.shape};".encode())
