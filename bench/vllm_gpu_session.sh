@@ -46,7 +46,8 @@ for stage in ${STAGES:-tests bench1b}; do
         > "$OUT/deepcap.log" 2>&1; echo "deepcap rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/deepcap.log" | tail -4 ;;
     sections)  # the adapter's host time per decode forward by section, and each explicit sweep's parts
       timeout $(( $(left) - 10 )) python3 bench/diag/vllm_host_sections.py > "$OUT/sections.log" 2>&1
-      echo "sections rc=$?"; grep -E "^round|^section|^bind|^save|^sched|^stats|^sweep|^explicit|^device" "$OUT/sections.log" | head -60 ;;
+      echo "sections rc=$?"; grep -E "^round|^section|^bind|^save|^sched|^stats|^sweep|^explicit|^device" "$OUT/sections.log" | head -60
+      grep -E "^profile|^kernel" "$OUT/sections.log" | head -32 ;;
     race)  # issue 32: does jitter surface an unordered side-stream write? (simulated engine; then the cost table)
       timeout $(( $(left) - 10 )) python3 bench/jitter_race.py --json "$OUT/jitter_race.json" > "$OUT/race.log" 2>&1
       echo "race rc=$?"; grep -vE "^\[|Warning|warn" "$OUT/race.log" | tail -16

@@ -174,6 +174,8 @@ def main() -> int:
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": [t % 500 + 3 for t in p] if os.environ.get("KVC_TINY") else p} for p in make_prompts(700 + r)], sp, use_tqdm=False)
         print(f"round {r}: {time.perf_counter() - t0:.2f} s", flush=True)
+    if os.environ.get("KVC_PROFILE", "1") == "1" and not os.environ.get("KVC_TINY"):
+        _profile_round(llm, sp, make_prompts(702))
     dec = sorted(state.get("decode_fw", ()))
     print(f"round 1: {state['fw'] + 1} forwards, {len(dec)} decode forwards (one token per row)")
     print(f"{'section':48s} {'calls/fw':>8s} {'median us':>10s} {'mean us':>9s} {'max us':>9s}  (per decode forward)")
@@ -198,6 +200,24 @@ def main() -> int:
                   + " ".join(f"{1e3 * t / n_sweeps:.2f}" for t in [sum(ts)]) + f"  first calls: "
                   + " ".join(f"{1e3 * t:.2f}" for t in ts[:6]))
     return 0
+
+
+def _profile_round(llm, sp, prompts_) -> None:
+    """One more round under torch.profiler (CUDA activity): device time per kernel name, the canary's kernels
+    (Triton names starting with ``_``) beside vLLM's own, per decode step of the round."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate([{"prompt_token_ids": p} for p in prompts_], sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    rows = [(e.key, e.count, getattr(e, "device_time_total", None) or e.cuda_time_total) for e in prof.key_averages()]
+    rows = [r for r in rows if r[2]]
+    rows.sort(key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    print(f"profile: device time by kernel over one round ({total / 1e3:.1f} ms in all; {sp.max_tokens} tokens per request)")
+    for key, count, us in rows[:40]:
+        print(f"kernel {100 * us / total:6.2f}% {us / 1e3:10.2f} ms {count:7d} calls  {key[:110]}")
 
 
 if __name__ == "__main__":
