@@ -78,3 +78,47 @@ def test_a_mask_of_another_dtype_or_size_is_refused(manual, mask):
                     f"[{mask.numel()}] on cpu")
     with pytest.raises(ValueError, match=f"^{msg}$"):
         eng.canary.launch_sweep({"full": mask})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_windowed_sweeps_cover_the_slot_space_once_per_pass_with_the_same_verdicts(seed):
+    """``sweep_max_bytes`` smaller than the slot space's K/V: each sweep takes the next window (slot order,
+    wrapping); one pass of windows finds exactly what one whole sweep finds, and each window is within budget."""
+    rng = random.Random(100 + seed)
+    engine, canary = make_sim(canary_options={"sweep_interval": 0}, seed=seed, num_layers=rng.choice([2, 3, 5]),
+                              sliding_window=rng.choice([0, 16]))
+    warm_sim(engine, steps=rng.randrange(10, 30), seed=seed)
+    _corrupt(canary, engine, rng)
+    masks = engine.live_slots()
+    canary.sweep(live={n: m.nonzero().flatten() for n, m in masks.items()})
+    whole = _verdicts(canary.violations())
+    assert whole
+    g = next(iter(canary.groups.values()))
+    per_slot = g.kv_bytes_per_slot()
+    window = rng.choice([1, 3, 7, 20])
+    canary.sweeper.max_bytes = window * per_slot + rng.randrange(per_slot)  # as CanaryConfig(sweep_max_bytes=...)
+    seen = len(canary.violations())
+    covered = {n: [] for n in masks}
+    passes = max(-(-grp.num_slots // canary.sweeper.window_slots(grp)) for grp in canary.groups.values())
+    for _ in range(passes):
+        canary.launch_sweep(masks)
+        last = canary.sweeper.last
+        for n, (lo, hi) in last.windows.items():
+            grp = canary.groups[n]
+            assert 0 < hi - lo <= canary.sweeper.window_slots(grp) and (hi - lo) * grp.kv_bytes_per_slot() <= canary.sweeper.max_bytes
+            assert last.live[n] == int(masks[n][max(lo, 1):hi].sum())
+            covered[n].append((lo, hi))
+    assert sorted(set(_verdicts(canary.violations()[seen:]))) == sorted(set(whole))  # smaller groups wrap: repeats
+    for n, spans in covered.items():  # a group with fewer windows per pass wraps back to 0 (and finds nothing new)
+        first = spans[: -(-canary.groups[n].num_slots // canary.sweeper.window_slots(canary.groups[n]))]
+        assert first[0][0] == 0 and first[-1][1] == canary.groups[n].num_slots
+        assert all(a[1] == b[0] for a, b in zip(first, first[1:]))
+
+
+def test_sweep_max_bytes_is_validated_and_zero_means_every_slot():
+    with pytest.raises(ValueError, match=r"^kv-canary: sweep_max_bytes must be an integer >= 0, got -1$"):
+        make_sim(canary_options={"sweep_max_bytes": -1})
+    engine, canary = make_sim(canary_options={"sweep_interval": 0, "sweep_max_bytes": 0}, seed=2)
+    warm_sim(engine, steps=12, seed=2)
+    canary.launch_sweep(engine.live_slots())
+    assert all(hi - lo == canary.groups[n].num_slots for n, (lo, hi) in canary.sweeper.last.windows.items())

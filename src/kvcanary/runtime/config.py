@@ -37,6 +37,11 @@ class CanaryConfig:
         group's ``layer_ids`` (negative counts from the end). Each layer gives one K source (for
         the TAIL_K buffer) and one V source (TAIL_V); at most 4 layers. Default: first and last.
     sweep_interval: sweep every live cached slot every N forwards (0 = never).
+    sweep_max_bytes: the most K/V bytes one sweep launched without a host read (`Canary.launch_sweep`, vLLM's
+        periodic sweep on CUDA) reads: it verifies the live slots of the next window of the slot space (slot
+        order, wrapping) holding at most that many bytes (`CanaryGroup.kv_bytes_per_slot` per slot), so a pass
+        over a larger slot space takes several sweeps (docs/design.md §4.4); 0 = no limit (every live slot at
+        each sweep). Explicit `Canary.sweep` calls always verify every live slot.
     ring_capacity: violation rows kept per launch tag per step (counts are exact beyond it).
     verify_token: compare stored tokens with the request's token history when the adapter
         supplies one (`BatchDescription.token_table`).
@@ -80,6 +85,7 @@ class CanaryConfig:
     real_kv_hash: str = "partial"
     real_kv_layers: tuple[int, ...] = (0, -1)
     sweep_interval: int = 64
+    sweep_max_bytes: int = 256 << 20
     ring_capacity: int = 1024
     verify_token: bool = True
     write_input_assert: bool = True
@@ -118,7 +124,7 @@ class CanaryConfig:
                 f"(negative counts from the last layer), got {layers!r}"
             )
         for name, low in (
-            ("sweep_interval", 0), ("ring_capacity", 1), ("chain_position_warmup", -1),
+            ("sweep_interval", 0), ("sweep_max_bytes", 0), ("ring_capacity", 1), ("chain_position_warmup", -1),
             ("stats_interval", 0), ("health_interval", 0), ("readable_per_step", 0), ("log_lines_per_slot", 0),
             ("drain_interval", 1),
         ):

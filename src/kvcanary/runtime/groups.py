@@ -265,6 +265,14 @@ class CanaryGroup:
             self._contexts[key] = ctx
         return ctx
 
+    def kv_bytes_per_slot(self) -> int:
+        """K/V bytes a sweep reads per slot: every deep source's strip (deep fingerprints on), else the TAIL
+        sources' hashed bytes (16 per source in PARTIAL mode); at least 1."""
+        if self.deep and self.deep_sources:
+            return max(1, sum(src.read_bytes for srcs in self.deep_sources.values() for src in srcs))
+        per = (lambda src: 16) if self.hash_mode == RealKvHashMode.PARTIAL else (lambda src: src.read_bytes)
+        return max(1, sum(per(src) for srcs in getattr(self, "sources", {}).values() for src in srcs))
+
     def bytes_per_slot(self) -> int:
         """Canary bytes per slot: one 32-byte record per buffer plus the slot records."""
         return len(self.buffers()) * RECORD_BYTES + 5 * 8

@@ -37,12 +37,14 @@ MASK_SWEEP_CHUNK = 1 << 17  # plan entries per launch of an explicit sweep from 
 
 @dataclass(frozen=True)
 class SweepReport:
-    """One sweep: per group, live slots given, slots verified, live slots never written."""
+    """One sweep: per group, live slots given (in its window, for a windowed sweep), slots verified, live slots
+    never written."""
 
     step: int
     live: dict[str, int] = field(default_factory=dict)
     verified: dict[str, int] = field(default_factory=dict)
     unrecorded: dict[str, int] = field(default_factory=dict)
+    windows: dict[str, tuple[int, int]] = field(default_factory=dict)  # `run_masks`: slot window [lo, hi) per group
 
     @property
     def complete(self) -> bool:
@@ -115,6 +117,9 @@ class Sweeper:
         self._refreshed_at = -1  # slices_run at the last live-set refresh (a pass refreshes once)
         self._last: Optional[SweepReport] = None
         self._mask_passes: dict[str, _Slices] = {}  # `run_masks`: one chunked pass per group, built on first use
+        self.max_bytes = config.sweep_max_bytes
+        self._window_next: dict[str, int] = {}  # `run_masks`: first slot of each group's next window
+        self.windows: dict[str, tuple[int, int]] = {}  # `run_masks`: each group's last window [lo, hi)
         self._masks_pending: Optional[int] = None  # step of a `run_masks` sweep whose counts are not read yet
         self._no_assert = torch.zeros(1, dtype=torch.int32, device=next(iter(groups.values())).device)
         self._slices = {n: _Slices(g, self.interval) for n, g in groups.items()} if self.interval > 0 else {}
@@ -231,9 +236,10 @@ class Sweeper:
 
     def run_masks(self, masks: Mapping[str, torch.Tensor], step: int, chunk: int = MASK_SWEEP_CHUNK) -> None:
         """Verify the live slots of each group named in ``masks`` (bool ``[num_slots]`` on the group's device; True
-        = live) now, without a host read: ``ceil(num_slots / chunk)`` chunks per group, each a plan
-        filled from the slot records on the device and verified like `run`'s (rows attributed from the slot
-        records when drained). ``step``: the host step the report names; the counts are read when `last` is."""
+        = live) now, without a host read: the group's next window of slots (`window`: all of them, or at most
+        ``sweep_max_bytes`` of K/V) in chunks of at most ``chunk`` slots, each a plan filled from the slot records
+        on the device and verified like `run`'s (rows attributed from the slot records when drained). ``step``: the
+        host step the report names; the counts are read when `last` is."""
         for name, mask in masks.items():
             g = self.groups.get(name)
             if g is None:
@@ -242,23 +248,41 @@ class Sweeper:
                 raise KvCanaryValueError(
                     f"kv-canary: a live mask of group {name!r} must be bool [{g.num_slots}] on {g.device}, got "
                     f"{mask.dtype} [{mask.numel()}] on {mask.device}")
+            lo, hi = self._next_window(name, g)
+            size = min(chunk, hi - lo)
             sl = self._mask_passes.get(name)
-            if sl is None or sl.size != math.ceil(g.num_slots / math.ceil(g.num_slots / chunk)):
-                sl = self._mask_passes[name] = _Slices(g, math.ceil(g.num_slots / chunk), owner_rows=1)
+            if sl is None or sl.size != math.ceil(g.num_slots / math.ceil(g.num_slots / size)):
+                sl = self._mask_passes[name] = _Slices(g, math.ceil(g.num_slots / size), owner_rows=1)
             sl.live[: g.num_slots].copy_(mask.flatten())
-            sl.live[0] = False
-            sl.live[-1] = False
+            sl.live[:max(lo, 1)] = False
+            sl.live[hi:] = False  # also the trash row
             sl.live_count.copy_(sl.live.sum().view(1))
             sl.verified.zero_()
-            for _ in range(sl.span // sl.size):  # the cursor wraps back to 0 after the last chunk
+            sl.cursor.fill_(lo)
+            for _ in range(math.ceil((hi - lo) / sl.size)):
                 self.rings.mark()  # each chunk's stamps name its own rows only
                 kernels.sweep_slice(records=g.records, plan=sl.plan, live_mask=sl.live, cursor=sl.cursor,
                                     offsets=sl.offsets, span=sl.span, step=self.step, owner_history=sl.owner_history,
                                     verified=sl.verified, done=sl.done)
                 self._launch(g, sl.plan)
+            self.windows[name] = (lo, hi)
         self.sweeps += 1
         self._masks_pending = step
         self._masks_named = tuple(masks)
+
+    def window_slots(self, g: CanaryGroup) -> int:
+        """Slots of ``g`` one `run_masks` sweep covers: all of them, or as many as ``sweep_max_bytes`` of K/V hold."""
+        if self.max_bytes == 0:
+            return g.num_slots
+        return max(1, min(g.num_slots, self.max_bytes // g.kv_bytes_per_slot()))
+
+    def _next_window(self, name: str, g: CanaryGroup) -> tuple[int, int]:
+        """``[lo, hi)``: the slots after the group's last window (from 0 after the end of the slot space)."""
+        lo = self._window_next.get(name, 0)
+        lo = 0 if lo >= g.num_slots else lo
+        hi = min(g.num_slots, lo + self.window_slots(g))
+        self._window_next[name] = hi
+        return lo, hi
 
     @property
     def last(self) -> Optional[SweepReport]:
@@ -268,7 +292,8 @@ class Sweeper:
             live = {n: int(sl.live_count.item()) for n, sl in counts.items()}
             verified = {n: int(sl.verified.item()) for n, sl in counts.items()}
             self._last = SweepReport(step=self._masks_pending, live=live, verified=verified,
-                                     unrecorded={n: live[n] - verified[n] for n in live})
+                                     unrecorded={n: live[n] - verified[n] for n in live},
+                                     windows={n: self.windows[n] for n in self._masks_named})
             self._masks_pending = None
         return self._last
 
