@@ -237,9 +237,10 @@ def run_shape(shape: str, arms: list[str], rounds: int, util: float, log) -> dic
 
 
 def _baseline(arm: str, arms) -> str:
-    """The arm ``arm`` is compared with: its `BASELINE` when that arm runs too, else ``none``."""
+    """The arm ``arm`` is compared with: its `BASELINE` (else ``none``) when that arm runs too, else itself (a
+    canary-off arm of its own kind, e.g. ``none_ngram`` without ``none``)."""
     b = BASELINE.get(arm, "none")
-    return b if b in arms else "none"
+    return b if b in arms else arm
 
 
 def divergence(base: dict[str, list[int]], mine: dict[str, list[int]]) -> dict:
@@ -311,6 +312,9 @@ def main() -> int:
         arms = args.arms or (["none", "canary", "canary_nokv"] if shape == "1b" else ["none", "canary"])
         util = args.util or (0.28 if len(arms) == 3 else 0.44)
         result["shapes"].append(run_shape(shape, arms, args.rounds, util, log))
+        if args.out:  # the records first: a summary that fails loses nothing
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=1)
         result["summary"] = summarise(result)
         if args.out:
             with open(args.out, "w") as fh:

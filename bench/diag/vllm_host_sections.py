@@ -174,8 +174,6 @@ def main() -> int:
         t0 = time.perf_counter()
         llm.generate([{"prompt_token_ids": [t % 500 + 3 for t in p] if os.environ.get("KVC_TINY") else p} for p in make_prompts(700 + r)], sp, use_tqdm=False)
         print(f"round {r}: {time.perf_counter() - t0:.2f} s", flush=True)
-    if os.environ.get("KVC_PROFILE", "1") == "1" and not os.environ.get("KVC_TINY"):
-        _profile_round(llm, sp, make_prompts(702))
     dec = sorted(state.get("decode_fw", ()))
     print(f"round 1: {state['fw'] + 1} forwards, {len(dec)} decode forwards (one token per row)")
     print(f"{'section':48s} {'calls/fw':>8s} {'median us':>10s} {'mean us':>9s} {'max us':>9s}  (per decode forward)")
@@ -199,6 +197,10 @@ def main() -> int:
             print(f"{label:48s} calls {len(ts):3d}  ms total per sweep: "
                   + " ".join(f"{1e3 * t / n_sweeps:.2f}" for t in [sum(ts)]) + f"  first calls: "
                   + " ".join(f"{1e3 * t:.2f}" for t in ts[:6]))
+    sys.stdout.flush()
+    if os.environ.get("KVC_PROFILE", "1") == "1" and not os.environ.get("KVC_TINY"):
+        state["on"] = False
+        _profile_round(llm, sp, make_prompts(702))
     return 0
 
 
@@ -211,7 +213,7 @@ def _profile_round(llm, sp, prompts_) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate([{"prompt_token_ids": p} for p in prompts_], sp, use_tqdm=False)
     torch.cuda.synchronize()
-    rows = [(e.key, e.count, getattr(e, "device_time_total", None) or e.cuda_time_total) for e in prof.key_averages()]
+    rows = [(e.key, e.count, getattr(e, "device_time_total", 0) or getattr(e, "self_device_time_total", 0)) for e in prof.key_averages()]
     rows = [r for r in rows if r[2]]
     rows.sort(key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
