@@ -149,6 +149,8 @@ def child(arm: str, shape: str, util: float) -> None:
         started: set[str] = set()
         tokens: dict[str, list[int]] = {}
         decode_s, prefill_s = [], None
+        seen_len: dict[str, int] = {}
+        decode_tokens = 0  # tokens emitted by the timed decode steps (more than one per step with speculative decoding)
         before = counters() if conn else {}
         t_begin = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -161,6 +163,10 @@ def child(arm: str, shape: str, util: float) -> None:
             for o in outs:
                 if o.outputs and o.outputs[0].token_ids:
                     started.add(o.request_id)
+                    n_out = len(o.outputs[0].token_ids)  # cumulative outputs (the engine's default)
+                    if decoding:
+                        decode_tokens += n_out - seen_len.get(o.request_id, 0)
+                    seen_len[o.request_id] = n_out
                 if o.finished:
                     tokens[o.request_id] = list(o.outputs[0].token_ids)
             if prefill_s is None and len(started) == REQUESTS:
@@ -173,6 +179,7 @@ def child(arm: str, shape: str, util: float) -> None:
                                "decode_steps": len(decode_s),
                                "decode_ms_mean": round(1e3 * statistics.fmean(decode_s), 4) if decode_s else None,
                                "decode_ms_median": round(1e3 * statistics.median(decode_s), 4) if decode_s else None,
+                               "decode_tok_s": round(decode_tokens / sum(decode_s), 1) if decode_s else None,
                                "total_s": round(total_s, 3), "tokens_sha": digest, "tokens": sorted(tokens.items())}
         if conn:
             time.sleep(1.2)  # past the worker's stats period: the next step carries every count of this round
@@ -268,6 +275,10 @@ def summarise(result: dict) -> list[dict]:
             b_med = statistics.fmean(r["decode_ms_median"] for r in base)
             dec = statistics.fmean(r["decode_ms_mean"] for r in mine)
             pre = statistics.fmean(r["prefill_tok_s"] for r in mine)
+            tok = [r.get("decode_tok_s") for r in mine]
+            b_tok = [r.get("decode_tok_s") for r in base]
+            tok_s = statistics.fmean(tok) if tok and None not in tok else None
+            b_tok_s = statistics.fmean(b_tok) if b_tok and None not in b_tok else None
             b_dec = statistics.fmean(r["decode_ms_mean"] for r in base)
             b_pre = statistics.fmean(r["prefill_tok_s"] for r in base)
             same = all(r["tokens_sha"] == next(b["tokens_sha"] for b in base if b["round"] == r["round"]) for r in mine)
@@ -278,6 +289,8 @@ def summarise(result: dict) -> list[dict]:
                          "decode_vs_none_pct": round(100 * (dec / b_dec - 1), 2), "decode_median_ms": round(med, 3),
                          "decode_median_vs_none_pct": round(100 * (med / b_med - 1), 2), "prefill_tok_s": round(pre),
                          "prefill_vs_none_pct": round(100 * (pre / b_pre - 1), 2), "tokens_identical": same,
+                         "decode_tok_s": round(tok_s) if tok_s else None,
+                         "decode_tok_s_vs_none_pct": round(100 * (tok_s / b_tok_s - 1), 2) if tok_s and b_tok_s else None,
                          "requests_differing": sum(r.get("divergence", {}).get("requests_differing", 0) for r in mine),
                          "host_us_per_forward": round(statistics.fmean(host), 1) if host else None,
                          "checked_eq_forwards": all(t["checked_forwards"] == t["forwards"] for t in tot) if tot else None,
@@ -320,12 +333,14 @@ def main() -> int:
             with open(args.out, "w") as fh:
                 json.dump(result, fh, indent=1)
     print(f"{'shape':5} {'arm':12} {'vs arm':10} {'decode ms':>9} {'vs':>8} {'median ms':>9} {'vs':>8} "
-          f"{'prefill tok/s':>13} {'vs':>8} {'host us/fwd':>12} {'same tokens':>11} {'checked=fwd':>11} {'viol':>4}")
+          f"{'prefill tok/s':>13} {'vs':>8} {'host us/fwd':>12} {'same tokens':>11} {'checked=fwd':>11} {'viol':>4} "
+          f"{'dec tok/s':>10} {'vs %':>7}")
     for r in result["summary"]:
         print(f"{r['shape']:5} {r['arm']:12} {r['baseline']:10} {r['decode_ms']:9.3f} {r['decode_vs_none_pct']:7.2f}% "
               f"{r['decode_median_ms']:9.3f} {r['decode_median_vs_none_pct']:7.2f}% {r['prefill_tok_s']:13d} "
               f"{r['prefill_vs_none_pct']:7.2f}% {str(r['host_us_per_forward']):>12} {str(r['tokens_identical']):>11} "
-              f"{str(r['checked_eq_forwards']):>11} {str(r['violations']):>4}")
+              f"{str(r['checked_eq_forwards']):>11} {str(r['violations']):>4} {str(r['decode_tok_s']):>10} "
+              f"{str(r['decode_tok_s_vs_none_pct']):>7}")
     return 0
 
 
