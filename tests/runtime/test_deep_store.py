@@ -4,17 +4,20 @@
   (the torch reference) into the deep buffer stores, when both buffers start in lockstep — on plans as the plan
   op makes them (offsets non-decreasing from 0), with padding, repeated and out-of-range slots, seeds the same
   launch stores (the write op's serial mode) and tokens past the plan's range.
-* Triton (interpreter) against the twin: identical bytes, for 1-4 sources of one row shape (the fused fold) and
-  of mixed shapes.
+* Triton (interpreter) against the twin: identical bytes, for 1-4 sources of one row shape and of mixed shapes, and
+  for strips of 2 to 256 words (LANES tiles with and without masked columns).
+* The deep records are LANES-mode fingerprints (`deep_store.DEEP_HASH_MODE`), not ALL-mode ones.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import pytest
 import torch
 
-from kvcanary.ops.constants import CanaryLaunchTag, RealKvHashMode
+from kvcanary.ops.constants import CANARY_FIELD_REAL_KV_HASH, CanaryLaunchTag, RealKvHashMode
+from kvcanary.ops.reference.real_kv import fingerprint_slots
 from kvcanary.ops.reference.write import launch_canary_write_kernel_torch_reference
 from kvcanary.runtime import deep_store
 from kvcanary.runtime.deep_store import store_deep_fingerprints, store_deep_fingerprints_twin
@@ -24,7 +27,8 @@ from tests.ops.triton_cases import make_context, make_source, write_inputs, writ
 FIELDS = 3  # token, position, prev_hash: the chain fields a deep record shares with its TAIL record
 
 
-def _case(seed: int, *, nsrc: int, same_shape: bool):
+def _case(seed: int, *, nsrc: int, same_shape: bool, words: Optional[int] = None):
+    """A TAIL write and a deep buffer in lockstep; ``words``: every deep source's strip is that many words."""
     g = torch.Generator().manual_seed(seed)
 
     def rint(lo, hi):  # inclusive
@@ -52,10 +56,12 @@ def _case(seed: int, *, nsrc: int, same_shape: bool):
     tail = make_context(g, "cpu", num_slots=num_slots, stride_bytes=32, ring_cap=64, sources=tail_sources,
                         mode=RealKvHashMode.PARTIAL, chain_assert=0, kind=CanaryLaunchTag.TAIL_K_FULL)
     widths = [[128, 144][rint(0, 1)]] * nsrc if same_shape else [[16, 32, 128, 208][rint(0, 3)] for _ in range(nsrc)]
+    if words is not None:
+        widths = [8 * words] * nsrc
     deep_sources = [make_source(g, "cpu", num_slots=num_slots, page_size=[1, 4][rint(0, 1)], nbpt=w, read_bytes=w,
                                 dtype=torch.bfloat16) for w in widths]
     deep = make_context(g, "cpu", num_slots=num_slots, stride_bytes=32, ring_cap=64, sources=deep_sources,
-                        mode=RealKvHashMode.ALL, chain_assert=0, kind=CanaryLaunchTag.TAIL_K_FULL)
+                        mode=deep_store.DEEP_HASH_MODE, chain_assert=0, kind=CanaryLaunchTag.TAIL_K_FULL)
     # lockstep: the deep buffer holds the TAIL buffer's chain fields (its own REAL_KV words)
     deep.canary_buf.view(torch.int64)[:, :FIELDS] = tail.canary_buf.view(torch.int64)[:, :FIELDS]
     return tail, deep, plan, kw
@@ -91,10 +97,40 @@ def test_triton_matches_the_twin(seed, nsrc, same_shape, monkeypatch):
     expected = deep.canary_buf.clone()
     targets = [(tail.canary_buf, expected, deep.real_kv_sources)]
     store_deep_fingerprints_twin(targets=targets, out_loc=kw["out_cache_loc"], plan=plan)
-    srcs = deep_store.source_args(deep.real_kv_sources, RealKvHashMode.ALL, tail.canary_buf)
+    srcs = deep_store.source_args(deep.real_kv_sources, deep_store.DEEP_HASH_MODE, tail.canary_buf)
     assert srcs is not None
     deep_store._launch(tail.canary_buf, deep.canary_buf, srcs, kw["out_cache_loc"], plan)  # interpreted on the CPU
     assert torch.equal(deep.canary_buf, expected)
+
+
+@pytest.mark.parametrize("words", [2, 6, 8, 30, 64, 256])
+def test_triton_matches_the_twin_for_strip_widths(words):
+    """Strips of 2-256 words: LANES tiles of one chunk narrower than, as wide as, or several times the
+    tile (columns past the strip masked for 6 and 30 words), pages of 1 or 4 slots, entries not stored."""
+    for k, nsrc in enumerate((1, 4)):
+        tail, deep, plan, kw = _case(500 + 10 * words + k, nsrc=nsrc, same_shape=True, words=words)
+        launch_canary_write_kernel_torch_reference(context=tail, plan=plan, **kw)
+        expected = deep.canary_buf.clone()
+        store_deep_fingerprints_twin(targets=[(tail.canary_buf, expected, deep.real_kv_sources)],
+                                     out_loc=kw["out_cache_loc"], plan=plan)
+        srcs = deep_store.source_args(deep.real_kv_sources, deep_store.DEEP_HASH_MODE, tail.canary_buf)
+        assert srcs.consts["LANES_CH"] == min(1 << (words - 1).bit_length(), 32)
+        deep_store._launch(tail.canary_buf, deep.canary_buf, srcs, kw["out_cache_loc"], plan)
+        assert torch.equal(deep.canary_buf, expected)
+
+
+def test_deep_records_hold_lanes_fingerprints():
+    """A stored deep record's REAL_KV field is the LANES fingerprint of its sources (not the ALL one)."""
+    tail, deep, plan, kw = _case(3, nsrc=3, same_shape=True)
+    launch_canary_write_kernel_torch_reference(context=tail, plan=plan, **kw)
+    store_deep_fingerprints_twin(targets=[(tail.canary_buf, deep.canary_buf, deep.real_kv_sources)],
+                                 out_loc=kw["out_cache_loc"], plan=plan)
+    slots = kw["out_cache_loc"][deep_store.stored_entries(plan, kw["out_cache_loc"], tail.canary_buf.shape[0])]
+    assert slots.numel()
+    stored = deep.canary_buf.view(torch.int64)[slots, CANARY_FIELD_REAL_KV_HASH]
+    assert deep_store.DEEP_HASH_MODE == RealKvHashMode.LANES
+    assert torch.equal(stored, fingerprint_slots(deep.real_kv_sources, RealKvHashMode.LANES, slots, torch.device("cpu")))
+    assert not torch.equal(stored, fingerprint_slots(deep.real_kv_sources, RealKvHashMode.ALL, slots, torch.device("cpu")))
 
 
 def test_nothing_to_store_launches_nothing():
@@ -114,15 +150,16 @@ from kvcanary.runtime import deep_store
 k = deep_store._deep_store_kernel
 assert not deep_store.AVAILABLE or isinstance(k, triton.runtime.jit.JITFunction), type(k)
 pointers = {"tail_ptr", "deep_ptr", "slot_ptr", "off_ptr", "s0", "s1", "s2", "s3"}
-for widths in ((128, 128, 128, 128), (128, 16, 64, 2)):  # one row shape (the fused fold), mixed shapes
-    consts = dict(NSRC=4, BLOCK=64, **{f"W{i}": w for i, w in enumerate(widths)})
+for widths, ch in (((128, 128, 128, 128), 32), ((128, 16, 64, 2), 32), ((30, 30, 30, 30), 32), ((6, 6, 6, 6), 8)):
+    # LANES tiles: whole ones, mixed widths, masked columns (30 and 6 words)
+    consts = dict(NSRC=4, BLOCK=64, LANES_CH=ch, **{f"W{i}": w for i, w in enumerate(widths)})
     sig = {a: "constexpr" if a in consts else "*i64" if a in pointers else "*i32" if a == "num_reqs_ptr" else "i64"
            for a in k.arg_names}
     compiled = triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 2})
     assert compiled.asm["cubin"], widths
 k = deep_store._deep_store_kinds_kernel  # buffers' addresses from a device table
-consts = dict(NSRC=4, BLOCK=64, W0=128, W1=128, W2=128, W3=128)
+consts = dict(NSRC=4, BLOCK=64, W0=128, W1=128, W2=128, W3=128, LANES_CH=32)
 sig = {a: "constexpr" if a in consts else "*i32" if a == "num_reqs_ptr" else "*i64" if a.endswith("_ptr") else "i64"
        for a in k.arg_names}
 assert triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -166,7 +203,7 @@ def test_one_launch_per_kind_matches_the_twin_for_many_buffers(seed):
                                      out_loc=kw["out_cache_loc"], plan=plan)
         expected.append(want)
         launches.append((tail.canary_buf, deep.canary_buf,
-                         deep_store.source_args(deep.real_kv_sources, RealKvHashMode.ALL, tail.canary_buf)))
+                         deep_store.source_args(deep.real_kv_sources, deep_store.DEEP_HASH_MODE, tail.canary_buf)))
     before = [deep.canary_buf.clone() for _, deep, _, _ in cases]
     kinds = deep_store._by_kind(launches)
     assert len(kinds) < len(launches) and sum(map(len, kinds)) == len(launches)
