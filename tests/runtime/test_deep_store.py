@@ -212,3 +212,49 @@ def test_one_launch_per_kind_matches_the_twin_for_many_buffers(seed):
     for (_, deep, _, _), want, old in zip(cases, expected, before):
         assert torch.equal(deep.canary_buf, want)
     assert all(not torch.equal(w, o) for w, o in zip(expected, before))  # each buffer stored something
+
+
+def _every_bit_caught_by_the_sweep(manual, bits):
+    """Flip each (layer, side, slot, bit) of ``bits`` in the KV alone, sweep, flip it back: every flip gives sweep rows
+    on its slot and side with the real-KV reason only — one from the deep record, plus one from the TAIL record for a
+    bit in the 16 bytes its PARTIAL fingerprint reads — and the clean state none."""
+    from kvcanary.ops import FailReason
+
+    eng = manual(sweep_interval=0)
+    live = {"full": torch.tensor([10, 11, 12])}
+    eng.forward(eng.batch(row=1, prefix=0, tokens=[5, 6, 7], slots=[10, 11, 12]))
+    eng.canary.sweep(live)
+    assert eng.canary.violations() == []
+    seen = 0
+    for layer, side, slot, bit in bits:
+        t = eng.kv[layer][side]
+        t[slot, bit // 8] ^= 1 << (bit % 8)
+        eng.canary.sweep(live)
+        t[slot, bit // 8] ^= 1 << (bit % 8)
+        found = eng.canary.violations()[seen:]
+        seen += len(found)
+        rows = 2 if bit < 8 * 16 else 1
+        assert [(v.slot, v.phase, v.launch_tag.side, v.reasons) for v in found] == [
+            (slot, "sweep", "kv"[side], FailReason.VERIFY_REAL_KV_HASH_MISMATCH)] * rows, (layer, side, slot, bit)
+        if rows == 1:  # past the TAIL's bytes: the deep record's row (the report names the first record that disagrees)
+            assert found[0].fingerprint_scope == "layers [0, 1], every byte"
+    eng.canary.sweep(live)
+    assert len(eng.canary.violations()) == seen
+
+
+def test_the_sweep_catches_every_single_bit_flip_of_a_deep_source(manual):
+    """Every bit of one layer's V strip of a written slot, and every byte (one bit each) of the other layers' and
+    sides' strips (twins on the CPU)."""
+    every_bit = [(1, 1, 11, bit) for bit in range(8 * 32)]
+    every_byte = [(layer, side, 11, 8 * byte + byte % 8) for layer, side in ((0, 0), (0, 1), (1, 0)) for byte in range(32)]
+    _every_bit_caught_by_the_sweep(manual, every_bit + every_byte)
+
+
+@pytest.mark.usefixtures("all_triton")
+def test_the_sweep_catches_single_bit_flips_on_the_triton_kernels(manual):
+    """The same on the Triton launchers (interpreted): a seeded sample of bits over every layer, side and slot."""
+    g = torch.Generator().manual_seed(5)
+    bits = [(int(torch.randint(0, 2, (1,), generator=g)), int(torch.randint(0, 2, (1,), generator=g)),
+             10 + int(torch.randint(0, 3, (1,), generator=g)), int(torch.randint(0, 256, (1,), generator=g)))
+            for _ in range(24)]
+    _every_bit_caught_by_the_sweep(manual, bits + [(0, 0, 10, 0), (1, 1, 12, 255)])
