@@ -98,13 +98,20 @@ def lanes_keys(nwords: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, nwords + 1, dtype=torch.int64, device=device) * to_signed64(LANES_WORD_KEY)
 
 
+_LANES_TWIN_COLS = 64  # words hashed per step of the twin: temporaries stay a fraction of ``words``
+
+
 def lanes_fold(words: torch.Tensor) -> torch.Tensor:
     """LANES accumulator of each strip: int64 [N, W] words -> int64 [N], the wrapping sum over ``i`` of
-    ``splitmix64(w_i ^ key_i)`` (`lanes_keys`). The sum is taken over the 32-bit halves (no int64 overflow for
-    fewer than 2^31 words), then recombined mod 2^64."""
-    h = splitmix64_xor_tensor(words, lanes_keys(words.shape[1], words.device)[None, :])
-    lo = (h & 0xFFFFFFFF).sum(dim=1)
-    hi = ((h >> 32) & 0xFFFFFFFF).sum(dim=1)
+    ``splitmix64(w_i ^ key_i)`` (`lanes_keys`). Hashed a block of columns at a time; the sums are taken over the
+    32-bit halves (no int64 overflow below 2^31 words), then recombined mod 2^64."""
+    keys = lanes_keys(words.shape[1], words.device)
+    lo = torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
+    hi = torch.zeros_like(lo)
+    for c in range(0, words.shape[1], _LANES_TWIN_COLS):
+        h = splitmix64_xor_tensor(words[:, c : c + _LANES_TWIN_COLS], keys[None, c : c + _LANES_TWIN_COLS])
+        lo += (h & 0xFFFFFFFF).sum(dim=1)
+        hi += ((h >> 32) & 0xFFFFFFFF).sum(dim=1)
     return lo + (hi << 32)
 
 
