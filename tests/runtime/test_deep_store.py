@@ -150,21 +150,26 @@ from kvcanary.runtime import deep_store
 k = deep_store._deep_store_kernel
 assert not deep_store.AVAILABLE or isinstance(k, triton.runtime.jit.JITFunction), type(k)
 pointers = {"tail_ptr", "deep_ptr", "slot_ptr", "off_ptr", "s0", "s1", "s2", "s3"}
-for widths, ch in (((128, 128, 128, 128), 32), ((128, 16, 64, 2), 32), ((30, 30, 30, 30), 32), ((6, 6, 6, 6), 8)):
-    # LANES tiles: whole ones, mixed widths, masked columns (30 and 6 words)
-    consts = dict(NSRC=4, BLOCK=64, LANES_CH=ch, **{f"W{i}": w for i, w in enumerate(widths)})
+def shape(widths):  # the launch's own shape (`_launch_shape`: the whole strip per tile, BLOCK tokens to match)
+    consts, block = deep_store._launch_shape(dict(NSRC=len(widths), LANES_CH=8,
+                                                  **{f"W{i}": w for i, w in enumerate(widths + (2,) * (4 - len(widths)))}))
+    return dict(consts, BLOCK=block)
+for widths in ((256, 256, 256, 256), (128, 128, 128, 128), (128, 16, 64, 2), (144, 144), (30, 30, 30, 30), (6, 6, 6, 6)):
+    # LANES tiles: 2 KiB strips (8B Llama) in one step, mixed widths, masked columns (144, 30 and 6 words)
+    consts = shape(widths)
     sig = {a: "constexpr" if a in consts else "*i64" if a in pointers else "*i32" if a == "num_reqs_ptr" else "i64"
            for a in k.arg_names}
     compiled = triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 2})
+                              options={"num_warps": deep_store._WARPS})
     assert compiled.asm["cubin"], widths
 k = deep_store._deep_store_kinds_kernel  # buffers' addresses from a device table
-consts = dict(NSRC=4, BLOCK=64, W0=128, W1=128, W2=128, W3=128, LANES_CH=32)
+consts = shape((256, 256, 256, 256))
 sig = {a: "constexpr" if a in consts else "*i32" if a == "num_reqs_ptr" else "*i64" if a.endswith("_ptr") else "i64"
        for a in k.arg_names}
-assert triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                      options={"num_warps": 2}).asm["cubin"]
-print("ok")
+compiled = triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": deep_store._WARPS})
+assert compiled.asm["cubin"]
+print("ok", consts["BLOCK"], consts["LANES_CH"], compiled.metadata.shared)
 """
 
 
@@ -180,7 +185,7 @@ def test_kernel_compiles_for_hopper():
     out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=300)
     if "ptxas" in out.stderr and "not found" in out.stderr:
         pytest.skip("no ptxas in this Triton install")
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("ok 16 256"), out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("seed", range(6))

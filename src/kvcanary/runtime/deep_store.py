@@ -47,8 +47,18 @@ DeepTarget = tuple[torch.Tensor, torch.Tensor, tuple[RealKvSource, ...]]  # (TAI
 DEEP_HASH_MODE = RealKvHashMode.LANES
 """How deep records fingerprint their sources: every byte, words hashed in parallel (docs/design.md §3.2)."""
 _CHAIN_FIELDS = (CANARY_FIELD_TOKEN, CANARY_FIELD_POSITION, CANARY_FIELD_PREV_HASH)
-_BLOCK = 64
-_WARPS = 2
+_TILE_WORDS = 4096  # words per program and step of the LANES fold: tokens x columns (32 per thread at 4 warps)
+_MAX_COLS = 256  # the widest column tile: a 2 KiB strip (e.g. 8 heads x 128 x bf16) in one step
+_WARPS = 4
+
+
+def _launch_shape(consts: dict) -> tuple[dict, int]:
+    """The deep store's compile-time shape: the sources' consts with ``LANES_CH`` widened to the whole strip (up to
+    `_MAX_COLS` words) and BLOCK tokens per program such that BLOCK x LANES_CH = `_TILE_WORDS` (16 tokens of 2 KiB
+    strips), so a decode step's few tokens still spread over many programs and each source is one wide load."""
+    widest = max(consts[f"W{i}"] for i in range(consts["NSRC"])) if consts["NSRC"] else 2
+    cols = min(triton.next_power_of_2(widest), _MAX_COLS)
+    return dict(consts, LANES_CH=cols), max(16, min(256, _TILE_WORDS // cols))
 
 
 def stored_entries(plan: WritePlan, out_loc: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -151,9 +161,10 @@ def _launch_kind(group: list, out_loc: torch.Tensor, plan: WritePlan) -> bool:
     if table is None:
         return False
     n = out_loc.shape[0]
-    _deep_store_kinds_kernel[(triton.cdiv(n, _BLOCK), len(group))](
+    consts, block = _launch_shape(group[0][2].consts)
+    _deep_store_kinds_kernel[(triton.cdiv(n, block), len(group))](
         table[0], table[1], out_loc, n, plan.write_offsets, plan.write_num_valid_reqs,
-        plan.write_seed_slot_indices.shape[0], **group[0][2].consts, BLOCK=_BLOCK, num_warps=_WARPS,
+        plan.write_seed_slot_indices.shape[0], **consts, BLOCK=block, num_warps=_WARPS,
     )
     return True
 
@@ -161,10 +172,11 @@ def _launch_kind(group: list, out_loc: torch.Tensor, plan: WritePlan) -> bool:
 def _launch(tail_buf: torch.Tensor, buf: torch.Tensor, srcs, out_loc: torch.Tensor, plan: WritePlan) -> None:
     tail, words = tail_buf.view(torch.int64), buf.view(torch.int64)
     n = out_loc.shape[0]
-    _deep_store_kernel[(triton.cdiv(n, _BLOCK),)](
+    consts, block = _launch_shape(srcs.consts)
+    _deep_store_kernel[(triton.cdiv(n, block),)](
         tail, tail.shape[1], words, words.shape[1], words.shape[0], out_loc, n,
         plan.write_offsets, plan.write_num_valid_reqs, plan.write_seed_slot_indices.shape[0],
-        *srcs.args, **srcs.consts, BLOCK=_BLOCK, num_warps=_WARPS,
+        *srcs.args, **consts, BLOCK=block, num_warps=_WARPS,
     )
 
 
