@@ -3,7 +3,8 @@
 * `store_deep_fingerprints` (one Triton launch per deep buffer) on the interpreter tests' cases and on a
   prefill-sized one (8192 tokens, four 1 KiB-per-token paged layers: a real model's deep chunk);
 * the write and verify ops in ALL mode over four sources of one row shape (the fused fold of
-  ``ops/triton/hashing.fingerprint``), a flipped byte in the last source seen;
+  ``ops/triton/hashing.fingerprint``) and in LANES mode (the deep records' parallel fold), a flipped bit in the
+  last source seen;
 * the simulated runtime with deep fingerprints on the kernels vs on the twins (deep buffers included).
 """
 from __future__ import annotations
@@ -52,12 +53,12 @@ def test_deep_store_cuda_matches_twin(seed):
     assert torch.equal(deep.canary_buf, want)
 
 
-def _prefill_case(num_slots=32768, n=8192):
+def _prefill_case(num_slots=32768, n=8192, mode=RealKvHashMode.ALL):
     g = torch.Generator().manual_seed(11)
     srcs = [make_source(g, DEV, num_slots=num_slots, page_size=32, nbpt=1024, read_bytes=1024, dtype=torch.bfloat16)
             for _ in range(4)]
     ctx = make_context(g, DEV, num_slots=num_slots, stride_bytes=32, ring_cap=256, sources=srcs,
-                       mode=RealKvHashMode.ALL, chain_assert=0, kind=CanaryLaunchTag.TAIL_K_FULL)
+                       mode=mode, chain_assert=0, kind=CanaryLaunchTag.TAIL_K_FULL)
     lengths = [2500, 3000, 2692]
     plan = _plan_to_cuda(write_plan(lengths, [-1, 17, 99]))
     kw = write_inputs(list(range(n)), list(range(n)), torch.randperm(num_slots - 1, generator=g)[:n].add(1).tolist())
@@ -76,8 +77,9 @@ def test_deep_store_prefill_sized():
     assert not torch.equal(want, tail)
 
 
-def test_all_mode_write_and_verify_over_four_long_sources():
-    ctx, plan, kw = _prefill_case()
+@pytest.mark.parametrize("mode", [RealKvHashMode.ALL, RealKvHashMode.LANES])
+def test_all_mode_write_and_verify_over_four_long_sources(mode):
+    ctx, plan, kw = _prefill_case(mode=mode)
     twin = dataclasses.replace(ctx, canary_buf=ctx.canary_buf.clone(), violation_ring=ctx.violation_ring.clone(),
                                violation_write_index=ctx.violation_write_index.clone())
     launch_canary_write_kernel_torch_reference(context=twin, plan=plan, **kw)
@@ -115,7 +117,7 @@ def test_prepared_tables_serve_a_captured_store():
         expected.append(want)
     plan, loc = _plan_to_cuda(plan), loc.to(DEV)
     deep_store.prepare_deep_store(targets)
-    launches = [(t, b, deep_store.source_args(s, RealKvHashMode.ALL, t)) for t, b, s in targets]
+    launches = [(t, b, deep_store.source_args(s, deep_store.DEEP_HASH_MODE, t)) for t, b, s in targets]
     assert all(len(g) == 1 or deep_store._table(g) is not None for g in deep_store._by_kind(launches))
     before = [b.clone() for _, b, _ in targets]
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()

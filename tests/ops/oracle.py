@@ -69,8 +69,12 @@ class OracleSource:
         return cls(rows, src.page_size, src.num_bytes_per_token, src.read_bytes)
 
 
+LANES_KEY = 0x9E3779B97F4A7C15  # LANES mode: word i is keyed with (i + 1) * LANES_KEY (docs/design.md §3.2)
+
+
 def fingerprint(sources: Sequence[OracleSource], mode: int, slot: int) -> int:
-    """Real-KV fingerprint (signed int64 value) of one slot."""
+    """Real-KV fingerprint (signed int64 value) of one slot. LANES: each source's acc is the sum mod 2^64 of
+    ``sm64(w_i ^ (i + 1) * LANES_KEY)``; the sources combine as in ALL."""
     if int(mode) == RealKvHashMode.NONE or not sources:
         return 0
     total = 0
@@ -82,7 +86,11 @@ def fingerprint(sources: Sequence[OracleSource], mode: int, slot: int) -> int:
         assert len(strip) == n
         acc = 0
         for k in range(0, n, 8):
-            acc = sm64(acc ^ int.from_bytes(strip[k : k + 8], "little"))
+            w = int.from_bytes(strip[k : k + 8], "little")
+            if int(mode) == RealKvHashMode.LANES:
+                acc = u64(acc + sm64(w ^ u64((k // 8 + 1) * LANES_KEY)))
+            else:
+                acc = sm64(acc ^ w)
         total = sm64(total ^ acc)
     return s64(total)
 

@@ -34,6 +34,9 @@ H0 = 0xDE7FAE23A9A1B716
 CHAIN_10_20_30 = [0xDE7FAE23A9A1B716, 0xCD6D3FC64AB68B75, 0x2C17D4BB20B967A5]
 FP_BYTES = bytes([0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x81, 0x82, 0x84, 0x88, 0x90, 0xA0, 0xC0, 0xFF])
 FP_VALUE = 0x6041580849E6407D
+FP_LANES_VALUE = 0xB47914CA5612EAE5  # the same strip in LANES mode (extension: deep fingerprints)
+LANES_TWO_SOURCES = (bytes(range(48)), bytes(255 - i for i in range(32)), 0xB28A8FBE0126F676)  # 6 and 4 words
+LANES_ZEROS_VALUE = 0x9CA5D45CAD892F08  # one all-zero 16-byte strip: LANES keys words, so not 0
 
 WRITES = [launch_canary_write_kernel, launch_canary_write_kernel_torch_reference]
 VERIFIES = [launch_canary_verify_kernel, launch_canary_verify_kernel_torch_reference]
@@ -131,6 +134,76 @@ def test_fingerprint_vector_through_write_and_verify(write, verify, mode, dtype,
     assert int(ctx.kernel_run_counter[0]) == 2 and int(ctx.slot_run_counter[0]) == 2
 
 
+# --------------------------------------------------------------------------- LANES fingerprints (extension)
+M64 = (1 << 64) - 1
+
+
+def _plain_sm64(x: int) -> int:
+    x &= M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def _plain_lanes(strips) -> int:
+    """LANES fingerprint of one slot's strips (bytes), straight from the definition with Python ints."""
+    total = 0
+    for strip in strips:
+        acc = 0
+        for i in range(len(strip) // 8):
+            w = int.from_bytes(strip[8 * i : 8 * i + 8], "little")
+            acc = (acc + _plain_sm64(w ^ (((i + 1) * 0x9E3779B97F4A7C15) & M64))) & M64
+        total = _plain_sm64(total ^ acc)
+    return total
+
+
+def _lanes_reference(strips, slot: int = 1) -> int:
+    """`fingerprint_slots` in LANES mode of slot ``slot`` whose strips are ``strips`` (other slots random)."""
+    from kvcanary.ops.reference.real_kv import fingerprint_slots
+
+    sources = []
+    for strip in strips:
+        raw = torch.randint(0, 256, (3, len(strip)), dtype=torch.uint8)
+        raw[slot] = torch.tensor(list(strip), dtype=torch.uint8)
+        sources.append(RealKvSource(tensor=raw, page_size=1, num_bytes_per_token=len(strip), read_bytes=len(strip)))
+    got = fingerprint_slots(tuple(sources), RealKvHashMode.LANES, torch.tensor([slot]), torch.device("cpu"))
+    return int(got[0]) & M64
+
+
+@pytest.mark.parametrize("strips, want", [
+    ((FP_BYTES,), FP_LANES_VALUE),
+    (LANES_TWO_SOURCES[:2], LANES_TWO_SOURCES[2]),
+    ((bytes(16),), LANES_ZEROS_VALUE),
+])
+def test_lanes_pinned_vectors(strips, want):
+    assert _plain_lanes(strips) == want
+    assert _lanes_reference(strips) == want
+    srcs = [oracle.OracleSource(rows=[s], page_size=1, num_bytes_per_token=len(s), read_bytes=len(s)) for s in strips]
+    assert oracle.fingerprint(srcs, RealKvHashMode.LANES, 0) == s64(want)
+
+
+@pytest.mark.parametrize("words", [2, 6, 8, 30, 64, 256])
+def test_lanes_reference_matches_plain_python(words):
+    g = torch.Generator().manual_seed(words)
+    strips = [bytes(torch.randint(0, 256, (8 * words,), generator=g, dtype=torch.uint8).tolist()) for _ in range(3)]
+    assert _lanes_reference(strips) == _plain_lanes(strips)
+    swapped = strips[0][8:16] + strips[0][:8] + strips[0][16:]  # words 0 and 1 exchanged: the keys tell them apart
+    assert strips[0][:8] == strips[0][8:16] or _lanes_reference([swapped]) != _lanes_reference(strips[:1])
+
+
+@pytest.mark.parametrize("write, verify", list(zip(WRITES, VERIFIES)))
+def test_lanes_vector_through_write_and_verify(write, verify, make_context, make_write_plan, make_verify_plan):
+    ctx = make_context(num_slots=4, sources=[_fp_source(torch.uint8)], mode=RealKvHashMode.LANES)
+    write(
+        context=ctx, plan=make_write_plan([1], [-1]),
+        input_ids=torch.tensor([10]), positions=torch.tensor([0]), out_cache_loc=torch.tensor([2]),
+        enable_write_input_assert=False, expected_input_tokens=None, expected_input_positions=None,
+    )
+    assert int(ctx.canary_buf.view(torch.int64)[2, CANARY_FIELD_REAL_KV_HASH]) == s64(FP_LANES_VALUE)
+    verify(context=ctx, plan=make_verify_plan([2], [0], [-1], [10]), check_verify_expected_token=True)
+    assert int(ctx.violation_write_index[0]) == 0
+
+
 # --------------------------------------------------------------------------- §3.0 names, §3.1 constants
 SPEC_NAMES = """
 CANARY_CHAIN_ANCHOR REQ_POOL_IDX_PADDING TOKEN_TO_KV_SLOT_PADDING CANARY_FIELDS_PER_SLOT CANARY_FIELD_TOKEN
@@ -177,7 +250,7 @@ def test_enums():
         "VERIFY_SLOT_OUT_OF_RANGE": 64, "WRITE_SLOT_OUT_OF_RANGE": 128,
         # appended (issue 36 item 4): a live read through the padding slot (set by the padding-read check only)
         "VERIFY_PADDING_SLOT_READ": 256}
-    assert {m.name: int(m) for m in RealKvHashMode} == {"NONE": 0, "PARTIAL": 1, "ALL": 2}
+    assert {m.name: int(m) for m in RealKvHashMode} == {"NONE": 0, "PARTIAL": 1, "ALL": 2, "LANES": 3}  # LANES: appended
     assert [m.name for m in sorted(CanaryLaunchTag)] == [
         "HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL", "SWEEP_K_FULL", "SWEEP_V_FULL",
         "HEAD_K_SWA", "HEAD_V_SWA", "TAIL_K_SWA", "TAIL_V_SWA", "SWEEP_K_SWA", "SWEEP_V_SWA",

@@ -88,7 +88,7 @@ def draw_context(data, make_context, make_source, num_slots):
         ring_capacity=data.draw(st.integers(1, 6)),
         kind=data.draw(st.integers(0, 11)),
         sources=sources,
-        mode=data.draw(st.sampled_from([0, 1, 2, RealKvHashMode.PARTIAL])),
+        mode=data.draw(st.sampled_from([0, 1, 2, 3, RealKvHashMode.PARTIAL])),
         chain_assert=data.draw(st.sampled_from([0, 1, -3])),
         write_index=data.draw(st.sampled_from([0, 0, 1, 3, 7])),
         slot_count=data.draw(st.integers(0, 5)),
@@ -419,7 +419,7 @@ def test_lifecycle_is_clean(data, make_context, make_source):
     else:
         lut = None
     sources = draw_sources(data, make_source, num_full, max_sources=2)
-    mode = data.draw(st.sampled_from([0, 1, 2]), label="mode")
+    mode = data.draw(st.sampled_from([0, 1, 2, 3]), label="mode")
     ctx = make_context(num_slots=num_full, ring_capacity=4, chain_assert=1, sources=sources, mode=mode, fill="random")
     eng = _Engine(data, max_reqs=max_reqs, max_len=max_len, num_slots=num_full)
     vcap = data.draw(st.sampled_from([64, 64, 64, 6]), label="vcap")

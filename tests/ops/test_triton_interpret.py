@@ -227,6 +227,55 @@ def test_all_mode_long_rows_fold_in_a_loop_bit_identically(nbpt):
     assert int(b.violation_write_index[0]) - int(ctx.violation_write_index[0]) == 1
 
 
+@pytest.mark.parametrize("words", [2, 6, 8, 30, 64, 256])
+def test_lanes_mode_strip_widths_bit_identical(words):
+    """LANES mode (the deep fingerprints' parallel fold) over strips of 2-256 words — one tile narrower than, as wide
+    as, or several times LANES_CH, columns past the strip masked for 6 and 30 words — on pages of 1, 4 or 16 slots,
+    with padding, out-of-range and disabled entries: write (both paths) and verify match the twins, the two
+    contexts of one verify launch too, and one flipped bit is seen wherever it lies in a strip."""
+    from kvcanary.ops.triton.verify import launch_verify_many
+
+    for page_size in (1, 4, 16):
+        g = torch.Generator().manual_seed(1000 * words + page_size)
+        srcs = tuple(make_source(g, "cpu", num_slots=48, page_size=page_size, nbpt=8 * words, read_bytes=8 * words,
+                                 dtype=torch.bfloat16, pad_bytes=16 * (page_size == 4)) for _ in range(1 + page_size % 4))
+        ctx = _ctx(num_slots=48, sources=srcs, mode=RealKvHashMode.LANES, ring_cap=64)
+        slots = [3, 17, 40, 9, 0, 41, 60]  # slot 0: padding; 60: past the buffer (not stored)
+        wp, kw = write_plan([4, 3], [-1, 5]), write_inputs([5, 6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5, 6], slots)
+        _compare_write(ctx, wp, **kw)
+        launch_canary_write_kernel_torch_reference(context=ctx, plan=wp, **kw)
+        vp = VerifyPlan.allocate(16, "cpu")
+        n = 8
+        vp.verify_slot_indices[:n] = torch.tensor([3, 17, 40, 9, 0, 41, 60, 12])
+        vp.verify_prev_slot_indices[:n] = torch.tensor([-1, 3, 17, 5, 0, 9, 0, 0])
+        vp.verify_expected_positions[:n] = torch.tensor([0, 1, 2, 4, 0, 5, 6, 0])
+        vp.verify_expected_tokens[:n] = -1
+        vp.verify_num_valid[0] = n
+        _compare_verify(ctx, vp, False)
+        vp.enable[0] = 0
+        _compare_verify(ctx, vp, False)
+        vp.enable[0] = 1
+        twin = clone_context(ctx)
+        launch_canary_verify_kernel_torch_reference(context=twin, plan=vp, check_verify_expected_token=False)
+        for bit in (0, 8 * 8 * words - 1, int(torch.randint(0, 64 * words, (1,), generator=g))):  # first, last, any
+            src = srcs[int(torch.randint(0, len(srcs), (1,), generator=g))]
+            s = slots[int(torch.randint(0, 3, (1,), generator=g))]  # a slot that verifies clean
+            byte = (s % page_size) * 8 * words + bit // 8
+            row = src.tensor[s // page_size].view(torch.uint8)
+            row[byte] ^= 1 << (bit % 8)
+            a, b = clone_context(ctx), clone_context(ctx)
+            launch_verify_many(contexts=[a, b], plan=vp, check_verify_expected_token=False)
+            c = clone_context(ctx)
+            launch_canary_verify_kernel_torch_reference(context=c, plan=vp, check_verify_expected_token=False)
+            i0, i1 = int(ctx.violation_write_index[0]), int(c.violation_write_index[0])
+            kv_rows = lambda x: [r[1] for r in x.violation_ring[i0:i1].tolist() if r[7] & 4]  # noqa: E731
+            assert i1 - int(twin.violation_write_index[0]) == 1 and sorted(kv_rows(c)) == sorted(kv_rows(twin) + [s])
+            for x in (a, b):
+                assert torch.equal(x.violation_write_index, c.violation_write_index)
+                assert sorted(map(tuple, x.violation_ring.tolist())) == sorted(map(tuple, c.violation_ring.tolist()))
+            row[byte] ^= 1 << (bit % 8)
+
+
 def test_verify_disabled_and_narrow_source_error():
     g = torch.Generator().manual_seed(4)
     src = make_source(g, "cpu", num_slots=16, page_size=4, nbpt=32, read_bytes=32, dtype=torch.uint8)

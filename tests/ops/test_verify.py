@@ -353,7 +353,7 @@ def _flip(src: RealKvSource, slot: int, byte: int):
 
 
 @VERIFIES
-@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL])
+@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL, RealKvHashMode.LANES])
 @pytest.mark.parametrize("n_sources", [1, 2, 3, 4])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_real_kv_clean_then_flip_detected(verify, mode, n_sources, page_size, make_context, make_source, gen, make_verify_plan):
@@ -363,7 +363,7 @@ def test_real_kv_clean_then_flip_detected(verify, mode, n_sources, page_size, ma
     plan = make_verify_plan(slots, [0] * 4, [-1] * 4)
     verify(context=ctx, plan=plan, check_verify_expected_token=False)
     assert int(ctx.violation_write_index[0]) == 0
-    _flip(sources[-1], 17, 3)  # inside the first 16 bytes: caught in both modes
+    _flip(sources[-1], 17, 3)  # inside the first 16 bytes: caught in every mode
     verify(context=ctx, plan=plan, check_verify_expected_token=False)
     stored_kv = int(ctx.canary_buf.view(torch.int64)[17, CANARY_FIELD_REAL_KV_HASH])
     assert rows(ctx) == [[KIND, 17, 0, 17, -1, s64(H0), s64(H0), KV]]
@@ -379,7 +379,7 @@ def test_real_kv_clean_then_flip_detected(verify, mode, n_sources, page_size, ma
 )
 def test_flip_past_byte_16_missed_in_partial_caught_in_all(verify, page_size, layout, make_context, make_source, gen, make_verify_plan):
     found = {}
-    for mode in (RealKvHashMode.PARTIAL, RealKvHashMode.ALL):
+    for mode in (RealKvHashMode.PARTIAL, RealKvHashMode.ALL, RealKvHashMode.LANES):
         g = torch.Generator().manual_seed(7)
         ctx, sources = _hashed_context(make_context, make_source, g, mode=mode, n_sources=2, page_size=page_size, **layout)
         slots = [2, 3, 21]
@@ -390,15 +390,16 @@ def test_flip_past_byte_16_missed_in_partial_caught_in_all(verify, page_size, la
             rowmat[page_size * 32] ^= 0xFF  # a padding byte past the strips: never hashed
         verify(context=ctx, plan=make_verify_plan(slots, [0] * 3, [-1] * 3), check_verify_expected_token=False)
         found[mode] = [r[1] for r in rows(ctx)]
-        if mode == RealKvHashMode.ALL:
+        if mode != RealKvHashMode.PARTIAL:
             assert rows(ctx)[0][7] == KV
-    assert found == {RealKvHashMode.PARTIAL: [], RealKvHashMode.ALL: [3]}
+    assert found == {RealKvHashMode.PARTIAL: [], RealKvHashMode.ALL: [3], RealKvHashMode.LANES: [3]}
 
 
 @VERIFIES
 @pytest.mark.parametrize("mode, flip_byte, caught", [
     (RealKvHashMode.PARTIAL, 20, False), (RealKvHashMode.ALL, 20, True),
     (RealKvHashMode.ALL, 40, False), (RealKvHashMode.PARTIAL, 15, True), (RealKvHashMode.ALL, 0, True),
+    (RealKvHashMode.LANES, 20, True), (RealKvHashMode.LANES, 40, False), (RealKvHashMode.LANES, 31, True),
 ])
 def test_partial_ignores_read_bytes_all_stops_at_read_bytes(verify, mode, flip_byte, caught, make_context, make_verify_plan):
     raw = torch.randint(0, 256, (8, 64), dtype=torch.uint8)
@@ -469,7 +470,7 @@ def _odd_layouts():
 
 
 @pytest.mark.parametrize("name, src", list(_odd_layouts()), ids=[n for n, _ in _odd_layouts()])
-@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL])
+@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL, RealKvHashMode.LANES])
 def test_fingerprint_logical_addressing_matches_oracle(name, src, mode, make_context, make_write_plan, make_verify_plan):
     n_slots = src.tensor.shape[0] * src.page_size
     ctx = make_context(num_slots=n_slots, sources=[src], mode=mode)

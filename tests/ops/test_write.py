@@ -219,7 +219,7 @@ def test_ring_overflow_keeps_counting(write, make_context, make_write_plan):
 
 
 @WRITES
-@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL])
+@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL, RealKvHashMode.LANES])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_fingerprints_stored(write, mode, page_size, make_context, make_source, gen, make_write_plan):
     sources = [make_source(num_slots=40, page_size=page_size, num_bytes_per_token=32, generator=gen,

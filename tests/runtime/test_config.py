@@ -28,6 +28,7 @@ def test_from_env_reads_every_kind_of_option(tmp_path):
     [
         (dict(mode="loud"), "kv-canary: mode must be one of none, log, raise, got 'loud'"),
         (dict(real_kv_hash="some"), "kv-canary: real_kv_hash must be one of none, partial, all, got 'some'"),
+        (dict(real_kv_hash="lanes"), "kv-canary: real_kv_hash must be one of none, partial, all, got 'lanes'"),  # deep only
         (dict(real_kv_layers=(0, 1, 2, 3, 4)), "kv-canary: real_kv_layers must be 1 to 4 layer indices"),
         (dict(real_kv_layers=()), "kv-canary: real_kv_layers must be 1 to 4 layer indices"),
         (dict(sweep_interval=-1), "kv-canary: sweep_interval must be an integer >= 0, got -1"),

@@ -32,7 +32,8 @@ def test_per_forward_kernels_compile_for_sm90(all_triton, tmp_path):
     specs: dict = {}
     with record_variants(specs) as variants:
         warm_sim(engine, steps=4)
-        _prefill_sized_write_and_verify()
+        for mode in (RealKvHashMode.ALL, RealKvHashMode.LANES):
+            _prefill_sized_write_and_verify(mode)
     assert canary.stats().violations == 0
     assert {"_verify_kernel", "_write_small_kernel", "_write_prepare_kernel", "_write_chain_kernel", "_tile_plan_kernel",
             "_stamp_kernel", "_sweep_slice_kernel", "_record_store_kernel", "_padding_read_kernel"} <= set(variants)
@@ -48,13 +49,14 @@ def test_per_forward_kernels_compile_for_sm90(all_triton, tmp_path):
     assert result["compiled"] == len(specs) >= len(variants)
 
 
-def _prefill_sized_write_and_verify() -> None:
-    """A 300-token write (past the single-CTA limit: the prepare + chain kernel pair) and a verify, in ALL mode over
-    two sources of 16 words per token (the looped fold) — shapes the simulated run above does not bind."""
+def _prefill_sized_write_and_verify(mode: RealKvHashMode) -> None:
+    """A 300-token write (past the single-CTA limit: the prepare + chain kernel pair) and a verify, in ALL mode (the
+    looped fold) or LANES mode (the deep records' tiles) over two sources of 16 words per token — shapes the simulated
+    run above does not bind."""
     g = torch.Generator().manual_seed(0)
     srcs = [make_source(g, "cpu", num_slots=512, page_size=4, nbpt=128, read_bytes=128, dtype=torch.bfloat16)
             for _ in range(2)]
-    ctx = make_context(g, "cpu", num_slots=512, stride_bytes=32, ring_cap=64, sources=srcs, mode=RealKvHashMode.ALL,
+    ctx = make_context(g, "cpu", num_slots=512, stride_bytes=32, ring_cap=64, sources=srcs, mode=mode,
                        chain_assert=1, kind=0)
     n = 300
     launch_write(context=ctx, plan=write_plan([n], [-1]), **write_inputs(list(range(n)), list(range(n)), list(range(1, n + 1))))

@@ -112,9 +112,22 @@ def reason_label(bits: int) -> str:
 
 
 class RealKvHashMode(enum.IntEnum):
+    """How a context fingerprints its real-KV strips (docs/design.md §3.2).
+
+    NONE, PARTIAL and ALL are the op contract's. LANES (*extension*, kvcanary's deep buffers only; never a
+    ``real_kv_hash`` option) reads the same bytes as ALL but folds a strip's words in parallel: a wrapping sum
+    of ``splitmix64(w_i ^ LANES_WORD_KEY * (i + 1))``; the sources combine as in ALL.
+    """
+
     NONE = 0
     PARTIAL = 1
     ALL = 2
+    LANES = 3  # appended: the deep fingerprints' parallel fold (extension)
+
+
+LANES_WORD_KEY = 0x9E3779B97F4A7C15
+"""LANES mode keys word ``i`` (from 0) of a strip with ``(i + 1) * LANES_WORD_KEY mod 2^64`` before splitmix64, so the
+words' order matters although their hashes are summed."""
 
 
 class CanaryLaunchTag(enum.IntEnum):

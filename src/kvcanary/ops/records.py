@@ -18,7 +18,7 @@ class RealKvSource:
     ``tensor`` is any tensor of >= 2 dims whose last dim is contiguous; it is read as a 2-D byte
     matrix (row = dim 0, columns = the row's bytes in logical order). Slot ``s`` lives in row
     ``s // page_size`` at byte column ``(s % page_size) * num_bytes_per_token``. ``read_bytes`` is the
-    strip length hashed in ALL mode (PARTIAL always hashes 16 bytes).
+    strip length hashed in ALL and LANES mode (PARTIAL always hashes 16 bytes).
     """
 
     tensor: torch.Tensor
@@ -97,7 +97,7 @@ class VerifyOrWriteContext:
             RealKvHashMode(int(self.real_kv_hash_mode))
         except (TypeError, ValueError):
             raise KvCanaryValueError(
-                f"kv-canary: VerifyOrWriteContext.real_kv_hash_mode must be 0, 1 or 2, got {self.real_kv_hash_mode!r}"
+                f"kv-canary: VerifyOrWriteContext.real_kv_hash_mode must be 0, 1, 2 or 3 (a RealKvHashMode), got {self.real_kv_hash_mode!r}"
             ) from None
 
     @property

@@ -1,6 +1,6 @@
 """`store_deep_fingerprints`: the deep buffers' records of one TAIL write, without a chain walk of their own.
 
-A deep buffer (`CanaryGroup.deep_bufs`: ALL-mode fingerprints of up to four layers of one side) holds the same
+A deep buffer (`CanaryGroup.deep_bufs`: LANES-mode fingerprints of up to four layers of one side) holds the same
 token, position and prev_hash as its side's TAIL buffer — every write gives both the same plan, inputs and
 (in lockstep) seed records, and the chain hash does not read the REAL_KV field. So after the TAIL write, each
 written slot's deep record is the TAIL record's first three fields plus the deep sources' fingerprint: the
@@ -43,10 +43,22 @@ except Exception:  # pragma: no cover - depends on the environment
 else:
     AVAILABLE = True
 
-DeepTarget = tuple[torch.Tensor, torch.Tensor, tuple[RealKvSource, ...]]  # (TAIL buffer, deep buffer, its ALL-mode sources)
+DeepTarget = tuple[torch.Tensor, torch.Tensor, tuple[RealKvSource, ...]]  # (TAIL buffer, deep buffer, its sources)
+DEEP_HASH_MODE = RealKvHashMode.LANES
+"""How deep records fingerprint their sources: every byte, words hashed in parallel (docs/design.md §3.2)."""
 _CHAIN_FIELDS = (CANARY_FIELD_TOKEN, CANARY_FIELD_POSITION, CANARY_FIELD_PREV_HASH)
-_BLOCK = 64
-_WARPS = 2
+_TILE_WORDS = 4096  # words per program and step of the LANES fold: tokens x columns (32 per thread at 4 warps)
+_MAX_COLS = 256  # the widest column tile: a 2 KiB strip (e.g. 8 heads x 128 x bf16) in one step
+_WARPS = 4
+
+
+def _launch_shape(consts: dict) -> tuple[dict, int]:
+    """The deep store's compile-time shape: the sources' consts with ``LANES_CH`` widened to the whole strip (up to
+    `_MAX_COLS` words) and BLOCK tokens per program such that BLOCK x LANES_CH = `_TILE_WORDS` (16 tokens of 2 KiB
+    strips), so a decode step's few tokens still spread over many programs and each source is one wide load."""
+    widest = max(consts[f"W{i}"] for i in range(consts["NSRC"])) if consts["NSRC"] else 2
+    cols = min(triton.next_power_of_2(widest), _MAX_COLS)
+    return dict(consts, LANES_CH=cols), max(16, min(256, _TILE_WORDS // cols))
 
 
 def stored_entries(plan: WritePlan, out_loc: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -68,7 +80,7 @@ def store_deep_fingerprints_twin(*, targets: Sequence[DeepTarget], out_loc: torc
         tail, words = tail_buf.view(torch.int64), buf.view(torch.int64)
         slots = out_loc.to(torch.int64)[stored_entries(plan, out_loc, tail.shape[0])]
         words[slots[:, None], torch.tensor(fields, device=words.device)[None, :]] = tail[slots][:, fields]
-        words[slots, CANARY_FIELD_REAL_KV_HASH] = fingerprint_slots(sources, RealKvHashMode.ALL, slots, words.device)
+        words[slots, CANARY_FIELD_REAL_KV_HASH] = fingerprint_slots(sources, DEEP_HASH_MODE, slots, words.device)
 
 
 def store_deep_fingerprints(*, targets: Sequence[DeepTarget], out_loc: torch.Tensor, plan: WritePlan) -> None:
@@ -103,12 +115,13 @@ def _kernel_groups(targets: Sequence[DeepTarget]) -> Optional[list[list]]:
         return None
     if dispatch.triton_backend(targets[0][0].device) is None:
         return None
-    launches = [(tail, buf, source_args(sources, RealKvHashMode.ALL, tail)) for tail, buf, sources in targets]
+    launches = [(tail, buf, source_args(sources, DEEP_HASH_MODE, tail)) for tail, buf, sources in targets]
     return _by_kind(launches) if all(srcs is not None for *_, srcs in launches) else None
 
 
 def _by_kind(launches: list) -> list[list]:
-    """``(tail, deep, SourceArgs)`` launches grouped by their sources' compile-time shape (NSRC, W0..W3), in order."""
+    """``(tail, deep, SourceArgs)`` launches grouped by their sources' compile-time shape (NSRC, W0..W3, LANES_CH), in
+    order."""
     kinds: dict[tuple, list] = {}
     for launch in launches:
         kinds.setdefault(tuple(sorted(launch[2].consts.items())), []).append(launch)
@@ -148,9 +161,10 @@ def _launch_kind(group: list, out_loc: torch.Tensor, plan: WritePlan) -> bool:
     if table is None:
         return False
     n = out_loc.shape[0]
-    _deep_store_kinds_kernel[(triton.cdiv(n, _BLOCK), len(group))](
+    consts, block = _launch_shape(group[0][2].consts)
+    _deep_store_kinds_kernel[(triton.cdiv(n, block), len(group))](
         table[0], table[1], out_loc, n, plan.write_offsets, plan.write_num_valid_reqs,
-        plan.write_seed_slot_indices.shape[0], **group[0][2].consts, BLOCK=_BLOCK, num_warps=_WARPS,
+        plan.write_seed_slot_indices.shape[0], **consts, BLOCK=block, num_warps=_WARPS,
     )
     return True
 
@@ -158,10 +172,11 @@ def _launch_kind(group: list, out_loc: torch.Tensor, plan: WritePlan) -> bool:
 def _launch(tail_buf: torch.Tensor, buf: torch.Tensor, srcs, out_loc: torch.Tensor, plan: WritePlan) -> None:
     tail, words = tail_buf.view(torch.int64), buf.view(torch.int64)
     n = out_loc.shape[0]
-    _deep_store_kernel[(triton.cdiv(n, _BLOCK),)](
+    consts, block = _launch_shape(srcs.consts)
+    _deep_store_kernel[(triton.cdiv(n, block),)](
         tail, tail.shape[1], words, words.shape[1], words.shape[0], out_loc, n,
         plan.write_offsets, plan.write_num_valid_reqs, plan.write_seed_slot_indices.shape[0],
-        *srcs.args, **srcs.consts, BLOCK=_BLOCK, num_warps=_WARPS,
+        *srcs.args, **consts, BLOCK=block, num_warps=_WARPS,
     )
 
 
@@ -172,16 +187,17 @@ if AVAILABLE:
         tail_ptr, tail_stride, deep_ptr, deep_stride, num_slots, slot_ptr, n, off_ptr, num_reqs_ptr, seed_cap,
         s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
         NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-        BLOCK: tl.constexpr,
+        LANES_CH: tl.constexpr, BLOCK: tl.constexpr,
     ):
         _store_block(tail_ptr, tail_stride, deep_ptr, deep_stride, num_slots, slot_ptr, n, off_ptr, num_reqs_ptr,
-                     seed_cap, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3, NSRC, W0, W1, W2, W3, BLOCK)
+                     seed_cap, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
+                     NSRC, W0, W1, W2, W3, LANES_CH, BLOCK)
 
     @jit_batch_sized('n', 'seed_cap', scalar_ptrs=('num_reqs_ptr',))
     def _deep_store_kinds_kernel(
         addr_ptr, int_ptr, slot_ptr, n, off_ptr, num_reqs_ptr, seed_cap,
         NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-        BLOCK: tl.constexpr,
+        LANES_CH: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """`_deep_store_kernel` for buffer ``program_id(1)`` of a table (`_table`)."""
         a = addr_ptr + tl.program_id(1).to(tl.int64) * 6
@@ -191,7 +207,8 @@ if AVAILABLE:
                      _address(a, 2), tl.load(v + 3), tl.load(v + 4), tl.load(v + 5),
                      _address(a, 3), tl.load(v + 6), tl.load(v + 7), tl.load(v + 8),
                      _address(a, 4), tl.load(v + 9), tl.load(v + 10), tl.load(v + 11),
-                     _address(a, 5), tl.load(v + 12), tl.load(v + 13), tl.load(v + 14), NSRC, W0, W1, W2, W3, BLOCK)
+                     _address(a, 5), tl.load(v + 12), tl.load(v + 13), tl.load(v + 14),
+                     NSRC, W0, W1, W2, W3, LANES_CH, BLOCK)
 
     @triton.jit
     def _address(row, k):
@@ -203,7 +220,7 @@ if AVAILABLE:
         tail_ptr, tail_stride, deep_ptr, deep_stride, num_slots, slot_ptr, n, off_ptr, num_reqs_ptr, seed_cap,
         s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
         NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-        BLOCK: tl.constexpr,
+        LANES_CH: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """Deep records of the program's BLOCK entries of one buffer (the module docstring's entries)."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -218,7 +235,7 @@ if AVAILABLE:
         pos = tl.load(src + F_POSITION, mask=inside, other=0)
         prev = tl.load(src + F_PREV_HASH, mask=inside, other=0)
         fp = fingerprint(s, inside, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
-                         NSRC, W0, W1, W2, W3)
+                         NSRC, W0, W1, W2, W3, LANES_CH)
         dst = deep_ptr + row * deep_stride
         tl.store(dst + F_TOKEN, tok, mask=inside)
         tl.store(dst + F_POSITION, pos, mask=inside)

@@ -31,7 +31,7 @@ from kvcanary.ops import (
 from kvcanary.ops.hashing import CHAIN_HEAD_HASH, to_signed64
 from kvcanary.runtime.batch import GroupSpec
 from kvcanary.runtime.config import CanaryConfig
-from kvcanary.runtime.deep_store import prepare_deep_store
+from kvcanary.runtime.deep_store import DEEP_HASH_MODE, prepare_deep_store
 
 RECORD_BYTES = CANARY_FIELDS_PER_SLOT * 8
 CHAIN_HEAD = to_signed64(CHAIN_HEAD_HASH)  # H0 as the int64 the buffers store
@@ -189,7 +189,8 @@ class CanaryGroup:
         self._contexts.clear()
 
     def _set_deep_sources(self, layers: KvLayers, layer_ids: tuple[int, ...], page_size: int) -> None:
-        """One ALL-mode source per layer, grouped MAX_REAL_KV_SOURCES layers to a buffer per side."""
+        """One source per layer (every byte of its strip, hashed in LANES mode), grouped MAX_REAL_KV_SOURCES layers to
+        a buffer per side."""
         deep_sources: dict[tuple[int, str], tuple[RealKvSource, ...]] = {}
         for chunk, start in enumerate(range(0, len(layer_ids), MAX_REAL_KV_SOURCES)):
             pairs = {}
@@ -209,7 +210,7 @@ class CanaryGroup:
         self.deep_sources = deep_sources
 
     def deep_targets(self) -> list[tuple[torch.Tensor, torch.Tensor, tuple[RealKvSource, ...]]]:
-        """(TAIL buffer, deep buffer, its ALL-mode sources) per chunk and side, chunks in order, K before V
+        """(TAIL buffer, deep buffer, its sources) per chunk and side, chunks in order, K before V
         (`store_deep_fingerprints`)."""
         return [(self.tail_bufs[key[1]], self.deep_bufs[key], self.deep_sources[key]) for key in sorted(self.deep_sources)]
 
@@ -240,7 +241,8 @@ class CanaryGroup:
     def context(self, phase: str, side: str, op: str, *, rings, counters, chain_assert: torch.Tensor,
                 deep: Optional[int] = None) -> VerifyOrWriteContext:
         """The (cached) context for ``op`` (verify/write) on the ``phase``/``side`` buffer, or on deep
-        buffer ``deep`` of that side (ALL-mode sources of its layers; TAIL writes, SWEEP verifies)."""
+        buffer ``deep`` of that side (its layers' sources in LANES mode, `DEEP_HASH_MODE`; TAIL writes, SWEEP
+        verifies)."""
         key = (phase, side, op, id(chain_assert), deep)
         ctx = self._contexts.get(key)
         if ctx is None:
@@ -250,7 +252,7 @@ class CanaryGroup:
             if deep is None:
                 buf, sources, mode = self.buffer(phase, side), () if phase == "head" else self.sources[side], self.hash_mode
             else:
-                buf, sources, mode = self.deep_bufs[(deep, side)], self.deep_sources[(deep, side)], RealKvHashMode.ALL
+                buf, sources, mode = self.deep_bufs[(deep, side)], self.deep_sources[(deep, side)], DEEP_HASH_MODE
             ctx = VerifyOrWriteContext(
                 canary_buf=buf,
                 kernel_kind=tag,

@@ -7,7 +7,7 @@
              -> HEAD write (new tokens) -> slot records (position, predecessor, step, owner)
     ... engine forward: stores K/V into the staged out_loc slots ...
     tail()   per group: TAIL verify of every hashed side in one launch (prefix, real KV re-hashed; a ring window
-             skips the positions the forward's own writes recycled, GroupSpec.ring_window) -> TAIL writes of every side (fingerprints of the KV just stored; with deep fingerprints also the ALL-mode
+             skips the positions the forward's own writes recycled, GroupSpec.ring_window) -> TAIL writes of every side (fingerprints of the KV just stored; with deep fingerprints also the LANES-mode
              fingerprints of every 4 layers, `store_deep_fingerprints`, checked later by the sweep); then stamp the step's ring rows
 
 With timing jitter on (``CanaryConfig.jitter_fire_prob > 0``, docs/design.md §4.9) the HEAD and TAIL verify and

@@ -15,6 +15,7 @@ import torch
 from kvcanary.ops import CANARY_FIELD_REAL_KV_HASH, CanaryLaunchTag, RealKvHashMode
 from kvcanary.ops.constants import MASK64
 from kvcanary.ops.reference.real_kv import fingerprint_slots
+from kvcanary.runtime.deep_store import DEEP_HASH_MODE
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.sweep import Sweeper
 
@@ -73,7 +74,7 @@ class RecordLookup:
         if tag.phase == "sweep":
             for (chunk, side), sources in sorted(g.deep_sources.items()):
                 if side == tag.side:
-                    candidates.append((g.deep_bufs[(chunk, side)], sources, int(RealKvHashMode.ALL),
+                    candidates.append((g.deep_bufs[(chunk, side)], sources, int(DEEP_HASH_MODE),
                                        f"layers {list(g.deep_layers.get(chunk, ()))}, every byte"))
         pairs = []
         for buf, sources, hash_mode, scope in candidates:

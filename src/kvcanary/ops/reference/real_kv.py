@@ -1,4 +1,5 @@
-"""Real-KV fingerprints of slots (docs/design.md §3.2, §3.3), vectorised over slots.
+"""Real-KV fingerprints of slots (docs/design.md §3.2, §3.3), vectorised over slots (and, in LANES mode, over
+a strip's words).
 
 Reads only the strips it hashes, on the sources' own device: no KV layer is copied.
 """
@@ -8,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from kvcanary.errors import KvCanaryValueError
-from kvcanary.ops.constants import PARTIAL_REAL_KV_READ_BYTES, RealKvHashMode
-from kvcanary.ops.hashing import splitmix64_xor_tensor
+from kvcanary.ops.constants import LANES_WORD_KEY, PARTIAL_REAL_KV_READ_BYTES, RealKvHashMode
+from kvcanary.ops.hashing import splitmix64_xor_tensor, to_signed64
 from kvcanary.ops.records import RealKvSource
 
 
@@ -25,7 +26,7 @@ def check_row_widths(sources: tuple[RealKvSource, ...]) -> None:
 
 
 def hashed_bytes(src: RealKvSource, mode: int) -> int:
-    """Bytes of a strip folded into the fingerprint: 16 in PARTIAL, ``read_bytes`` in ALL."""
+    """Bytes of a strip folded into the fingerprint: 16 in PARTIAL, ``read_bytes`` in ALL and LANES."""
     return PARTIAL_REAL_KV_READ_BYTES if int(mode) == RealKvHashMode.PARTIAL else src.read_bytes
 
 
@@ -79,13 +80,39 @@ def fingerprint_slots(
     total = torch.zeros(slots.shape[0], dtype=torch.int64, device=device)
     if int(mode) == RealKvHashMode.NONE or not sources or slots.numel() == 0:
         return total
+    lanes = int(mode) == RealKvHashMode.LANES
     for src in sources:
         words = strip_words(src, slots.to(src.tensor.device), hashed_bytes(src, mode)).to(device)
-        acc = torch.zeros_like(total)
-        for k in range(words.shape[1]):
-            acc = splitmix64_xor_tensor(acc, words[:, k])
+        if lanes:
+            acc = lanes_fold(words)
+        else:
+            acc = torch.zeros_like(total)
+            for k in range(words.shape[1]):
+                acc = splitmix64_xor_tensor(acc, words[:, k])
         total = splitmix64_xor_tensor(total, acc)
     return total
 
 
-__all__ = ["check_row_widths", "fingerprint_slots", "strip_words", "hashed_bytes"]
+def lanes_keys(nwords: int, device: torch.device) -> torch.Tensor:
+    """int64 [nwords]: the LANES key of word ``i``, ``(i + 1) * LANES_WORD_KEY mod 2^64`` (as its int64 pattern)."""
+    return torch.arange(1, nwords + 1, dtype=torch.int64, device=device) * to_signed64(LANES_WORD_KEY)
+
+
+_LANES_TWIN_COLS = 64  # words hashed per step of the twin: temporaries stay a fraction of ``words``
+
+
+def lanes_fold(words: torch.Tensor) -> torch.Tensor:
+    """LANES accumulator of each strip: int64 [N, W] words -> int64 [N], the wrapping sum over ``i`` of
+    ``splitmix64(w_i ^ key_i)`` (`lanes_keys`). Hashed a block of columns at a time; the sums are taken over the
+    32-bit halves (no int64 overflow below 2^31 words), then recombined mod 2^64."""
+    keys = lanes_keys(words.shape[1], words.device)
+    lo = torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
+    hi = torch.zeros_like(lo)
+    for c in range(0, words.shape[1], _LANES_TWIN_COLS):
+        h = splitmix64_xor_tensor(words[:, c : c + _LANES_TWIN_COLS], keys[None, c : c + _LANES_TWIN_COLS])
+        lo += (h & 0xFFFFFFFF).sum(dim=1)
+        hi += ((h >> 32) & 0xFFFFFFFF).sum(dim=1)
+    return lo + (hi << 32)
+
+
+__all__ = ["check_row_widths", "fingerprint_slots", "strip_words", "hashed_bytes", "lanes_fold", "lanes_keys"]

@@ -17,6 +17,7 @@ GAMMA_2 = tl.constexpr(SPLITMIX64_GAMMA_2)
 SHIFT_1 = tl.constexpr(SPLITMIX64_SHIFTS[0])
 SHIFT_2 = tl.constexpr(SPLITMIX64_SHIFTS[1])
 SHIFT_3 = tl.constexpr(SPLITMIX64_SHIFTS[2])
+LANES_KEY = tl.constexpr(c.LANES_WORD_KEY)  # LANES mode: word i's key is (i + 1) * LANES_KEY
 
 # padding
 SLOT_PADDING = tl.constexpr(c.TOKEN_TO_KV_SLOT_PADDING)

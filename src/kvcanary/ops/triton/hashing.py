@@ -1,6 +1,10 @@
 """Triton device helpers shared by the kernels: splitmix64, mix3, real-KV fingerprints, and the
 host side of the real-KV sources and lazy checks (docs/design.md §3.2, §3.3).
 
+PARTIAL and ALL fold a strip's words serially; LANES (the deep buffers' mode) hashes them as [BLOCK, LANES_CH]
+tiles and sums each row. Which one a kernel runs is the constexpr ``LANES_CH`` (0: the serial fold), so PARTIAL
+and ALL launches compile the same code as before LANES existed.
+
 Interpreter rules (docs/design.md §3.9): hash math runs on ``tl.uint64`` values bitcast from int64, never
 mixes signed and unsigned operands, and never applies ``~`` to unsigned values.
 """
@@ -16,7 +20,7 @@ from kvcanary.errors import KvCanaryValueError
 from kvcanary.ops.constants import PARTIAL_REAL_KV_READ_BYTES, RealKvHashMode
 from kvcanary.ops.hashing import CHAIN_HEAD_HASH, to_signed64
 from kvcanary.ops.records import RealKvSource
-from kvcanary.ops.triton.constants import GAMMA_1, GAMMA_2, SHIFT_1, SHIFT_2, SHIFT_3
+from kvcanary.ops.triton.constants import GAMMA_1, GAMMA_2, LANES_KEY, SHIFT_1, SHIFT_2, SHIFT_3
 
 H0_SIGNED = to_signed64(CHAIN_HEAD_HASH)
 """The chain head hash H0 as the int64 value kernels receive."""
@@ -124,19 +128,54 @@ def _fold_eight_words(acc, wptr, first, mask, k):
     return _fold_pair(acc, a3, b3)
 
 
+LANES_MAX_COLS = 32
+"""Widest word tile of the LANES fold: ``LANES_CH = min(next_pow2(max W), LANES_MAX_COLS)``."""
+
+
+@triton.jit
+def _lanes_fold(ptr, slot, mask, page_size, nbpt_words, row_words, NWORDS: tl.constexpr, CH: tl.constexpr):
+    """LANES accumulator (tl.uint64) of each slot's strip: the wrapping sum over ``i < NWORDS`` of
+    ``splitmix64(w_i ^ (i + 1) * LANES_KEY)``. Reads [BLOCK, CH] word tiles (CH a power of two); columns past
+    NWORDS are not loaded and add nothing."""
+    wptr, first = _strip(ptr, slot, mask, page_size, nbpt_words, row_words)
+    acc = tl.zeros(slot.shape, dtype=tl.uint64)
+    cols = tl.arange(0, CH)
+    for c0 in range(0, NWORDS, CH):
+        col = c0 + cols
+        inside = col < NWORDS
+        tile = tl.load(wptr + first[:, None] + col[None, :], mask=mask[:, None] & inside[None, :], other=0)
+        key = as_u64(col + 1) * LANES_KEY
+        h = splitmix64(as_u64(tile) ^ key[None, :])
+        if NWORDS % CH != 0:  # a masked word would add splitmix64(key), not 0
+            h = tl.where(inside[None, :], h, tl.zeros_like(h))
+        acc += tl.sum(h, axis=1)
+    return acc
+
+
 @triton.jit
 def fingerprint(
     slot, mask,
     s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
     NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+    LANES_CH: tl.constexpr,
 ):
     """Real-KV fingerprint (tl.uint64) of each slot over NSRC sources; 0 when NSRC == 0.
 
     Per source: base pointer, page size, bytes-per-token in words, row stride in words, and the
-    constexpr number of words hashed (2 in PARTIAL, read_bytes // 8 in ALL).
+    constexpr number of words hashed (2 in PARTIAL, read_bytes // 8 in ALL and LANES). ``LANES_CH`` > 0: LANES
+    mode with word tiles that wide (`_lanes_fold`); 0: the serial fold of PARTIAL / ALL.
     """
     total = tl.zeros(slot.shape, dtype=tl.uint64)
-    if NSRC > 1 and W0 > UNROLLED_WORDS and W1 == W0 and (NSRC < 3 or W2 == W0) and (NSRC < 4 or W3 == W0):
+    if LANES_CH > 0:
+        if NSRC > 0:
+            total = splitmix64(total ^ _lanes_fold(s0, slot, mask, p0, n0, r0, W0, LANES_CH))
+        if NSRC > 1:
+            total = splitmix64(total ^ _lanes_fold(s1, slot, mask, p1, n1, r1, W1, LANES_CH))
+        if NSRC > 2:
+            total = splitmix64(total ^ _lanes_fold(s2, slot, mask, p2, n2, r2, W2, LANES_CH))
+        if NSRC > 3:
+            total = splitmix64(total ^ _lanes_fold(s3, slot, mask, p3, n3, r3, W3, LANES_CH))
+    elif NSRC > 1 and W0 > UNROLLED_WORDS and W1 == W0 and (NSRC < 3 or W2 == W0) and (NSRC < 4 or W3 == W0):
         # ALL mode over sources of one row shape (deep fingerprints, the sweep): the sources' folds advance
         # together, so every iteration has one 16-byte load per source in flight instead of one in all
         a0, a1, a2, a3 = _folds_together(slot, mask, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
@@ -195,11 +234,11 @@ class SourceArgs:
     """Kernel arguments describing the real-KV sources of one launch."""
 
     args: tuple  # 16 runtime values: (tensor, page_size, nbpt_words, row_words) x 4
-    consts: dict  # NSRC, W0..W3
+    consts: dict  # NSRC, W0..W3, LANES_CH (0 unless LANES mode)
 
     @staticmethod
     def none(dummy: torch.Tensor) -> "SourceArgs":
-        return SourceArgs(args=(dummy, 1, 2, 2) * 4, consts=dict(NSRC=0, W0=2, W1=2, W2=2, W3=2))
+        return SourceArgs(args=(dummy, 1, 2, 2) * 4, consts=dict(NSRC=0, W0=2, W1=2, W2=2, W3=2, LANES_CH=0))
 
 
 def _kernel_addressable(src: RealKvSource) -> bool:
@@ -215,7 +254,7 @@ def _kernel_addressable(src: RealKvSource) -> bool:
 
 
 def source_args(sources: tuple, mode: int, dummy: torch.Tensor):
-    """SourceArgs for the launch, or None when a source's layout needs the torch twin
+    """SourceArgs for the launch (LANES mode: ``LANES_CH`` > 0), or None when a source's layout needs the torch twin
     (rows not contiguous in memory, or a base address not 16-byte aligned)."""
     if int(mode) == RealKvHashMode.NONE or not sources:
         return SourceArgs.none(dummy)
@@ -233,6 +272,9 @@ def source_args(sources: tuple, mode: int, dummy: torch.Tensor):
         else:
             args += [dummy, 1, 2, 2]
             consts[f"W{i}"] = 2
+    widest = max(consts[f"W{i}"] for i in range(len(sources)))
+    lanes = int(mode) == RealKvHashMode.LANES
+    consts["LANES_CH"] = min(triton.next_power_of_2(widest), LANES_MAX_COLS) if lanes else 0
     return SourceArgs(args=tuple(args), consts=consts)
 
 

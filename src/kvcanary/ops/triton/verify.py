@@ -85,7 +85,7 @@ def _judge(
     fields_ptr, stride_words, num_slots, slot, prev, exp_pos, exp_tok, live, h0,
     s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
     NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-    ALIGNED16: tl.constexpr,
+    LANES_CH: tl.constexpr, ALIGNED16: tl.constexpr,
 ):
     """One context's verdict on a block of entries: (bits, stored position, stored token, stored
     chain, expected chain); loads only, no stores."""
@@ -100,7 +100,7 @@ def _judge(
     linked = as_i64(slot_hash_of_fields(p_chain, p_tok, p_pos))
     expected_chain = tl.where(from_slot, linked, tl.where(reachable, h0, chain))
     fp = as_i64(fingerprint(slot, ok, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
-                            NSRC, W0, W1, W2, W3))
+                            NSRC, W0, W1, W2, W3, LANES_CH))
     bits = tl.where(reachable & (chain != expected_chain), VERIFY_CHAIN, 0)
     bits += tl.where((exp_tok != -1) & (token != exp_tok), VERIFY_TOKEN, 0)
     bits += tl.where(position != exp_pos, VERIFY_POSITION, 0)
@@ -149,9 +149,9 @@ def _verify_kernel(
     b_s0, b_p0, b_n0, b_r0, b_s1, b_p1, b_n1, b_r1, b_s2, b_p2, b_n2, b_r2, b_s3, b_p3, b_n3, b_r3,
     jit_params, jit_key, jit_counts,        # timing jitter (JITTER): int64 [3], [1], [2]; else unused
     A_NSRC: tl.constexpr, A_W0: tl.constexpr, A_W1: tl.constexpr, A_W2: tl.constexpr, A_W3: tl.constexpr,
-    A_ALIGNED16: tl.constexpr,
+    A_LANES_CH: tl.constexpr, A_ALIGNED16: tl.constexpr,
     B_NSRC: tl.constexpr, B_W0: tl.constexpr, B_W1: tl.constexpr, B_W2: tl.constexpr, B_W3: tl.constexpr,
-    B_ALIGNED16: tl.constexpr,
+    B_LANES_CH: tl.constexpr, B_ALIGNED16: tl.constexpr,
     NCTX: tl.constexpr, CHECK_TOKEN: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     JITTER: tl.constexpr, SPIN: tl.constexpr,
 ):
@@ -184,12 +184,12 @@ def _verify_kernel(
         bits_a, pos_a, tok_a, chain_a, exp_chain_a = _judge(
             fa, swa, nsa, slot, prev, exp_pos, exp_tok, live, h0,
             a_s0, a_p0, a_n0, a_r0, a_s1, a_p1, a_n1, a_r1, a_s2, a_p2, a_n2, a_r2, a_s3, a_p3, a_n3, a_r3,
-            A_NSRC, A_W0, A_W1, A_W2, A_W3, A_ALIGNED16)
+            A_NSRC, A_W0, A_W1, A_W2, A_W3, A_LANES_CH, A_ALIGNED16)
         if NCTX == 2:  # B's loads are issued before A's rows are stored
             bits_b, pos_b, tok_b, chain_b, exp_chain_b = _judge(
                 fb, swb, nsb, slot, prev, exp_pos, exp_tok, live, h0,
                 b_s0, b_p0, b_n0, b_r0, b_s1, b_p1, b_n1, b_r1, b_s2, b_p2, b_n2, b_r2, b_s3, b_p3, b_n3, b_r3,
-                B_NSRC, B_W0, B_W1, B_W2, B_W3, B_ALIGNED16)
+                B_NSRC, B_W0, B_W1, B_W2, B_W3, B_LANES_CH, B_ALIGNED16)
             _report(ringa, widxa, capa, kinda, slot, exp_tok, bits_a, pos_a, tok_a, chain_a, exp_chain_a)
             _report(ringb, widxb, capb, kindb, slot, exp_tok, bits_b, pos_b, tok_b, chain_b, exp_chain_b)
         else:

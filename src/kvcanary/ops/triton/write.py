@@ -130,7 +130,7 @@ def _write_prepare_kernel(
     s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
     kind, jit_params, jit_key, jit_counts,     # launch tag; timing jitter (JITTER): int64 [3], [1], [2]
     NSRC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr, JITTER: tl.constexpr, SPIN: tl.constexpr,
+    LANES_CH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, JITTER: tl.constexpr, SPIN: tl.constexpr,
 ):
     pdl_wait(PDL)
     pdl_release(PDL)
@@ -172,7 +172,7 @@ def _write_prepare_kernel(
         reads = rm & (sd >= 0) & (sd < num_slots) & (o1 > o0)
         old_w, old_r = _claim(table_ptr, s, sd, inside, reads, writer_tag, seed_tag, BLOCK)
         fp = fingerprint(s, inside, s0, p0, n0, r0, s1, p1, n1, r1, s2, p2, n2, r2, s3, p3, n3, r3,
-                         NSRC, W0, W1, W2, W3)
+                         NSRC, W0, W1, W2, W3, LANES_CH)
         tl.store(fields_ptr + s * stride_words + F_REAL_KV, as_i64(fp), mask=inside)
         conflicts += tl.sum((inside & (old_w >= seed_tag)).to(tl.int64), 0)
         conflicts += tl.sum((rm & (o1 < o0)).to(tl.int64), 0)
@@ -637,7 +637,9 @@ def _write_small_kernel(
     b_s0, b_p0, b_n0, b_r0, b_s1, b_p1, b_n1, b_r1, b_s2, b_p2, b_n2, b_r2, b_s3, b_p3, b_n3, b_r3,
     jit_params, jit_key, jit_counts,        # timing jitter (JITTER): int64 [3], [1], [2]; else unused
     A_NSRC: tl.constexpr, A_W0: tl.constexpr, A_W1: tl.constexpr, A_W2: tl.constexpr, A_W3: tl.constexpr,
+    A_LANES_CH: tl.constexpr,
     B_NSRC: tl.constexpr, B_W0: tl.constexpr, B_W1: tl.constexpr, B_W2: tl.constexpr, B_W3: tl.constexpr,
+    B_LANES_CH: tl.constexpr,
     NCTX: tl.constexpr, INPUT_ASSERT: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
     PREFETCH: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr, JITTER: tl.constexpr, SPIN: tl.constexpr,
 ):
@@ -661,10 +663,10 @@ def _write_small_kernel(
             jitter_stall(jit_params, jit_key, jit_counts, kindb, s, inside, SPIN)
     old_w, old_r = _claim(table_ptr, s, sd, inside, reads, writer_tag, seed_tag, LANES)
     fp_a = fingerprint(s, inside, a_s0, a_p0, a_n0, a_r0, a_s1, a_p1, a_n1, a_r1, a_s2, a_p2, a_n2, a_r2,
-                       a_s3, a_p3, a_n3, a_r3, A_NSRC, A_W0, A_W1, A_W2, A_W3)
+                       a_s3, a_p3, a_n3, a_r3, A_NSRC, A_W0, A_W1, A_W2, A_W3, A_LANES_CH)
     if NCTX == 2:
         fp_b = fingerprint(s, inside, b_s0, b_p0, b_n0, b_r0, b_s1, b_p1, b_n1, b_r1, b_s2, b_p2, b_n2, b_r2,
-                           b_s3, b_p3, b_n3, b_r3, B_NSRC, B_W0, B_W1, B_W2, B_W3)
+                           b_s3, b_p3, b_n3, b_r3, B_NSRC, B_W0, B_W1, B_W2, B_W3, B_LANES_CH)
         tl.store(fb + s * swb + F_REAL_KV, as_i64(fp_b), mask=inside)
     tl.store(fa + s * swa + F_REAL_KV, as_i64(fp_a), mask=inside)
     conflicts = tl.sum((inside & (old_w >= seed_tag)).to(tl.int32), 0)
