@@ -122,3 +122,26 @@ def test_sweep_max_bytes_is_validated_and_zero_means_every_slot():
     warm_sim(engine, steps=12, seed=2)
     canary.launch_sweep(engine.live_slots())
     assert all(hi - lo == canary.groups[n].num_slots for n, (lo, hi) in canary.sweeper.last.windows.items())
+
+
+def test_given_windows_bound_what_a_sweep_verifies_and_bad_ones_are_refused():
+    engine, canary = make_sim(canary_options={"sweep_interval": 0}, seed=4)
+    warm_sim(engine, steps=20, seed=4)
+    masks = engine.live_slots()
+    name, mask = next(iter(masks.items()))
+    g = canary.groups[name]
+    live = mask.nonzero().flatten()
+    lo, hi = int(live[len(live) // 3]), int(live[2 * len(live) // 3])
+    victims = [int(live[0]), int(live[len(live) // 2])]  # one outside [lo, hi), one inside
+    for slot in victims:
+        g.buffer("tail", g.tail_sides[0]).view(torch.int64)[slot, CANARY_FIELD_PREV_HASH] ^= 1
+    canary.launch_sweep({name: mask}, windows={name: (lo, hi)})
+    found = {v.slot for v in canary.violations()}  # the victim inside, and its chain successor if that is inside
+    assert victims[1] in found and victims[0] not in found and all(lo <= s < hi for s in found)
+    last = canary.sweeper.last
+    assert last.windows[name] == (lo, hi) and last.live[name] == int(mask[lo:hi].sum())
+    canary.launch_sweep({name: mask}, windows={name: (-5, 10 ** 9)})  # clamped to the slot space: both found
+    assert canary.sweeper.last.windows[name] == (0, g.num_slots)
+    assert set(victims) <= {v.slot for v in canary.violations()}
+    with pytest.raises(ValueError, match=r"^kv-canary: the sweep window of group .* must be \(lo, hi\) slot integers"):
+        canary.launch_sweep({name: mask}, windows={name: (1.5, 3)})

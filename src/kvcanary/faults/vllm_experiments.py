@@ -220,6 +220,50 @@ def defaults_runs(workdir: str, *, flips: int, requests: int = 8) -> dict[str, A
         out[name] = row
     return out
 
+def sweep_window_runs(workdir: str, *, seed: int = 0) -> dict[str, Any]:
+    """The periodic sweep's block windows on a tiny Llama with ``sweep_max_bytes=1`` (one scheduler block per
+    window): after the standard workload, one bit flips beyond the first 16 bytes of an idle cached block's token;
+    then one pass of windowed sweeps as the adapter runs them (the scheduler's next window and its idle cached blocks,
+    the worker's `KvCanaryConnector.sweep` within it). Returns the windows, where the flip was caught, every other
+    violation, and whether each window's cached blocks are the full walk's restricted to it."""
+    import os
+
+    from vllm import LLM
+
+    from kvcanary.engines.vllm import kv_transfer_config
+    from kvcanary.faults.vllm_workload import engine_kwargs, generate, workload, write_tiny_model
+
+    model = write_tiny_model(os.path.join(workdir, "llama4"), "llama", layers=4)
+    llm = LLM(**engine_kwargs(model, kv_transfer_config=kv_transfer_config(mode="log", sweep_max_bytes=1)))
+    try:
+        generate(llm, workload(seed)[:8])
+        h = handles(llm)
+        sched, worker, canary = h.scheduler, h.worker, h.worker.canary
+        full = sched._cached_blocks()
+        g = next(x for x in worker._layouts if not x.sliding_window)
+        block, valid, _ = random.Random(seed).choice([c for c in full if c[2] == g.index])
+        slot = block * g.manager_block_size + min(valid, g.block_size) - 1
+        kv = worker._kv_caches[g.layer_names[-1]]
+        flip_bit(kv, worker.hash_layout[g.name], 1, g.block_size, slot, byte=40, bit=3)
+        seen = len(canary.violations())
+        windows, caught_in, same = [], [], True
+        for _ in range(len(sched._block_pool.blocks)):
+            window = sched._next_sweep_window()
+            mine = sched._cached_blocks_in(*window)
+            same &= sorted(mine) == sorted(c for c in full if window[0] <= c[0] < window[1])
+            before = len(canary.violations())
+            worker.sweep(mine, window)
+            if any(v.slot == slot for v in canary.violations()[before:]):
+                caught_in.append(list(window))
+            windows.append(list(window))
+        others = [dict(slot=v.slot, reason=v.reason_label) for v in canary.violations()[seen:] if v.slot != slot]
+        return {"blocks": len(sched._block_pool.blocks), "window_blocks": sched._sweep_blocks, "windows": windows,
+                "flip_block": block, "flip_slot": slot, "caught_in": caught_in, "others": others,
+                "cached_blocks": len(full), "same_cached": bool(same)}
+    finally:
+        close(llm)
+
+
 def _shifted_weights(worker, checkpoint_format: bool) -> None:
     """``collective_rpc`` target: reload every weight of the worker's model, scaled by 1.01, through vLLM's in-place
     reload — in kernel format (``param.copy_``) or in checkpoint format (the model's ``load_weights``: fused
@@ -306,7 +350,7 @@ def main(argv=None) -> int:
     window-edge: the window convention experiment on a Mistral with every layer sliding (``--window W``):
     no fault, and the K/V of ``p - (W - 1)`` / ``p - W`` overwritten (`window_edge_run`), the latter two
     with the canary (and without it too with ``--no-canary-runs``), each in a fresh in-process engine.
-    defaults: `defaults_runs`. context: `context_runs`. weights: `weights_runs`. multimodal:
+    defaults: `defaults_runs`. context: `context_runs`. weights: `weights_runs`. sweep-window: `sweep_window_runs`. multimodal:
     `kvcanary.faults.vllm_multimodal.multimodal_runs` (a tiny vision-language model)."""
     import argparse
     import json
@@ -315,7 +359,7 @@ def main(argv=None) -> int:
     import sys
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("what", choices=("window-edge", "defaults", "context", "weights", "multimodal"))
+    parser.add_argument("what", choices=("window-edge", "defaults", "context", "weights", "multimodal", "sweep-window"))
     parser.add_argument("workdir")
     parser.add_argument("out")
     parser.add_argument("--window", type=int, default=40)
@@ -340,6 +384,8 @@ def main(argv=None) -> int:
             runs.update(inside=window_edge_run(model, prompt, back=w - 1), outside=window_edge_run(model, prompt, back=w))
     elif args.what == "context":
         runs = context_runs(args.workdir)
+    elif args.what == "sweep-window":
+        runs = sweep_window_runs(args.workdir)
     elif args.what == "weights":
         runs = weights_runs(args.workdir)
     elif args.what == "multimodal":
@@ -354,7 +400,7 @@ def main(argv=None) -> int:
 
 
 __all__ = ["Handles", "handles", "close", "flip_bit", "bitflip_trials", "FlipTrial", "summary", "window_edge_run",
-           "context_runs", "weights_runs", "DEFAULT_SHAPES", "defaults_runs"]
+           "context_runs", "weights_runs", "DEFAULT_SHAPES", "defaults_runs", "sweep_window_runs"]
 
 
 if __name__ == "__main__":

@@ -237,7 +237,8 @@ FAULT_PLAN_SPEC = (
 
 
 def _run_outputs(mode: str, workdir: str, *, faults: tuple, tensor_parallel: int, sweep_interval: int,
-                 mode_option: str, on_violation: str) -> tuple[list[str], str, Optional[dict[str, Any]]]:
+                 mode_option: str, on_violation: str,
+                 sweep_max_bytes: Optional[int] = None) -> tuple[list[str], str, Optional[dict[str, Any]]]:
     """(violation JSONL path per rank, ledger path, KV-transfer config or None for ``ref``) of one `run_engine`
     run; stale files of an earlier run in ``workdir`` are removed."""
     vpath, lpath = os.path.join(workdir, f"{mode}.violations.{{rank}}.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
@@ -249,6 +250,8 @@ def _run_outputs(mode: str, workdir: str, *, faults: tuple, tensor_parallel: int
         return vpaths, lpath, None
     plan = [dict(f, ledger_path=lpath) for f in faults] if mode == "faults" else None
     extra = {"on_violation": on_violation} if on_violation != "log" else {}
+    if sweep_max_bytes is not None:
+        extra["sweep_max_bytes"] = sweep_max_bytes
     options = dict(mode=mode_option, jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
                    stats_period_s=0, **extra)
     return vpaths, lpath, transfer_config(options, faults=plan)
@@ -257,13 +260,14 @@ def _run_outputs(mode: str, workdir: str, *, faults: tuple, tensor_parallel: int
 def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 8,
                faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1,
                model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log",
-               on_violation: str = "log", spec_tokens: int = 0, spec_method: str = "ngram") -> dict[str, Any]:
+               on_violation: str = "log", spec_tokens: int = 0, spec_method: str = "ngram",
+               sweep_max_bytes: Optional[int] = None) -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
     verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger.
     ``shape``: `model_config` options (layers, sliding window); ``mode_option``: the canary's mode; ``on_violation``:
     the adapter's response (log, abort, recompute); ``spec_tokens`` / ``spec_method``: speculative decoding
-    (`engine_kwargs`)."""
+    (`engine_kwargs`); ``sweep_max_bytes``: the canary option (None: its default)."""
     import time
 
     from vllm import LLM
@@ -272,7 +276,8 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
         raise KvCanaryValueError(f"kv-canary: run_engine mode must be ref, clean or faults, got {mode!r}")
     model = write_tiny_model(os.path.join(workdir, f"tiny-{model_kind}"), model_kind, **(shape or {}))
     vpaths, lpath, ktc = _run_outputs(mode, workdir, faults=faults, tensor_parallel=tensor_parallel,
-                                      sweep_interval=sweep_interval, mode_option=mode_option, on_violation=on_violation)
+                                      sweep_interval=sweep_interval, mode_option=mode_option, on_violation=on_violation,
+                                      sweep_max_bytes=sweep_max_bytes)
     # processes=False: engine core and worker run in this process and step only when LLM.generate
     # steps them, so every run batches the same requests together (identical forwards with and
     # without the canary) and starts in seconds. processes=True: vLLM's default layout — engine-core
@@ -347,6 +352,8 @@ def main(argv=None) -> int:
     parser.add_argument("--canary-mode", default="log", choices=("log", "raise"), help="the canary's mode")
     parser.add_argument("--on-violation", default="log", choices=("log", "abort", "recompute"), help="the adapter's response")
     parser.add_argument("--spec", type=int, default=0, help="speculative decoding with this many draft tokens")
+    parser.add_argument("--sweep-max-bytes", type=int, default=None, help="the canary's sweep_max_bytes (window size)")
+    parser.add_argument("--sweep-interval", type=int, default=8, help="forwards between sweeps")
     parser.add_argument("--spec-method", default="ngram", choices=SPEC_METHODS,
                         help="speculative decoding method (eagle / eagle3: a tiny random-weight draft model)")
     parser.add_argument("--fault-plan", default=None, help="faults: a JSON list of fault settings instead of the default plan")
@@ -358,7 +365,8 @@ def main(argv=None) -> int:
                         tensor_parallel=args.tensor_parallel, faults=faults, model_kind=args.model,
                         shape={k: v for k, v in (("layers", args.layers), ("sliding_window", args.window)) if v is not None},
                         mode_option=args.canary_mode, on_violation=args.on_violation, spec_tokens=args.spec,
-                        spec_method=args.spec_method)
+                        spec_method=args.spec_method, sweep_interval=args.sweep_interval,
+                        sweep_max_bytes=args.sweep_max_bytes)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0

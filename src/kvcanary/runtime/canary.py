@@ -498,17 +498,20 @@ class Canary:
         self._raise_if_needed(self._step)
         return report
 
-    def launch_sweep(self, masks: Mapping[str, torch.Tensor]) -> None:
+    def launch_sweep(self, masks: Mapping[str, torch.Tensor],
+                     windows: Optional[Mapping[str, tuple[int, int]]] = None) -> None:
         """`sweep` without waiting: verify the live slots of each group's bool mask (``[num_slots]`` on the device,
-        True = live) now, between forwards, with no host read; the rows are drained by the following steps (or
-        `violations()` / `counters()`), named from the slot records. `Sweeper.last` reads the counts when asked."""
+        True = live) now, between forwards, with no host read, in a window of the slot space (``windows[group]`` =
+        ``(lo, hi)``, else the group's next ``sweep_max_bytes`` window: docs/design.md §4.4); the rows are drained by
+        the following steps (or `violations()` / `counters()`), named from the slot records. `Sweeper.last` reads the
+        counts when asked."""
         self._check_open()
         if self._depth:
             raise KvCanaryRuntimeError("kv-canary: launch_sweep() inside an open forward; sweeps run between forwards")
         if self.suspended is not None:
             return
         try:
-            self.sweeper.run_masks(masks, self._step)
+            self.sweeper.run_masks(masks, self._step, windows=windows)
         except KvCanaryError:
             raise  # misuse or bad input, raised on purpose
         except Exception as exc:

@@ -234,12 +234,14 @@ class Sweeper:
         self.last = report
         return report
 
-    def run_masks(self, masks: Mapping[str, torch.Tensor], step: int, chunk: int = MASK_SWEEP_CHUNK) -> None:
+    def run_masks(self, masks: Mapping[str, torch.Tensor], step: int, chunk: int = MASK_SWEEP_CHUNK,
+                  windows: Optional[Mapping[str, tuple[int, int]]] = None) -> None:
         """Verify the live slots of each group named in ``masks`` (bool ``[num_slots]`` on the group's device; True
-        = live) now, without a host read: the group's next window of slots (`window`: all of them, or at most
-        ``sweep_max_bytes`` of K/V) in chunks of at most ``chunk`` slots, each a plan filled from the slot records
-        on the device and verified like `run`'s (rows attributed from the slot records when drained). ``step``: the
-        host step the report names; the counts are read when `last` is."""
+        = live) now, without a host read: the group's slot window ``windows[name]`` (``[lo, hi)``, clamped to the
+        slot space: an adapter that picks its own windows) or else its next window (all its slots, or at most
+        ``sweep_max_bytes`` of K/V: `window_slots`), in chunks of at most ``chunk`` slots, each a plan filled from
+        the slot records on the device and verified like `run`'s (rows attributed from the slot records when
+        drained). ``step``: the host step the report names; the counts are read when `last` is."""
         for name, mask in masks.items():
             g = self.groups.get(name)
             if g is None:
@@ -248,8 +250,11 @@ class Sweeper:
                 raise KvCanaryValueError(
                     f"kv-canary: a live mask of group {name!r} must be bool [{g.num_slots}] on {g.device}, got "
                     f"{mask.dtype} [{mask.numel()}] on {mask.device}")
-            lo, hi = self._next_window(name, g)
-            size = min(chunk, hi - lo)
+            if windows is not None and name in windows:
+                lo, hi = self._given_window(name, g, windows[name])
+            else:
+                lo, hi = self._next_window(name, g)
+            size = min(chunk, max(hi - lo, 1))
             sl = self._mask_passes.get(name)
             if sl is None or sl.size != math.ceil(g.num_slots / math.ceil(g.num_slots / size)):
                 sl = self._mask_passes[name] = _Slices(g, math.ceil(g.num_slots / size), owner_rows=1)
@@ -275,6 +280,16 @@ class Sweeper:
         if self.max_bytes == 0:
             return g.num_slots
         return max(1, min(g.num_slots, self.max_bytes // g.kv_bytes_per_slot()))
+
+    @staticmethod
+    def _given_window(name: str, g: CanaryGroup, window) -> tuple[int, int]:
+        """An adapter's window ``(lo, hi)`` clamped to ``[0, num_slots]``; refused when it is not two integers."""
+        if (not isinstance(window, tuple) or len(window) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in window)):
+            raise KvCanaryValueError(f"kv-canary: the sweep window of group {name!r} must be (lo, hi) slot integers, "
+                                     f"got {window!r}")
+        lo = min(max(window[0], 0), g.num_slots)
+        return lo, min(max(window[1], lo), g.num_slots)
 
     def _next_window(self, name: str, g: CanaryGroup) -> tuple[int, int]:
         """``[lo, hi)``: the slots after the group's last window (from 0 after the end of the slot space)."""

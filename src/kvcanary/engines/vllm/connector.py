@@ -103,7 +103,7 @@ class KvCanaryMetadata(KVConnectorMetadata):
     the tokens shipped at those positions are the items' content tokens (`kvcanary.engines.vllm.multimodal`).
     finished / preempted: request ids since the last step. cached_blocks: ``(block id, valid tokens,
     KV cache group index)`` of every idle block in the prefix cache (no running request holds it: those are swept
-    from the requests' tables), on sweep steps only (else None).
+    from the requests' tables) within ``sweep_window``, on sweep steps only (else None).
     """
 
     tokens: Any = field(default_factory=dict)  # a forward_view.TokenBatch (or a dict, as below)
@@ -111,6 +111,9 @@ class KvCanaryMetadata(KVConnectorMetadata):
     finished: tuple[str, ...] = ()
     preempted: tuple[str, ...] = ()
     cached_blocks: Optional[list[tuple[int, int, int]]] = None
+    #: the scheduler block ids ``[lo, hi)`` this sweep step covers (``cached_blocks`` holds the idle ones among them);
+    #: None: every block (``sweep_max_bytes = 0``, or the block size in bytes unknown)
+    sweep_window: Optional[tuple[int, int]] = None
     drafts: dict[str, int] = field(default_factory=dict)  # request id -> draft tokens scheduled (speculative decoding)
     #: request id -> ``(start, end)`` of each multimodal placeholder run, sent once with a new request that has any
     #: (its tokens at those positions are content tokens: `kvcanary.engines.vllm.multimodal`)
@@ -213,6 +216,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._verdicts: dict[str, list] = {}
         self._metas = 0
         self._block_pool = None
+        self._sweep_blocks = self._window_blocks(kv_cache_config)  # blocks per sweep window (None: every block)
+        self._sweep_cursor = 0  # first block of the next sweep window
         # worker side
         self.canary: Optional[Canary] = None
         self.view: Optional[WorkerView] = None
@@ -322,10 +327,11 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 sent_of[rid] = known
         tokens = TokenBatch.from_lists(ids, starts, counts, flat)
         self._metas += 1
-        cached = None
+        cached, window = None, None
         interval = self.config.sweep_interval
         if interval and self._metas % interval == 0 and self._block_pool is not None:
-            cached = self._cached_blocks()
+            window = self._next_sweep_window()
+            cached = self._cached_blocks() if window is None else self._cached_blocks_in(*window)
         drafts = {rid: len(ids) for rid, ids in (getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}).items()
                   if ids}
         return KvCanaryMetadata(
@@ -336,6 +342,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             finished=tuple(scheduler_output.finished_req_ids or ()),
             preempted=tuple(scheduler_output.preempted_req_ids or ()),
             cached_blocks=cached,
+            sweep_window=window,
         )
 
     def _cached_blocks(self) -> list[tuple[int, int, int]]:
@@ -353,6 +360,43 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if any(n < 0 for _, n, _ in out):
             size = int(self._vllm_config.cache_config.block_size)
             out = [(b, size if n < 0 else n, g) for b, n, g in out]
+        return out
+
+    def _window_blocks(self, kv_cache_config) -> Optional[int]:
+        """Scheduler blocks per sweep window: ``sweep_max_bytes`` over the K/V bytes of one block in every layer of
+        every KV cache group (what a sweep reads per block with deep fingerprints on); None when unlimited
+        (``sweep_max_bytes = 0``) or the sizes are unknown (no ``kv_cache_config``)."""
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if not self.config.sweep_max_bytes or not groups:
+            return None
+        try:
+            per_block = sum(int(gr.kv_cache_spec.page_size_bytes) * len(gr.layer_names) for gr in groups)
+        except (AttributeError, TypeError, ValueError):
+            return None
+        return max(1, self.config.sweep_max_bytes // per_block) if per_block > 0 else None
+
+    def _next_sweep_window(self) -> Optional[tuple[int, int]]:
+        """Block ids ``[lo, hi)`` of this sweep step (after the last window's; from 0 past the pool's end), or None."""
+        total = len(self._block_pool.blocks)
+        if self._sweep_blocks is None or self._sweep_blocks >= total:
+            return None
+        lo = self._sweep_cursor if self._sweep_cursor < total else 0
+        hi = min(total, lo + self._sweep_blocks)
+        self._sweep_cursor = hi
+        return lo, hi
+
+    def _cached_blocks_in(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """`_cached_blocks` among block ids ``[lo, hi)`` only: a walk over the window, not over the prefix cache."""
+        from vllm.v1.core.kv_cache_utils import get_group_id
+
+        size = int(self._vllm_config.cache_config.block_size)
+        out = []
+        for block in self._block_pool.blocks[lo:hi]:
+            key = block.block_hash
+            if block.ref_cnt or key is None or block.is_null:
+                continue
+            n = block.block_hash_num_tokens
+            out.append((int(block.block_id), size if n is None or n < 0 else int(n), int(get_group_id(key))))
         return out
 
     def _prefix_cache_blocks(self):
@@ -652,7 +696,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 self._capture_canary()
             meta = self._meta
             if self.suspended is None and meta is not None and meta.cached_blocks is not None:
-                self._launch_sweep(meta.cached_blocks)
+                self._launch_sweep(meta.cached_blocks, getattr(meta, "sweep_window", None))
         except Exception as exc:
             self._failed("wait_for_save", exc)
         finally:
@@ -669,27 +713,36 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kv-canary: capturing the canary's own CUDA graphs failed (%s: %s); it goes on launching "
                            "its kernels per forward", type(exc).__name__, exc)
 
-    def sweep(self, cached_blocks: list[tuple[int, int, int]]):
+    def sweep(self, cached_blocks: list[tuple[int, int, int]], window: Optional[tuple[int, int]] = None):
         """Verify every live slot now — the running requests' stored positions and the valid tokens of
         ``cached_blocks`` (``(block id, valid tokens, group index)``, the scheduler's idle prefix-cache blocks) —
-        between forwards; returns the runtime's `SweepReport`."""
+        between forwards, within the scheduler blocks ``window`` (``[lo, hi)``; None: all); returns the runtime's
+        `SweepReport`."""
         live = self.view.live_slots(cached_blocks)
+        if window is not None:
+            spans = self._slot_windows(window)
+            live = {n: s[(s >= spans[n][0]) & (s < spans[n][1])] for n, s in live.items()}
         self._refresh_mirrors(live)
         return self.canary.sweep(live)
 
-    def _launch_sweep(self, cached_blocks: list[tuple[int, int, int]]) -> None:
+    def _slot_windows(self, window: tuple[int, int]) -> dict[str, tuple[int, int]]:
+        """Scheduler blocks ``[lo, hi)`` as each canary group's slot window."""
+        lo, hi = window
+        return {g.name: (lo * g.manager_block_size, min(hi * g.manager_block_size, g.num_slots)) for g in self._layouts}
+
+    def _launch_sweep(self, cached_blocks: list[tuple[int, int, int]], window: Optional[tuple[int, int]] = None) -> None:
         """The periodic sweep. On CUDA: `sweep`'s live set as device masks, verified without waiting for the device
         (its rows drain with the following steps'); it runs in stream order right after this forward, so the live
         set is exact when it runs. On the CPU (no device to wait for; the twins' cost grows with the slot space,
         not the live set): `sweep`."""
         if self.view.device.type != "cuda":
-            self.sweep(cached_blocks)
+            self.sweep(cached_blocks, window)
             return
         masks = self.view.live_masks(cached_blocks)
         for mirrors in self._mirrors.values():
             for m in mirrors:
                 m.refresh_all()
-        self.canary.launch_sweep(masks)
+        self.canary.launch_sweep(masks, windows=None if window is None else self._slot_windows(window))
 
     def _refresh_mirrors(self, slots_by_group: dict[str, torch.Tensor]) -> None:
         for name, mirrors in self._mirrors.items():
