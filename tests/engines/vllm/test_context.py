@@ -3,27 +3,21 @@ caught against the request that was served it; equal contexts, and vLLM's own (s
 stay silent. One subprocess, two engine starts (~1 min on 2 cores)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_support import run_experiment  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vllm-context")
-    out = work / "context.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", "context", str(work), str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"context runs failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_experiment("context", tmp_path_factory)
 
 
 def test_a_prefix_served_across_cache_salts_is_caught_against_the_served_request(runs):

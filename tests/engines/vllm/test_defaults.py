@@ -8,27 +8,21 @@ bit), one at a time, each followed by one sweep pass. ~3 min on 2 cores.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_support import run_experiment  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vllm-defaults")
-    out = work / "defaults.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", "defaults", str(work), str(out),
-                           "--flips", "40"], env=env, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        pytest.fail(f"defaults runs failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_experiment("defaults", tmp_path_factory, "--flips", "40", timeout=1200)
 
 
 @pytest.mark.parametrize("model", ["llama4", "llama6", "llama8", "hybrid6",

@@ -8,16 +8,17 @@ data, never vLLM's identifiers: unit tests on scheduler-side ``Request`` objects
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_support import run_experiment  # noqa: E402
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import MultiModalConfig  # noqa: E402
@@ -40,15 +41,7 @@ RUN = IMAGE_TOKENS + 1  # vLLM's placeholder range of the tiny PaliGemma: 16 ima
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vllm-multimodal")
-    out = work / "multimodal.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", "multimodal", str(work), str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"multimodal runs failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_experiment("multimodal", tmp_path_factory)
 
 
 def _user_id(request_id: str) -> str:

@@ -7,9 +7,6 @@ a clean workload with a one-block window swept every forward stays silent.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,20 +15,12 @@ import pytest
 pytest.importorskip("vllm")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_support import run_workload  # noqa: E402
+from vllm_support import run_experiment, run_workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trial(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vllm-sweep-window")
-    out = work / "window.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", "sweep-window", str(work), str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"sweep-window run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_experiment("sweep-window", tmp_path_factory, timeout=600)
 
 
 def test_one_pass_of_one_block_windows_covers_the_pool_in_order(trial):

@@ -4,27 +4,21 @@ caught against the hitting request and named ``identity_weights_version``; no up
 fallback ``collective_rpc(bump_weights_version)`` keys later requests anew. One subprocess, one engine start."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_support import run_experiment  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vllm-weights")
-    out = work / "weights.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", "weights", str(work), str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"weights runs failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_experiment("weights", tmp_path_factory)
 
 
 def _caught_against_second(rows, before: int, after: int) -> None:

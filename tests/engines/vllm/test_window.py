@@ -8,29 +8,23 @@ first and never report the second. Three engine starts in one subprocess (~1 min
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_support import run_experiment  # noqa: E402
 
 W = 40
 
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vllm-window")
-    out = work / "edge.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", "window-edge", str(work), str(out),
-                           "--window", str(W)], env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"window experiment failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_experiment("window-edge", tmp_path_factory, "--window", str(W))
 
 
 def test_cpu_attention_reads_p_minus_w_plus_1_and_not_p_minus_w(edge):

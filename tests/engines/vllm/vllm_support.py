@@ -21,3 +21,16 @@ def run_workload(mode: str, tmp_path_factory, *extra: str) -> dict:
     if proc.returncode != 0:
         pytest.fail(f"engine run {mode!r} {extra} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
+
+
+def run_experiment(what: str, tmp_path_factory, *extra: str, timeout: int = 900) -> dict:
+    """``python -m kvcanary.faults.vllm_experiments WHAT WORKDIR OUT.json ...`` in a fresh process; its JSON result."""
+    work = tmp_path_factory.mktemp(f"vllm-{what}")
+    out = work / f"{what}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_experiments", what, str(work), str(out), *extra],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{what} runs failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
