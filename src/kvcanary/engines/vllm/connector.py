@@ -346,20 +346,22 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def _cached_blocks(self) -> list[tuple[int, int, int]]:
+        """``(block id, valid tokens, group index)`` of every idle block in the prefix cache."""
+        return self._idle_cached(self._prefix_cache_blocks())
+
+    def _idle_cached(self, blocks) -> list[tuple[int, int, int]]:
+        """``(block id, valid tokens, group index)`` of the cached blocks among ``blocks`` that no running request
+        holds (those the worker sweeps from the request's table); a block of unknown token count counts as full."""
         from vllm.v1.core.kv_cache_utils import get_group_id
 
+        size = int(self._vllm_config.cache_config.block_size)
         out = []
-        for block in self._prefix_cache_blocks():
-            if block.ref_cnt:
-                continue  # held by a running request: the worker sweeps its slots from the request's table
+        for block in blocks:
             key = block.block_hash
-            if key is None or block.is_null:
+            if block.ref_cnt or key is None or block.is_null:
                 continue
             n = block.block_hash_num_tokens
-            out.append((int(block.block_id), int(n) if n is not None else -1, int(get_group_id(key))))
-        if any(n < 0 for _, n, _ in out):
-            size = int(self._vllm_config.cache_config.block_size)
-            out = [(b, size if n < 0 else n, g) for b, n, g in out]
+            out.append((int(block.block_id), size if n is None or n < 0 else int(n), int(get_group_id(key))))
         return out
 
     def _window_blocks(self, kv_cache_config) -> Optional[int]:
@@ -387,17 +389,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _cached_blocks_in(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """`_cached_blocks` among block ids ``[lo, hi)`` only: a walk over the window, not over the prefix cache."""
-        from vllm.v1.core.kv_cache_utils import get_group_id
-
-        size = int(self._vllm_config.cache_config.block_size)
-        out = []
-        for block in self._block_pool.blocks[lo:hi]:
-            key = block.block_hash
-            if block.ref_cnt or key is None or block.is_null:
-                continue
-            n = block.block_hash_num_tokens
-            out.append((int(block.block_id), size if n is None or n < 0 else int(n), int(get_group_id(key))))
-        return out
+        return self._idle_cached(self._block_pool.blocks[lo:hi])
 
     def _prefix_cache_blocks(self):
         """The blocks vLLM's prefix cache holds: its hash -> block map (vLLM 0.26-0.32 ``BlockHashToBlockMap``), so a
