@@ -37,8 +37,8 @@ for stage in ${STAGES:-tests bench1b}; do
         echo "diag37 rc=$? ended at $(( $(date +%s) - T0 )) s" >> "$OUT/diag37.log" ) &
       [ "$stage" = diag37 ] && wait ;;
     parity)  # the Triton kernels against their torch twins on this GPU (ops, deep store, many-context launches, runtime)
-      timeout $(( $(left) - 20 )) python3 -m pytest tests/gpu/test_gpu_parity.py tests/gpu/test_deep_store_gpu.py \
-        tests/gpu/test_gpu_many.py tests/gpu/test_kernel_variants_gpu.py tests/gpu/test_runtime_kernels.py -q -x \
+      timeout $(( ${PARITY_S:-$(left)} - 20 )) python3 -m pytest ${PARITY_FILES:-tests/gpu/test_gpu_parity.py tests/gpu/test_deep_store_gpu.py \
+        tests/gpu/test_gpu_many.py tests/gpu/test_kernel_variants_gpu.py tests/gpu/test_runtime_kernels.py} -q -x \
         -p no:cacheprovider -rf --tb=short > "$OUT/parity.log" 2>&1
       echo "parity rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/parity.log" | tail -8 ;;
     deepcap)  # the deep store captured in a CUDA graph after prepare_deep_store (one test, few compiles)

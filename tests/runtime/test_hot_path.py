@@ -211,3 +211,29 @@ def test_a_violation_reaches_the_ledger_within_two_looks_and_the_lag(lag, interv
     bound = (interval - 1) + interval * -(-lag // interval) + lag
     assert 0 < seen_at - found <= bound, (found, seen_at, bound)
     assert clock.waits == 0
+
+
+@pytest.mark.parametrize("lag,interval", [(1, 1), (3, 2), (5, 4)])
+def test_stats_without_wait_never_waits_and_counts_as_of_a_look(lag, interval):
+    """`Canary.stats(wait=False)` (the vLLM adapter's periodic read on CUDA): no wait; its device counts are those of
+    the end of step ``forwards``, a look that completed — what the waiting read says once the run has reached it."""
+    engine, canary = make_sim(seed=5, canary_options=dict(sweep_interval=0))
+    clock = _Clock(lag)
+    _lazy_drain(canary, clock, interval)
+    workload = SimWorkload(seed=5, new_tokens=(20, 40), abort_prob=0.0, arrival_prob=0.5)
+    stream = workload.stream(engine.config.max_context)
+    seen = []
+    for _ in range(30):
+        for prompt, new in next(stream):
+            engine.add_request(prompt, new)
+        engine.step()
+        clock.now += 1
+        s = canary.stats(wait=False)
+        assert 0 <= canary.step - s.forwards <= interval * -(-lag // interval) + interval - 1
+        assert s.forwards == 0 or s.forwards % interval == 0  # looks are taken every interval-th step
+        seen.append((s.forwards, s.checked_forwards, sum(s.slots_verified.values())))
+    assert clock.waits == 0
+    assert seen == sorted(seen) and seen[-1][0] > 0
+    exact = canary.stats()  # waits: everything up to now
+    assert exact.forwards == canary.step and exact.checked_forwards == canary.step > seen[-1][1]
+    assert all(checked == forwards for forwards, checked, _ in seen)  # one HEAD check per forward, no lag between them

@@ -456,7 +456,7 @@ class Canary:
                     self.sweeper.slice()
             if self._sweeping():
                 self._start_pass_if_due()  # the next slice starts a pass: its live set as this step leaves it
-            for harvest in self.drain.end_step():
+            for harvest in self.drain.end_step(self._step):
                 self._report(harvest)
             self._grow_disabled_plans()
         finally:
@@ -593,15 +593,26 @@ class Canary:
         counted before any of the canary's work, so a suspended or failing canary cannot silence them."""
         return max(self._engine_forwards, self._bracketed)
 
-    def checked_forwards(self) -> int:
-        """Forwards whose HEAD checks ran on the device (graph replays included; a host read)."""
-        first = next(iter(self.groups.values()))
-        return self.launch_counters.snapshot().verify_kernels[int(first.tag("head"))]
+    def checked_forwards(self, stats: Optional[CanaryStats] = None) -> int:
+        """Forwards whose HEAD checks ran on the device (graph replays included): read now (a device read), or as
+        ``stats`` counted them."""
+        if stats is not None:
+            return stats.checked_forwards
+        return self.launch_counters.snapshot().verify_kernels[self._head_tag()]
 
-    def stats(self) -> CanaryStats:
+    def _head_tag(self) -> int:
+        return int(next(iter(self.groups.values())).tag("head"))
+
+    def stats(self, *, wait: bool = True) -> CanaryStats:
         """Forwards, slots verified / written, kernel launches, sweeps, violations, memory. Inside an open forward the
         rings are not drained (the HEAD rows would leave before TAIL stamps them): violations found since the last
-        drain count from the next call on."""
+        drain count from the next call on.
+
+        ``wait=False`` (CUDA, asynchronous drain): no device read — the counters as the drain last read them back,
+        at the end of step ``forwards`` (a few steps behind the engine), and the violations drained so far; a
+        periodic reader on the serving path uses it (no stall). Elsewhere it is ``wait=True``."""
+        if not wait and self.drain.asynchronous:
+            return self._gather_stats(polled=True)
         if not self._depth:
             self._flush()
         return self._gather_stats()
@@ -758,7 +769,7 @@ class Canary:
         if self._drain_failed:
             return  # what was drained before stands
         try:
-            for harvest in self.drain.flush():
+            for harvest in self.drain.flush(self._step):
                 self._report(harvest)
         except (CanaryViolationError, CanaryHealthError):
             raise
@@ -766,11 +777,17 @@ class Canary:
             self._drain_failed = True
             self._fail_between("drain", exc)
 
-    def _gather_stats(self) -> CanaryStats:
+    def _gather_stats(self, polled: bool = False) -> CanaryStats:
+        """``polled``: from the drain's last read-back (`stats` with ``wait=False``), else read now."""
+        counters, plans_disabled, forwards = self.launch_counters, None, self._step
+        if polled:
+            counters, forwards = LaunchCounters.from_words(self.drain.watched[0]), self.drain.watched_step
+            plans_disabled = sum(self.drain.watched[1])
         return CanaryStats.gather(
-            forwards=self._step, counters=self.launch_counters, ledger=self.ledger, sweeper=self.sweeper,
+            forwards=forwards, counters=counters, ledger=self.ledger, sweeper=self.sweeper, passes=not polled,
+            head_tag=self._head_tag() if self.groups else None,
             capacity_growths=self.static.growths + self.launches.plan_growths, write_assert_skipped=self.launches.write_assert_skipped,
-            plans_disabled=int(self.launches.plans_disabled.sum().item()),
+            plans_disabled=int(self.launches.plans_disabled.sum().item()) if plans_disabled is None else plans_disabled,
             memory_bytes=self.memory_bytes(), health=self.health, sweep_stale=self.sweep_stale,
             engine_forwards=self.engine_forwards, unchecked_forwards=self.unchecked_forwards,
             state=self._state(),

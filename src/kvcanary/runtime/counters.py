@@ -76,5 +76,11 @@ class LaunchCounters:
         rows = self.table.cpu().tolist()
         return CounterSnapshot(*(tuple(r) for r in rows))
 
+    @classmethod
+    def from_words(cls, words: list[int]) -> CounterSnapshot:
+        """The snapshot held in ``SHAPE``'s words flattened row by row (a copy read back earlier: no device read)."""
+        width = cls.ROW_WIDTH
+        return CounterSnapshot(*(tuple(words[r * width:(r + 1) * width]) for r in range(cls.SHAPE[0])))
+
     def memory_bytes(self) -> int:
         return self.table.numel() * self.table.element_size()

@@ -158,6 +158,7 @@ class ViolationDrain:
         self._event = event or torch.cuda.Event
         self._stream = stream or current_stream  # the memoised stream object (`cuda_host.current_stream`)
         self.watched: tuple[list[int], list[int]] = polled.decode([0] * polled.buffer.numel())[1:]
+        self.watched_step = 0  # the step whose end ``watched`` was read at (asynchronous mode: a look that completed)
         self._epoch = 0  # harvests enqueued so far; a snapshot taken before the last one is stale
         self._snapshots: deque = deque()
         self._harvest: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]] = None
@@ -171,10 +172,11 @@ class ViolationDrain:
             self._next_pinned = 0
 
     # ---- the per-step half (no waits in asynchronous mode) ---------------------------------------
-    def end_step(self) -> list[Harvest]:
-        """Call after a step's launches were enqueued. Returns harvests that completed (maybe none)."""
+    def end_step(self, step: int = 0) -> list[Harvest]:
+        """Call after step ``step``'s launches were enqueued. Returns harvests that completed (maybe none)."""
         if not self.asynchronous:
             self.watched = self.polled.decode(self.polled.buffer.tolist())[1:]
+            self.watched_step = step
             return self.flush()
         done = self._take_harvest(wait=False)
         self._steps += 1
@@ -187,9 +189,9 @@ class ViolationDrain:
         self._pinned[k].copy_(self.polled.buffer, non_blocking=True)
         event = self._events[k]
         self._record(event)
-        self._snapshots.append((self._epoch, k, event))
+        self._snapshots.append((self._epoch, k, event, step))
         while self._snapshots and self._snapshots[0][2].query():
-            epoch, k, _ = self._snapshots.popleft()
+            epoch, k, _, self.watched_step = self._snapshots.popleft()
             index, *watched = self.polled.decode(self._pinned[k].tolist())
             self.watched = tuple(watched)
             if epoch == self._epoch and self._harvest is None and any(index):
@@ -197,8 +199,8 @@ class ViolationDrain:
         return [done] if done is not None else []
 
     # ---- whenever the caller may wait (user queries, close, raise mode, CPU) -----------------------
-    def flush(self) -> list[Harvest]:
-        """Everything recorded so far, now (waits for the device)."""
+    def flush(self, step: Optional[int] = None) -> list[Harvest]:
+        """Everything recorded so far, now (waits for the device); ``step``: the last step enqueued (``watched_step``)."""
         out = []
         if self.asynchronous:
             pending = self._take_harvest(wait=True)
@@ -206,6 +208,8 @@ class ViolationDrain:
                 out.append(pending)
             self._snapshots.clear()
             self.watched = self.polled.decode(self.polled.buffer.tolist())[1:]
+            if step is not None:
+                self.watched_step = step
             self._enqueue_harvest()
             out.append(self._take_harvest(wait=True))
         else:

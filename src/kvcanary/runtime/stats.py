@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from kvcanary.runtime.counters import LaunchCounters
+from kvcanary.runtime.counters import CounterSnapshot, LaunchCounters
 from kvcanary.runtime.sweep import SweepReport
 
 logger = logging.getLogger("kvcanary")
@@ -23,7 +23,8 @@ class CanaryStats:
     write_assert_skipped: forwards whose write-input assert had no oracle. engine_forwards: forwards the engine
     ran (`Canary.engine_forwards`); unchecked_forwards: of those, forwards that ran without the canary; state:
     ``checking``, ``eager_fallback`` or ``suspended: <cause>``. jitter_stalls / jitter_cycles: HEAD / TAIL entries the
-    timing jitter stalled and the SM clock cycles it drew for them (0 with jitter off; docs/design.md §4.9)."""
+    timing jitter stalled and the SM clock cycles it drew for them (0 with jitter off; docs/design.md §4.9).
+    checked_forwards: forwards whose HEAD checks ran on the device (`Canary.checked_forwards`)."""
 
     forwards: int
     slots_verified: dict[str, int]
@@ -49,15 +50,19 @@ class CanaryStats:
     state: str = "checking"
     jitter_stalls: int = 0
     jitter_cycles: int = 0
+    checked_forwards: int = 0
 
     @classmethod
-    def gather(cls, *, forwards, counters: LaunchCounters, ledger, sweeper, capacity_growths: int,
+    def gather(cls, *, forwards, counters: LaunchCounters | CounterSnapshot, ledger, sweeper, capacity_growths: int,
                write_assert_skipped: int, plans_disabled: int, memory_bytes: int, health=None,
                sweep_stale: int = 0, engine_forwards: int = 0, unchecked_forwards: int = 0,
-               state: str = "checking") -> "CanaryStats":
-        snap = counters.snapshot()
+               state: str = "checking", passes: bool = True, head_tag: Optional[int] = None) -> "CanaryStats":
+        """``counters``: the device counters (read now: a sync) or a snapshot read back earlier; ``passes=False``
+        leaves the rotating passes' per-group figures out (reading them is a device read); ``head_tag``: the launch
+        tag whose verify launches count checked forwards."""
+        snap = counters if isinstance(counters, CounterSnapshot) else counters.snapshot()
         last = sweeper.last
-        passes = sweeper.pass_report() if sweeper.passes else {}
+        passes = sweeper.pass_report() if passes and sweeper.passes else {}
         if last is None and passes:  # no explicit sweep yet: the last rotating pass
             last = SweepReport(
                 step=forwards, live={g: p["live"] for g, p in passes.items()},
@@ -89,6 +94,7 @@ class CanaryStats:
             state=state,
             jitter_stalls=snap.jitter_stalls,
             jitter_cycles=snap.jitter_cycles,
+            checked_forwards=snap.verify_kernels[head_tag] if head_tag is not None else 0,
         )
 
     def line(self) -> str:

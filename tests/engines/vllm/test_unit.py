@@ -222,3 +222,24 @@ def test_adapter_raises_typed_kvcanary_errors():
     files = sorted((root / "engines" / "vllm").glob("*.py")) + sorted((root / "faults").glob("vllm*.py"))
     files += [root / "cli" / "demo_vllm.py"]
     assert [str(p) for p in files if pattern.search(p.read_text())] == []
+
+
+def test_forward_counts_as_of_the_canary_step_the_device_counts_were_read_at():
+    """`totals(wait=False)` pairs the device counts read back at the end of canary step s with the forward counts
+    recorded when step s opened (the latest at or before s), so checked and engine forwards stay comparable."""
+    from collections import deque
+
+    from kvcanary.engines.vllm.connector import KvCanaryConnector
+
+    class Worker:
+        _forwards_at = KvCanaryConnector._forwards_at
+
+    w = Worker()
+    w._counted, w._counted_seen = deque(), (0, 0, 0, 0)
+    assert w._forwards_at(0) == (0, 0, 0, 0)
+    for step, fw in ((1, 1), (2, 3), (3, 4), (5, 7)):  # engine forwards run between canary steps (unchecked ones)
+        w._counted.append((step, (fw, fw - 1, fw - 1, fw - step)))
+    assert w._forwards_at(2) == (3, 2, 2, 1)
+    assert w._forwards_at(2) == (3, 2, 2, 1) and len(w._counted) == 2  # popped once, remembered
+    assert w._forwards_at(4) == (4, 3, 3, 1)
+    assert w._forwards_at(9) == (7, 6, 6, 2) and not w._counted

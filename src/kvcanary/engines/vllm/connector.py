@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -240,6 +241,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._mirrors: dict[str, list[StripMirror]] = {}
         self._v2 = False
         self._stats_at = float("-inf")
+        self._counted: deque = deque(maxlen=1 << 16)  # CUDA: (canary step, forward counts) per checked forward
+        self._counted_seen = (0, 0, 0, 0)
         self.draft_layers: frozenset = frozenset()  # a speculative draft model's layers, left out of the checks
 
     # ---- configuration checks ------------------------------------------------------------------
@@ -615,6 +618,9 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.canary.before_forward(batch)
         self.canary_graph_forwards += self.canary.replays_own_graphs
         self._open = True
+        if self.canary.device.type == "cuda":  # the forward counts as of this canary step (`totals(wait=False)`)
+            self._counted.append((self.canary.step, (self.engine_forwards, self.full_graph_forwards,
+                                                     self.canary_graph_forwards, self.unchecked_forwards)))
         if self.canary.suspended is not None:
             self.unchecked_forwards += 1  # the bracket passed through: suspended (by this forward or before)
 
@@ -779,16 +785,18 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> Optional[KvCanaryStats]:
         if self.canary is None:
             return None
-        if self.canary.device.type == "cuda":
-            # each read of the canary's counters waits for the device: on a GPU the counts leave at most once per
-            # stats_period_s (the per-request verdicts and the log / JSON lines are not throttled)
+        polled = self.canary.device.type == "cuda" and self.stats_period_s > 0  # 0: every step, exact (tests)
+        if polled:
+            # on a GPU the counts leave at most once per stats_period_s (the per-request verdicts and the log / JSON
+            # lines are not throttled), read without waiting for the device: the device counters as the canary last
+            # read them back, and the forwards counted up to the step they were read at (`totals`)
             clock = time.monotonic()
             if clock - self._stats_at < self.stats_period_s:
                 return None
             self._stats_at = clock
         t0 = time.perf_counter()
         try:
-            now = self.totals()
+            now = self.totals(wait=not polled)
         except Exception as exc:
             self._failed("get_kv_connector_stats", exc)
             return None
@@ -806,16 +814,29 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._last = now
         return KvCanaryStats(data=delta) if delta else None
 
-    def totals(self) -> dict[str, Any]:
-        """This worker's running totals (the keys of `kvcanary.engines.vllm.metrics.COUNTS`)."""
-        stats = self.canary.stats()
+    def _forwards_at(self, step: int) -> tuple[int, int, int, int]:
+        """(engine, full-graph, canary-graph, unchecked) forwards as they stood when canary step ``step`` opened
+        (the latest known at or before it)."""
+        while self._counted and self._counted[0][0] <= step:
+            self._counted_seen = self._counted.popleft()[1]
+        return self._counted_seen
+
+    def totals(self, *, wait: bool = True) -> dict[str, Any]:
+        """This worker's running totals (the keys of `kvcanary.engines.vllm.metrics.COUNTS`). ``wait=False`` while
+        the canary checks (CUDA): no device read — the device counts as last read back at the end of some step,
+        and the forward counts as they stood at that step (so checked and engine forwards stay comparable)."""
+        wait = wait or self.suspended is not None
+        stats = self.canary.stats(wait=wait)
+        forwards = (self.engine_forwards, self.full_graph_forwards, self.canary_graph_forwards, self.unchecked_forwards)
+        if not wait:
+            forwards = self._forwards_at(stats.forwards)
         ev = self.view.events if self.view is not None else None
         return {
-            "forwards": self.engine_forwards,
-            "full_graph_forwards": self.full_graph_forwards,
-            "canary_graph_forwards": self.canary_graph_forwards,
-            "checked_forwards": int(self.canary.checked_forwards()),
-            "unchecked_forwards": self.unchecked_forwards,
+            "forwards": forwards[0],
+            "full_graph_forwards": forwards[1],
+            "canary_graph_forwards": forwards[2],
+            "checked_forwards": int(self.canary.checked_forwards(stats)),
+            "unchecked_forwards": forwards[3],
             "canary_errors": self.canary_errors + self.canary.canary_errors,
             "slots_verified": int(sum(stats.slots_verified.values())),
             "slots_written": int(sum(stats.slots_written.values())),
@@ -826,7 +847,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             "resumed": ev.resumed if ev else 0,
             "same_step_shares": ev.same_step_shared if ev else 0,
             "draft_tokens": ev.draft_tokens if ev else 0,
-            "slots_reused": self.view.slots_reused() if self.view is not None else 0,
+            "slots_reused": self.view.slots_reused(wait=wait) if self.view is not None else 0,
             "canary_microseconds": int(self.canary_seconds * 1e6),
             "by_reason": dict(stats.violations_by_reason),
         }

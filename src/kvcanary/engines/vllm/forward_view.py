@@ -32,6 +32,7 @@ from kvcanary.engines.vllm.multimodal import MultimodalSpans
 from kvcanary.errors import KvCanaryRuntimeError
 from kvcanary.ops.paged import launch_block_table_slots_kernel, launch_mark_written_slots_kernel
 from kvcanary.runtime.batch import BatchDescription, GroupBatch, classify_forward
+from kvcanary.runtime.cuda_host import current_stream
 from kvcanary.runtime.upload import ColumnUpload
 
 
@@ -245,6 +246,8 @@ class WorkerView:
         full = next((g for g in layouts if g.name == "full"), None)
         self._ever_written = torch.zeros(full.num_slots if full else 0, dtype=torch.uint8, device=self.device)
         self._reused = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._reused_seen = 0
+        self._reused_copy = None  # CUDA: (pinned int64 [1], event, [copy pending]) for `slots_reused(wait=False)`
         self._upload = ColumnUpload(self.device)
 
     # ---- scheduler events ----------------------------------------------------------------------
@@ -426,9 +429,22 @@ class WorkerView:
             self.read_slots[g.name] = slots[slots > 0]  # what TAIL re-hashes (with the writes)
         return table
 
-    def slots_reused(self) -> int:
-        """Full-attention slots written again after their block was freed (a device read)."""
-        return int(self._reused[0])
+    def slots_reused(self, wait: bool = True) -> int:
+        """Full-attention slots written again after their block was freed: read now (a device read), or with
+        ``wait=False`` on CUDA as last read back (a non-blocking copy per call, taken once it has completed)."""
+        if wait or self.device.type != "cuda":
+            self._reused_seen = int(self._reused[0])
+            return self._reused_seen
+        if self._reused_copy is None:
+            self._reused_copy = (torch.zeros(1, dtype=torch.int64, pin_memory=True), torch.cuda.Event(), [False])
+        host, event, pending = self._reused_copy
+        if pending[0] and event.query():
+            self._reused_seen, pending[0] = max(self._reused_seen, int(host[0])), False
+        if not pending[0]:
+            host.copy_(self._reused, non_blocking=True)
+            event.record(current_stream())
+            pending[0] = True
+        return self._reused_seen
 
     def _same_step_shares(self, rows, prefix, todo, written, positions) -> list[int]:
         """Per batch row: how many trailing prefix positions this same forward writes (a prefix-cache
