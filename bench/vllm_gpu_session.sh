@@ -64,7 +64,8 @@ for stage in ${STAGES:-tests bench1b}; do
     bench1b|bench8b)
       shape=${stage#bench}
       [ "$(left)" -lt "${MIN_BENCH_S:-200}" ] && { echo "skip $stage: $(left) s left"; continue; }
-      timeout $(( $(left) - 10 )) python3 bench/vllm_gpu_overhead.py --shapes "$shape" --rounds "${ROUNDS:-3}" ${ARMS:+--arms $ARMS} \
+      arms_var="ARMS_${shape^^}"; arms=${!arms_var:-$ARMS}  # ARMS_1B / ARMS_8B: this shape's arms (default ARMS)
+      timeout $(( $(left) - 10 )) python3 bench/vllm_gpu_overhead.py --shapes "$shape" --rounds "${ROUNDS:-3}" ${arms:+--arms $arms} \
         --out "$OUT/vllm_gpu_overhead.$shape.json" > "$OUT/bench_$shape.log" 2>&1
       echo "$stage rc=$?"; grep -E "^\[|shape|^1b|^8b" "$OUT/bench_$shape.log" | tail -24 ;;
   esac
