@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD/src:/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_O
   NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_DIR=/tmp/triton-cache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/machine.txt"
 python3 -c "import torch, triton, vllm, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/machine.txt"
-echo "src sha256 $(find src -name "*.py" | sort | xargs cat | sha256sum | cut -c1-12)" | tee -a "$OUT/machine.txt"
+echo "src sha256 $(find src -name "*.py" | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12)" | tee -a "$OUT/machine.txt"
 for stage in ${STAGES:-tests bench1b}; do
   case $stage in
     tests)
