@@ -32,6 +32,7 @@ def test_the_slice_covers_the_engine_features():
     assert {c["canary"]["real_kv_hash"] for c in configs} >= {"partial", "all"}
     assert any(c["aborts"] for c in configs) and any(r["n"] > 1 for c in configs for r in c["requests"])
     assert min(c["layers"] for c in configs) <= 3 and max(c["layers"] for c in configs) >= 6
+    assert {c["canary"].get("sweep_max_bytes") for c in configs} >= {None, 1}  # whole-pool and one-block sweep windows
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -169,7 +169,8 @@ def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], ker
         ))
     names = [g.name for g in layouts]
     if len(set(names)) != len(names):
-        raise KvCanaryValueError(f"kv-canary: more than one vLLM KV cache group of one kind ({names}); not supported")
+        groups = "; ".join(f"group {g.index} {g.name}: {', '.join(g.layer_names)}" for g in layouts)
+        raise KvCanaryValueError(f"kv-canary: more than one vLLM KV cache group of one kind ({groups}); not supported")
     return layouts
 
 

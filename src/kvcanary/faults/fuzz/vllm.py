@@ -6,7 +6,7 @@ layer sliding) or hybrid Llama (odd layers sliding) with 2-8 layers and windows 
 the prompts; 32/64-token blocks; a KV pool small enough to preempt; a step budget small enough to chunk
 prefills; prefix caching on or off; ``max_num_seqs`` 1-8; prompts sharing system prefixes; ``n`` up to
 3; aborted requests; speculative decoding (in about a third: 1-4 draft tokens from n-gram lookup or a one-layer
-random-weight EAGLE / EAGLE-3 head); and canary options (``sweep_interval``, ``real_kv_hash``, ``real_kv_layers``,
+random-weight EAGLE / EAGLE-3 head); and canary options (``sweep_interval``, ``sweep_max_bytes``, ``real_kv_hash``, ``real_kv_layers``,
 deep fingerprints).
 
 `run_config` runs every engine of one configuration in a worker process of its own (started once and
@@ -93,6 +93,8 @@ def sample_config(rng: random.Random) -> dict:
     }
     if spec_tokens:  # drawn last: the draws above stay those of the configurations drawn before EAGLE was
         config["spec_method"] = rng.choice(("ngram", "eagle", "eagle3"))
+    if rng.random() < 0.5:  # the periodic sweep in windows of a few blocks (1 byte: one block per window)
+        canary["sweep_max_bytes"] = rng.choice((1, 1 << 12, 1 << 16, 1 << 20))
     return config
 
 
