@@ -241,7 +241,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._mirrors: dict[str, list[StripMirror]] = {}
         self._v2 = False
         self._stats_at = float("-inf")
-        self._counted: deque = deque(maxlen=1 << 16)  # CUDA: (canary step, forward counts) per checked forward
+        self._counted: deque = deque(maxlen=1 << 16)  # polled stats: (canary step, forward counts) per checked forward
         self._counted_seen = (0, 0, 0, 0)
         self.draft_layers: frozenset = frozenset()  # a speculative draft model's layers, left out of the checks
 
@@ -618,9 +618,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.canary.before_forward(batch)
         self.canary_graph_forwards += self.canary.replays_own_graphs
         self._open = True
-        if self.canary.device.type == "cuda":  # the forward counts as of this canary step (`totals(wait=False)`)
-            self._counted.append((self.canary.step, (self.engine_forwards, self.full_graph_forwards,
-                                                     self.canary_graph_forwards, self.unchecked_forwards)))
+        if self._stats_polled:  # the forward counts as of this canary step (`totals(wait=False)`)
+            self._counted.append((self.canary.step, self._forward_counts()))
         if self.canary.suspended is not None:
             self.unchecked_forwards += 1  # the bracket passed through: suspended (by this forward or before)
 
@@ -785,7 +784,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> Optional[KvCanaryStats]:
         if self.canary is None:
             return None
-        polled = self.canary.device.type == "cuda" and self.stats_period_s > 0  # 0: every step, exact (tests)
+        polled = self._stats_polled
         if polled:
             # on a GPU the counts leave at most once per stats_period_s (the per-request verdicts and the log / JSON
             # lines are not throttled), read without waiting for the device: the device counters as the canary last
@@ -814,6 +813,16 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._last = now
         return KvCanaryStats(data=delta) if delta else None
 
+    @property
+    def _stats_polled(self) -> bool:
+        """Whether the periodic stats read the canary's counters without a device wait (CUDA with a stats period;
+        ``stats_period_s=0`` reports every step exactly)."""
+        return self.canary is not None and self.canary.device.type == "cuda" and self.stats_period_s > 0
+
+    def _forward_counts(self) -> tuple[int, int, int, int]:
+        """(engine, full-graph, canary-graph, unchecked) forwards now."""
+        return self.engine_forwards, self.full_graph_forwards, self.canary_graph_forwards, self.unchecked_forwards
+
     def _forwards_at(self, step: int) -> tuple[int, int, int, int]:
         """(engine, full-graph, canary-graph, unchecked) forwards as they stood when canary step ``step`` opened
         (the latest known at or before it)."""
@@ -827,9 +836,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         and the forward counts as they stood at that step (so checked and engine forwards stay comparable)."""
         wait = wait or self.suspended is not None
         stats = self.canary.stats(wait=wait)
-        forwards = (self.engine_forwards, self.full_graph_forwards, self.canary_graph_forwards, self.unchecked_forwards)
-        if not wait:
-            forwards = self._forwards_at(stats.forwards)
+        forwards = self._forward_counts() if wait else self._forwards_at(stats.forwards)
         ev = self.view.events if self.view is not None else None
         return {
             "forwards": forwards[0],
