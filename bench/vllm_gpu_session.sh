@@ -27,6 +27,11 @@ for stage in ${STAGES:-tests bench1b}; do
       wait
       tail -4 "$OUT/tests37.log" 2>/dev/null
       grep -E "passed|failed|FAILED|Error|^\{|\[\{" "$OUT/vllm_tests.log" | tail -12 ;;
+    eagle)  # issue 34: vLLM EAGLE speculative decoding with the canary on the GPU (tests/gpu/test_vllm_gpu_eagle.py)
+      timeout $(( ${EAGLE_S:-$(left)} - 10 )) python3 -m pytest tests/gpu/test_vllm_gpu_eagle.py -q -s -p no:cacheprovider -rf \
+        --tb=short > "$OUT/eagle_tests.log" 2>&1
+      echo "eagle tests rc=$?" | tee -a "$OUT/eagle_tests.log"
+      grep -E "passed|failed|FAILED|Error|^\{|\[\{" "$OUT/eagle_tests.log" | tail -8 ;;
     t37bg)  # issue 37's failed-capture tests in the background, reported at the end
       python3 -m pip install -q --no-deps --target /tmp/tf524 .whl/transformers-5.24.0-py3-none-any.whl > /dev/null 2>&1
       ( PYTHONPATH=/tmp/tf524:$PWD/src timeout ${T37_S:-300} python3 -m pytest tests/gpu/test_failed_capture_gpu.py -n 4 -q \
