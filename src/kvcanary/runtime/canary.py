@@ -187,6 +187,8 @@ class Canary:
         self._plans_disabled_seen = [0] * len(self.groups)
         self.sweep_stale = 0  # sweep rows discarded: their slot left the live set during the pass
         self._graphs: Optional[CanaryGraphs] = None
+        self._engine_captured = False  # an engine's CUDA graph captured the canary's launches (its buffers are held)
+        self.graph_releases = 0  # own graphs dropped for a batch with inputs they lack (`_release_graphs`)
         self._peers = None  # raise_with(): the process group whose ranks raise together
         self._graph_set: Optional[GraphSet] = None  # the bucket this forward's HEAD replayed
         self._swept_this_step = False  # this step's sweep slice already ran with HEAD
@@ -336,6 +338,11 @@ class Canary:
         if capturing():
             self._refuse_capture_if_eager("an engine's CUDA graph capture with the canary inside")
             self.static.frozen = True  # an engine graph now reads the buffers: they must not move
+            self._engine_captured = True
+        elif self._graphs is not None and not self._engine_captured:
+            change = self.static.new_inputs(batch)
+            if change is not None:
+                self._release_graphs(change)
         self.static.stage(batch)
         size = (self.static.max_rows, self.static.max_tokens)
         if size != self._static_size:
@@ -421,6 +428,15 @@ class Canary:
         except BaseException:
             self.static.frozen = False  # no graph holds the buffers: the eager path goes on as before
             raise
+
+    def _release_graphs(self, why: str) -> None:
+        """Drop the canary's own graphs: a batch needs inputs they were captured without (``why``). HEAD / TAIL
+        launch eagerly from this forward on, until the adapter calls `capture_graphs` again (`graph_releases`
+        counts the drops)."""
+        self._graphs = self._graph_set = None
+        self.static.frozen = False
+        self.graph_releases += 1
+        logger.info("kv-canary: %s; the canary's own CUDA graphs are released (eager launches until captured again)", why)
 
     @property
     def replays_own_graphs(self) -> bool:

@@ -214,6 +214,13 @@ class StaticBatch:
                                          "stage a batch with context_keys before capturing")
             self.has_context = True
 
+    def new_inputs(self, batch: BatchDescription) -> Optional[str]:
+        """What ``batch`` brings that the staged inputs so far never had (graphs captured since do not read it), or
+        None: context keys for the first time."""
+        if batch.context_keys is not None and not self.has_context:
+            return "a batch carries context keys for the first time"
+        return None
+
     def _fields(self, batch: BatchDescription, n: int) -> dict[str, torch.Tensor]:
         """Field -> values this batch provides. Fields it leaves out (no oracle, no token history) are not read this
         step; context keys, once seen, are staged every step (all padding when a batch has none)."""

@@ -615,7 +615,10 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("kv-canary: forward %d rows %s prefix %s extend %s", self.engine_forwards, batch.request_ids,
                          batch.prefix_lens.tolist(), batch.extend_lens.tolist())
+        releases = self.canary.graph_releases
         self.canary.before_forward(batch)
+        if self.canary.graph_releases != releases:  # new inputs (context keys): capture again after this forward
+            self._graphs_due = self.capture_canary
         self.canary_graph_forwards += self.canary.replays_own_graphs
         self._open = True
         if self._stats_polled:  # the forward counts as of this canary step (`totals(wait=False)`)
@@ -700,8 +703,9 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self.canary_seconds += time.perf_counter() - t0
 
     def _capture_canary(self) -> None:
-        """CUDA, once, after the first forward: capture the canary's own HEAD / TAIL work in CUDA graphs (a few replays
-        per forward instead of a launch per kernel). A failed capture is logged and the canary goes on launching."""
+        """CUDA, after the first forward (and again after a forward that made the canary release its graphs: context
+        keys seen for the first time): capture the canary's own HEAD / TAIL work in CUDA graphs (a few replays per
+        forward instead of a launch per kernel). A failed capture is logged and the canary goes on launching."""
         self._graphs_due = False
         try:
             self.canary.capture_graphs(error_mode="thread_local")  # vLLM's other threads keep using CUDA meanwhile
