@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import pytest
 import torch
@@ -22,12 +23,13 @@ SIM = dict(num_slots=2048, swa_num_slots=512, sliding_window=24, max_requests=24
            max_batch_tokens=192, max_running=12, block_size=4, seed=5, device="cuda")
 
 
-def _engine(graphs: bool, **overrides) -> tuple[SimEngine, Canary]:
+def _engine(graphs: bool, canary_tokens: Optional[int] = None, **overrides) -> tuple[SimEngine, Canary]:
+    """``canary_tokens``: the canary's static token capacity when not the engine's budget."""
     sc = SimConfig(**{**SIM, **overrides})
     canary = Canary(CanaryConfig(mode="log", sweep_interval=16, health_interval=0, readable_per_step=0,
                                  chain_position_warmup=0),
                     groups=sc.group_specs(), max_requests=sc.max_requests, max_context=sc.max_context,
-                    max_batch_tokens=sc.max_batch_tokens, device="cuda")
+                    max_batch_tokens=canary_tokens or sc.max_batch_tokens, device="cuda")
     return SimEngine(sc, canary), canary
 
 
@@ -166,5 +168,36 @@ def test_context_keys_after_capture_release_the_graphs_and_match_eager():
     assert graphed.suspended is None and graphed.graph_releases == 1 and graphed.replays_own_graphs
     assert {v.request_id for v in found_eager} == {f"after{i}" for i in range(4)}
     assert {v.reason_label for v in found_eager} == {"verify_chain_hash+identity_weights_version"}
+    assert sorted(map(_key, found_graphed)) == sorted(map(_key, found_eager))
+    assert eager.counters()["checked_forwards"] == graphed.counters()["checked_forwards"] == graphed.step
+
+
+def _run_past_capacity(graphs: bool):
+    """Graphs captured on buffers of 32 tokens after a one-request forward, then the engine's own batches of up to
+    192 tokens (as an adapter's same-step shares add positions past the engine's budget): each batch that does not
+    fit releases the graphs, the buffers grow (powers of two), the adapter captures again."""
+    engine, canary = _engine(graphs, canary_tokens=32)
+    engine.add_request([5 + i for i in range(8)], 30)
+    engine.step()
+    if graphs:
+        canary.capture_graphs()
+    stream = SimWorkload(seed=5, new_tokens=(20, 60), abort_prob=0.0, arrival_prob=0.5).stream(256)
+    for i in range(120):
+        for prompt, new in next(stream):
+            engine.add_request(prompt, new)
+        engine.step()
+        if graphs and not canary.replays_own_graphs:
+            canary.capture_graphs()
+        if i == 60:
+            flip_and_redirect(engine)
+    return canary, canary.violations()
+
+
+def test_a_batch_past_the_captured_buffers_releases_the_graphs_and_matches_eager():
+    eager, found_eager = _run_past_capacity(graphs=False)
+    graphed, found_graphed = _run_past_capacity(graphs=True)
+    assert graphed.suspended is None and graphed.graph_releases >= 1 and graphed.replays_own_graphs
+    assert graphed.static.growths == eager.static.growths >= 1
+    assert found_eager, "the faults must be caught"
     assert sorted(map(_key, found_graphed)) == sorted(map(_key, found_eager))
     assert eager.counters()["checked_forwards"] == graphed.counters()["checked_forwards"] == graphed.step

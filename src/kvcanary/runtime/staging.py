@@ -215,10 +215,14 @@ class StaticBatch:
             self.has_context = True
 
     def new_inputs(self, batch: BatchDescription) -> Optional[str]:
-        """What ``batch`` brings that the staged inputs so far never had (graphs captured since do not read it), or
-        None: context keys for the first time."""
+        """What ``batch`` brings that graphs captured on these buffers cannot take, or None: context keys for the first
+        time; more rows or tokens than the buffers hold (e.g. positions an adapter adds for same-step prefix shares,
+        on top of the engine's own token budget)."""
         if batch.context_keys is not None and not self.has_context:
             return "a batch carries context keys for the first time"
+        if batch.batch_size > self.max_rows or batch.num_tokens > self.max_tokens:
+            return (f"a batch of {batch.batch_size} rows / {batch.num_tokens} tokens exceeds the static buffers "
+                    f"({self.max_rows} / {self.max_tokens})")
         return None
 
     def _fields(self, batch: BatchDescription, n: int) -> dict[str, torch.Tensor]:

@@ -617,7 +617,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                          batch.prefix_lens.tolist(), batch.extend_lens.tolist())
         releases = self.canary.graph_releases
         self.canary.before_forward(batch)
-        if self.canary.graph_releases != releases:  # new inputs (context keys): capture again after this forward
+        if self.canary.graph_releases != releases:  # context keys, or a batch past the buffers: capture again after it
             self._graphs_due = self.capture_canary
         self.canary_graph_forwards += self.canary.replays_own_graphs
         self._open = True
@@ -704,7 +704,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _capture_canary(self) -> None:
         """CUDA, after the first forward (and again after a forward that made the canary release its graphs: context
-        keys seen for the first time): capture the canary's own HEAD / TAIL work in CUDA graphs (a few replays per
+        keys seen for the first time, a batch larger than the buffers): capture the canary's own HEAD / TAIL work in CUDA graphs (a few replays per
         forward instead of a launch per kernel). A failed capture is logged and the canary goes on launching."""
         self._graphs_due = False
         try:
