@@ -77,6 +77,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryValueError
+from kvcanary.ops import dispatch
 from kvcanary.runtime.attribution import Attributor, StepEntry, StepLog, Violation
 from kvcanary.runtime.batch import BatchDescription, GroupSpec
 from kvcanary.runtime.config import CanaryConfig
@@ -85,7 +86,7 @@ from kvcanary.runtime.cuda_host import capturing
 from kvcanary.runtime.device_probe import DevicePath, prove_device_path
 from kvcanary.runtime.drain import Harvest, ViolationDrain, ViolationRings
 from kvcanary.runtime.fail_together import FailTogether
-from kvcanary.runtime.graphs import CanaryGraphs, GraphSet, capture_sweep_slice
+from kvcanary.runtime.graphs import CanaryGraphs, GraphSet, capture_sweep_slice, run_empty_buckets
 from kvcanary.runtime.groups import CanaryGroup
 from kvcanary.runtime.health import CanaryHealthError, HealthWatchdog
 from kvcanary.runtime.launch import ForwardLaunches
@@ -406,6 +407,26 @@ class Canary:
         """A rotating pass starts with the next slice: refresh its live set (host, once per pass)."""
         if self.sweeper.pass_starts():
             self.sweeper.refresh_live(self._resolve_live(None))
+
+    def warm_up(self, batch: BatchDescription) -> bool:
+        """Compile the per-forward kernels now, before serving, instead of in the first forwards (Triton compiles each
+        kernel on first use: about a minute on a cold machine). ``batch``: an empty forward (no rows, no tokens)
+        holding the engine's by-reference tables (``req_to_token`` per group, ``token_table``), as `stage` takes
+        them. Runs every bucket's HEAD and TAIL on it (all padding: nothing planned, written or verified) and
+        restores the counters and cursors they moved: no record, counter, step or violation changes. Call it between
+        forwards. Returns False (nothing run) where no kernel compiles: the torch twins, a degraded device path."""
+        self._check_open()
+        if self._depth:
+            raise KvCanaryRuntimeError("kv-canary: warm_up() inside an open forward")
+        if batch.batch_size or batch.num_tokens:
+            raise KvCanaryValueError(f"kv-canary: warm_up() takes an empty batch, got {batch.batch_size} rows / "
+                                     f"{batch.num_tokens} tokens")
+        if dispatch.triton_backend(self.device) is None or self.device_path.degraded or self.suspended is not None:
+            return False
+        self.stage(batch)
+        run_empty_buckets(launches=self.launches, sweeper=self.sweeper, static=self.static, counters=self.launch_counters,
+                          eager_sizes=True)
+        return True
 
     def capture_graphs(self, *, error_mode: str = "global") -> None:
         """Capture the canary's own per-forward device work into CUDA graphs (CUDA only), replayed by

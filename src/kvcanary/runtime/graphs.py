@@ -64,27 +64,15 @@ class CanaryGraphs:
         require_cuda(static.device)
         self.launches, self.sweeper, self.static = launches, sweeper, static
         self.error_mode = error_mode  # torch.cuda.graph capture_error_mode; "thread_local" beside an engine's threads
-        static.clear()
         static.frozen = True
-        shapes = [(static.max_rows, static.max_tokens, "full")]
-        if "small" in static.sets:
-            shapes.insert(0, (static.max_rows, static.small_tokens, "small"))
         self.branch = _SweepBranch(sweeper) if sweeper.interval > 0 else None
-        saved = [t.clone() for t in [counters.table, *sweeper.cursor_state()]]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                for rows, tokens, buffers in shapes:
-                    static.activate(buffers)
-                    if self.branch is not None:
-                        self._head_with_sweep(rows, tokens)
-                    else:
-                        launches.head(limit=(rows, tokens))
-                    self._tail()
+            shapes = run_empty_buckets(launches=launches, sweeper=sweeper, static=static, counters=counters,
+                                       head_with_sweep=self._head_with_sweep if self.branch is not None else None,
+                                       rounds=2)
         torch.cuda.current_stream().wait_stream(side)
-        for t, v in zip([counters.table, *sweeper.cursor_state()], saved):
-            t.copy_(v)
         pool = torch.cuda.graph_pool_handle()
         self.sweep = self._capture(self._sweep, pool)
         self.sets = [self._capture_set(*shape, pool) for shape in shapes]  # smallest first
@@ -118,6 +106,32 @@ class CanaryGraphs:
 
     def _capture(self, fn, pool) -> torch.cuda.CUDAGraph:
         return capture_graph(fn, pool=pool, error_mode=self.error_mode)  # a failed capture leaves the stream as it was
+
+
+def run_empty_buckets(*, launches: ForwardLaunches, sweeper: Sweeper, static: StaticBatch, counters,
+                      head_with_sweep=None, rounds: int = 1, eager_sizes: bool = False) -> list[tuple[int, int, str]]:
+    """Run HEAD (``head_with_sweep(rows, tokens)`` when given) and TAIL of every bucket ``rounds`` times on an empty
+    batch (all padding: nothing planned, written or verified), so every kernel they launch is compiled; the launch
+    counters and sweep cursors they moved are restored. ``eager_sizes``: also the spans of eager decode-sized
+    batches (powers of two up to 256 tokens: the single-CTA write kernel's variants). Returns the buckets
+    ``(rows, tokens, buffer set)``, smallest first. Leaves the static buffers cleared."""
+    static.clear()
+    shapes = [(static.max_rows, static.max_tokens, "full")]
+    if "small" in static.sets:
+        shapes.insert(0, (static.max_rows, static.small_tokens, "small"))
+    spans = [(min(static.max_rows, t), t, shapes[0][2]) for t in (1, 32, 64, 128, 256) if t <= shapes[0][1]]
+    saved = [t.clone() for t in [counters.table, *sweeper.cursor_state()]]
+    for _ in range(rounds):
+        for rows, tokens, buffers in shapes + (spans if eager_sizes else []):
+            static.activate(buffers)
+            if head_with_sweep is not None:
+                head_with_sweep(rows, tokens)
+            else:
+                launches.head(limit=(rows, tokens))
+            launches.tail(run_checks=True)
+    for t, v in zip([counters.table, *sweeper.cursor_state()], saved):
+        t.copy_(v)
+    return shapes
 
 
 class _SweepBranch:

@@ -261,7 +261,8 @@ class StaticBatch:
             stale = stale_rows if name in ROW_FIELDS else max(stale_tokens, n)  # out_loc may hold fewer than n
             if stale > m:
                 (not_stored if name.startswith("out_loc:") else zero).append(view[m:stale])
-        torch._foreach_copy_(dst, src, non_blocking=True)
+        if dst:  # an empty batch (a warm-up) copies nothing
+            torch._foreach_copy_(dst, src, non_blocking=True)
         if zero:
             torch._foreach_zero_(zero)
         for buf in not_stored:

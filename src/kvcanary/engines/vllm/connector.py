@@ -240,6 +240,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.hash_layout: dict[str, Optional[str]] = {}
         self._mirrors: dict[str, list[StripMirror]] = {}
         self._v2 = False
+        self._watched = False  # the weights watch is installed at the first forward
         self._stats_at = float("-inf")
         self._counted: deque = deque(maxlen=1 << 16)  # polled stats: (canary step, forward counts) per checked forward
         self._counted_seen = (0, 0, 0, 0)
@@ -492,6 +493,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
                 self._register_gpu_group(g, config)
             else:
                 self._register_cpu_group(g, config, static)
+        if device.type == "cuda":
+            self._warm_up()
         logger.info("kv-canary: vLLM worker rank %d attached to %s (KV layout %s)", self.rank,
                     ", ".join(f"{g.name}: {g.num_blocks} blocks x {g.block_size}" for g in self._layouts), self.hash_layout)
 
@@ -594,12 +597,10 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _open_forward(self, connector_metadata: KvCanaryMetadata, counted: list) -> None:
         if self.view is None:
-            runner = find_model_runner(next(iter(self._kv_caches.values())))
-            self.view = WorkerView(runner=runner, layouts=self._layouts, max_requests=self.max_requests,
-                                   max_context=self.max_context, device=self.canary.device,
-                                   track_read_slots=bool(self._mirrors))
-            self._v2 = is_v2_runner(runner)
-            self._watch_weights(runner)
+            self._make_view(find_model_runner(next(iter(self._kv_caches.values()))))
+        if not self._watched:
+            self._watched = True
+            self._watch_weights(self.view.runner)
         self.view.apply(tokens=connector_metadata.tokens, finished=connector_metadata.finished,
                         preempted=connector_metadata.preempted, contexts=self._keyed(connector_metadata.contexts),
                         drafts=connector_metadata.drafts, multimodal=connector_metadata.multimodal)
@@ -625,6 +626,29 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
             self._counted.append((self.canary.step, self._forward_counts()))
         if self.canary.suspended is not None:
             self.unchecked_forwards += 1  # the bracket passed through: suspended (by this forward or before)
+
+    def _make_view(self, runner) -> None:
+        self.view = WorkerView(runner=runner, layouts=self._layouts, max_requests=self.max_requests,
+                               max_context=self.max_context, device=self.canary.device,
+                               track_read_slots=bool(self._mirrors))
+        self._v2 = is_v2_runner(runner)
+
+    def _warm_up(self) -> None:
+        """CUDA, at start: compile the canary's kernels now (vLLM compiles its own at start too) instead of in the
+        first forwards, which would stall serving (about a minute on a cold machine). The worker's view is made here
+        for its tables when the model runner is found (else at the first forward, which then compiles). A failure is
+        logged; the first forwards compile instead."""
+        runner = runner_if_found(next(iter(self._kv_caches.values())))
+        if runner is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._make_view(runner)
+            if self.canary.warm_up(self.view.empty_batch()):
+                logger.info("kv-canary: the canary's kernels compiled at start (%.1f s)", time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 — the forwards compile what the warm-up did not
+            logger.warning("kv-canary: warming the canary's kernels up failed (%s: %s); the first forwards compile "
+                           "them", type(exc).__name__, exc)
 
     # ---- weights version (docs/design.md §5.6) ------------------------------------------------
     def _watch_weights(self, runner) -> None:

@@ -356,6 +356,15 @@ class WorkerView:
             shared_lens=shared_t,
         )
 
+    def empty_batch(self) -> BatchDescription:
+        """A forward without rows or tokens holding this view's tables (for `Canary.warm_up`)."""
+        none = torch.zeros(0, dtype=torch.int64, device=self.device)
+        return BatchDescription(
+            req_pool_indices=none, prefix_lens=none, extend_lens=none, input_ids=none, positions=none,
+            groups={g.name: GroupBatch(req_to_token=self.req_to_token[g.name], out_cache_loc=none) for g in self.layouts},
+            request_ids=(), token_table=self.token_table, token_table_lens=none, forward_kind="decode",
+        )
+
     def _upload_columns(self, rows, seq, prefix, query) -> tuple:
         """The forward's host columns in one upload, and the token-table cells learnt since the last forward
         written: ``(rows, seq lens, prefix lens, extend lens, token-table lens, context keys or None)`` on the device."""
