@@ -728,8 +728,9 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _capture_canary(self) -> None:
         """CUDA, after the first forward (and again after a forward that made the canary release its graphs: context
-        keys seen for the first time, a batch larger than the buffers): capture the canary's own HEAD / TAIL work in CUDA graphs (a few replays per
-        forward instead of a launch per kernel). A failed capture is logged and the canary goes on launching."""
+        keys seen for the first time, a batch larger than the buffers): capture the canary's own HEAD / TAIL work in
+        CUDA graphs (a few replays per forward instead of a launch per kernel). A failed capture is logged and the
+        canary goes on launching."""
         self._graphs_due = False
         try:
             self.canary.capture_graphs(error_mode="thread_local")  # vLLM's other threads keep using CUDA meanwhile
