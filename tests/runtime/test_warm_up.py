@@ -38,7 +38,9 @@ def _run(warm: bool):
     with record_variants() as served:
         warm_sim(engine, steps=8)
         flip_and_redirect(engine)
+        canary.launch_sweep(engine.live_slots())  # vLLM's periodic sweep on CUDA
         warm_sim(engine, steps=6, seed=1)
+        canary.launch_sweep(engine.live_slots())
     return canary, warmed, served
 
 
@@ -51,6 +53,7 @@ def test_warm_up_changes_nothing_and_leaves_nothing_to_compile():
     key = lambda v: (v.step, v.launch_tag.name, v.slot, v.stored_position, int(v.reasons), v.request_id)  # noqa: E731
     assert cold.violations() and sorted(map(key, warm.violations())) == sorted(map(key, cold.violations()))
     assert warm.step == cold.step and warm.counters() == cold.counters()
+    assert warm.sweeper.sweeps == cold.sweeper.sweeps == 2 and warm.sweeper.last == cold.sweeper.last
     assert warmed, "the warm-up launched nothing"
     new = {name: keys - warmed.get(name, set()) for name, keys in served.items()}
     assert {name: keys for name, keys in new.items() if keys} == {}

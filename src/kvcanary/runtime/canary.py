@@ -412,8 +412,9 @@ class Canary:
         """Compile the per-forward kernels now, before serving, instead of in the first forwards (Triton compiles each
         kernel on first use: about a minute on a cold machine). ``batch``: an empty forward (no rows, no tokens)
         holding the engine's by-reference tables (``req_to_token`` per group, ``token_table``), as `stage` takes
-        them. Runs every bucket's HEAD and TAIL on it (all padding: nothing planned, written or verified) and
-        restores the counters and cursors they moved: no record, counter, step or violation changes. Call it between
+        them. Runs every bucket's HEAD and TAIL on it (all padding: nothing planned, written or verified) and one
+        `launch_sweep` chunk on an empty live set, and restores the counters and cursors they moved: no record,
+        counter, step or violation changes. Call it between
         forwards. Returns False (nothing run) where no kernel compiles: the torch twins, a degraded device path."""
         self._check_open()
         if self._depth:
@@ -426,6 +427,7 @@ class Canary:
         self.stage(batch)
         run_empty_buckets(launches=self.launches, sweeper=self.sweeper, static=self.static, counters=self.launch_counters,
                           eager_sizes=True)
+        self.sweeper.warm_masks()  # the explicit sweep's kernels (`launch_sweep`)
         return True
 
     def capture_graphs(self, *, error_mode: str = "global") -> None:

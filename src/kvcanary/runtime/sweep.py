@@ -121,6 +121,7 @@ class Sweeper:
         self._window_next: dict[str, int] = {}  # `run_masks`: first slot of each group's next window
         self.windows: dict[str, tuple[int, int]] = {}  # `run_masks`: each group's last window [lo, hi)
         self._masks_pending: Optional[int] = None  # step of a `run_masks` sweep whose counts are not read yet
+        self._masks_named: tuple[str, ...] = ()  # the groups that sweep named
         self._no_assert = torch.zeros(1, dtype=torch.int32, device=next(iter(groups.values())).device)
         self._slices = {n: _Slices(g, self.interval) for n, g in groups.items()} if self.interval > 0 else {}
 
@@ -274,6 +275,14 @@ class Sweeper:
         self.sweeps += 1
         self._masks_pending = step
         self._masks_named = tuple(masks)
+
+    def warm_masks(self) -> None:
+        """Launch `run_masks`'s kernels once per group on an all-False mask (nothing verified), so they compile before
+        the first sweep; the sweep count, windows and the last report stay as they were."""
+        saved = (self.sweeps, dict(self.windows), self._masks_pending, self._masks_named)
+        masks = {n: torch.zeros(g.num_slots, dtype=torch.bool, device=g.device) for n, g in self.groups.items()}
+        self.run_masks(masks, step=0, windows={n: (0, min(g.num_slots, MASK_SWEEP_CHUNK)) for n, g in self.groups.items()})
+        self.sweeps, self.windows, self._masks_pending, self._masks_named = saved
 
     def window_slots(self, g: CanaryGroup) -> int:
         """Slots of ``g`` one `run_masks` sweep covers: all of them, or as many as ``sweep_max_bytes`` of K/V hold."""
