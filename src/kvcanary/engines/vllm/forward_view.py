@@ -457,7 +457,9 @@ class WorkerView:
         batch rows to look at (a first forward past position 0); host lists.
 
         A position counts only if, in every group, the row's table slot is written by this forward *at
-        that position*; anything else stays in the verified prefix (and fails there if it is wrong)."""
+        that position* — in a sliding-window group, or lies behind the window (the group no longer reads it: vLLM
+        hands the row null blocks there); anything else stays in the verified prefix (and fails there if it is
+        wrong)."""
         out = [0] * len(rows)
         maps = {}
         for g in self.layouts:
@@ -475,7 +477,10 @@ class WorkerView:
                     break
                 cand = self.req_to_token[g.name][rows[i], :p].to(torch.int64)
                 idx = torch.searchsorted(slots_w, cand).clamp_max(slots_w.numel() - 1)
-                hit = (slots_w[idx] == cand) & (pos_w[idx] == torch.arange(p, device=cand.device))
+                at = torch.arange(p, device=cand.device)
+                hit = (slots_w[idx] == cand) & (pos_w[idx] == at)
+                if g.sliding_window:
+                    hit |= at < p - g.window_left
                 miss = (~hit).nonzero().flatten()
                 g_lo = int(miss[-1]) + 1 if miss.numel() else 0
                 lo = g_lo if g is self.layouts[0] else max(lo, g_lo)
