@@ -28,6 +28,11 @@ only that tensor-parallel rank injects, into its own KV shard):
   overwritten with a constant just before the forward: with ``k = W - 1`` and ``k = W`` it shows which
   positions a backend's window reads (the experiment behind `kvcanary.engines.vllm.layout.WINDOW_CONVENTIONS`).
 
+``flip_cached_block_byte`` and ``redirect_block_table`` act on the canary group ``"group"`` names (default ``full``;
+``full.1``, ... where vLLM split the full-attention layers into several KV cache groups), or with ``"group": "any"``
+on one of the full-attention groups, drawn from the fault's seed only when there are several. The ledger names the
+group (``group``).
+
 Importing this module needs vLLM (the connector subclasses vLLM's ``KVConnectorBase_V1``). It was
 ``kvcanary.engines.vllm.faults``, which still imports, with a `DeprecationWarning`.
 """
@@ -102,6 +107,7 @@ class Injection:
     detail: str
     graph_mode: str = ""  # V2 runner: the CUDA-graph mode of the forward the fault was injected into
     victim: str = ""  # misdirect_draft_write: the request whose context the misdirected write overwrote
+    group: str = FULL  # the canary group whose KV or block table the fault touched
 
 
 @dataclass
@@ -125,6 +131,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.seen: set[str] = set()
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layouts = []
+        self.targets: list = []  # per fault: the group it acts on (`_target_group`), once the KV caches are known
         self.runner = None
         self._restore: list = []
         self.rank = 0
@@ -157,6 +164,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         static = self._vllm_config.compilation_config.static_forward_context
         self.layouts = build_group_layouts(self._kv_cache_config, self.kv_caches,
                                            exclude=draft_layer_names(self._vllm_config, self.kv_caches, static, runner))
+        self.targets = [self._target_group(k, spec) for k, spec in enumerate(self.specs)]
         try:
             from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -194,7 +202,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         full = next((g for g in self.layouts if g.name == FULL), None)
         for k, spec in enumerate(self.specs):
             if spec["name"] == "overwrite_window_edge" and not self.fired[k]:
-                g = next((x for x in self.layouts if x.name != FULL), full)
+                g = next((x for x in self.layouts if x.sliding_window), full)
                 injection = self._overwrite_edge(int(spec["back"]), g, attn[g.layer_names[0]])
                 if injection is not None:
                     self.fired[k] = True
@@ -219,14 +227,40 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
             if spec["name"] in SPEC_FAULTS:
                 drafts = getattr(connector_metadata, "drafts", None) or {}
                 injection = self._spec_fault(spec["name"], self.rngs[k], full, meta, step, drafts)
-            elif spec["name"] == "flip_cached_block_byte":
-                injection = self._flip(self.rngs[k], full, meta, req_ids, prefix, written, spec)
             else:
-                injection = self._redirect(self.rngs[k], full, meta, req_ids, prefix, written)
+                g = self.targets[k] or full
+                g_meta = attn[g.layer_names[0]]
+                g_written = written if g is full else set(
+                    int(x) for x in g_meta.slot_mapping[:num_tokens].tolist() if int(x) >= 0)
+                if spec["name"] == "flip_cached_block_byte":
+                    injection = self._flip(self.rngs[k], g, g_meta, req_ids, prefix, g_written, spec)
+                else:
+                    injection = self._redirect(self.rngs[k], g, g_meta, req_ids, prefix, g_written)
+                if injection is not None:
+                    injection = replace(injection, group=g.name)
             if injection is not None:
                 self.fired[k] = True
                 self._log(spec, replace(injection, graph_mode=step.graph_mode))
         self.seen.update(req_ids)
+
+    def _target_group(self, k: int, spec: dict):
+        """The group fault ``k`` acts on (flip / redirect; None for the others, which pick their own, and for a model
+        without the default ``full`` group): the group ``spec["group"]`` names (default ``full``; a name the model has
+        not is refused), or for ``"any"`` one of the full-attention groups, drawn from the fault's generator only
+        when there are several."""
+        if spec.get("name") not in ("flip_cached_block_byte", "redirect_block_table"):
+            return None
+        want = spec.get("group")
+        if want is None:  # the default: the full group, if the model has one (else the fault never fires)
+            return next((g for g in self.layouts if g.name == FULL), None)
+        if want == "any":
+            fulls = [g for g in self.layouts if not g.sliding_window]
+            return fulls[0] if len(fulls) == 1 else (self.rngs[k].choice(fulls) if fulls else None)
+        g = next((g for g in self.layouts if g.name == want), None)
+        if g is None:
+            raise KvCanaryValueError(f"kv-canary: fault {spec.get('name')!r} names group {want!r}; the groups are "
+                                     f"{', '.join(g.name for g in self.layouts)}")
+        return g
 
     def _k_view(self, layer: str) -> Optional[torch.Tensor]:
         """Token-major K view of one layer's cache (GPU layouts by strides, the CPU one by probing its ISA)."""

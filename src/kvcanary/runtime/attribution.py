@@ -21,7 +21,7 @@ from typing import Optional, Protocol, Sequence
 
 from kvcanary.ops import CanaryLaunchTag, FailReason
 from kvcanary.ops.constants import MASK64
-from kvcanary.runtime.drain import Harvest, RingRow
+from kvcanary.runtime.drain import Harvest, RingKey, RingRow
 from kvcanary.runtime.identity import (IDENTITY_ADAPTER, IDENTITY_CONTEXT, IDENTITY_MISMATCH, IDENTITY_MULTIMODAL,
                                        IDENTITY_SALT, IDENTITY_WEIGHTS_VERSION, IdentityRegistry, name_identities)
 from kvcanary.runtime.reads import READ_TABLE_MISMATCH, RUNTIME_REASONS, reason_label
@@ -220,17 +220,18 @@ class OwnerLookup(Protocol):
     def live_slots(self) -> Optional[dict[str, set[int]]]:
         """Slots live now per group; None when unknown (no sweep row is then stale)."""
 
-    def fingerprints(self, tag: CanaryLaunchTag, slots: list[int]) -> list[tuple]:
-        """(stored, recomputed, scope) real-KV fingerprints of ``slots`` on ``tag``'s side; [] when not hashed."""
+    def fingerprints(self, group: str, tag: CanaryLaunchTag, slots: list[int]) -> list[tuple]:
+        """(stored, recomputed, scope) real-KV fingerprints of group ``group``'s ``slots`` on ``tag``'s side; [] when
+        not hashed."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Attributed:
-    """One harvest attributed: ``violations`` (step order), ``counts`` per tag with stale rows taken out, and
-    ``stale``: sweep rows dropped because their slot is no longer live (the engine may reuse free memory)."""
+    """One harvest attributed: ``violations`` (step order), ``counts`` per ring (group, tag) with stale rows taken
+    out, and ``stale``: sweep rows dropped because their slot is no longer live (the engine may reuse free memory)."""
 
     violations: list[Violation]
-    counts: dict[CanaryLaunchTag, int]
+    counts: dict[RingKey, int]
     stale: int
 
 
@@ -258,27 +259,27 @@ class Attributor:
         live = self.owners.live_slots() if sweep_rows else None
         if live is None:
             return harvest.rows, harvest.counts, 0
-        stale = [r for r in sweep_rows if r.slot not in live.get(r.tag.group, ())]
+        stale = [r for r in sweep_rows if r.slot not in live.get(r.group, ())]
         if not stale:
             return harvest.rows, harvest.counts, 0
         counts = dict(harvest.counts)
         for r in stale:
-            counts[r.tag] -= 1
+            counts[(r.group, r.tag)] -= 1
         gone = {id(r) for r in stale}
         return [r for r in harvest.rows if id(r) not in gone], {t: n for t, n in counts.items() if n}, len(stale)
 
     def attribute(self, rows: list[RingRow]) -> list[Violation]:
         sweep_rows = [r for r in rows if r.tag.phase == "sweep"]
         owners: dict[tuple[str, int], tuple[int, int]] = {}
-        for group in {r.tag.group for r in sweep_rows}:
-            slots = sorted({r.slot for r in sweep_rows if r.tag.group == group})
+        for group in {r.group for r in sweep_rows}:
+            slots = sorted({r.slot for r in sweep_rows if r.group == group})
             codes, positions = self.owners.slot_owner(group, slots)
             owners.update({(group, s): (c, p) for s, c, p in zip(slots, codes, positions)})
         out = []
         for r in rows:
             if r.tag.phase == "sweep":
-                code, pos = owners.get((r.tag.group, r.slot), (-1, -1))
-                swept = self.owners.sweep_owner(r.tag.group, r.step, r.sweep_entry)  # the owner when it was swept
+                code, pos = owners.get((r.group, r.slot), (-1, -1))
+                swept = self.owners.sweep_owner(r.group, r.step, r.sweep_entry)  # the owner when it was swept
                 if swept is not None:
                     code, pos = swept, r.expected_position
                 rid, rrow = self._request(*divmod(code, self.owner_span)) if code >= 0 else (None, None)
@@ -296,24 +297,23 @@ class Attributor:
         return out
 
     def _with_fingerprints(self, violations: list[Violation]) -> list[Violation]:
-        """Fill stored / recomputed fingerprints of ``verify_real_kv_hash`` rows (one read per tag)."""
-        want: dict[CanaryLaunchTag, list[int]] = {}
+        """Fill stored / recomputed fingerprints of ``verify_real_kv_hash`` rows (one read per group and tag)."""
+        want: dict[tuple[str, CanaryLaunchTag], list[int]] = {}
         for v in violations:
             if v.reasons & FailReason.VERIFY_REAL_KV_HASH_MISMATCH and v.phase != "head":
-                want.setdefault(v.launch_tag, []).append(v.slot)
+                want.setdefault((v.group, v.launch_tag), []).append(v.slot)
         if not want:
             return violations
         found = {}
-        for tag, slots in want.items():
+        for (group, tag), slots in want.items():
             slots = sorted(set(slots))
-            found.update({(tag, s): fp for s, fp in zip(slots, self.owners.fingerprints(tag, slots))})
-        return [
-            replace(v, stored_fingerprint=found[(v.launch_tag, v.slot)][0],
-                    recomputed_fingerprint=found[(v.launch_tag, v.slot)][1],
-                    fingerprint_scope=(found[(v.launch_tag, v.slot)][2:] or (None,))[0])
-            if (v.launch_tag, v.slot) in found else v
-            for v in violations
-        ]
+            found.update({(group, tag, s): fp for s, fp in zip(slots, self.owners.fingerprints(group, tag, slots))})
+        out = []
+        for v in violations:
+            fp = found.get((v.group, v.launch_tag, v.slot))
+            out.append(v if fp is None else replace(v, stored_fingerprint=fp[0], recomputed_fingerprint=fp[1],
+                                                    fingerprint_scope=(fp[2:] or (None,))[0]))
+        return out
 
     def _request(self, step: int, batch_row: int) -> tuple[Optional[str], Optional[int]]:
         entry = self.log.get(step)
@@ -328,7 +328,7 @@ class Attributor:
     def _violation(r: RingRow, rid, rrow, expected_pos, kind: str) -> Violation:
         if int(r.reasons) & READ_TABLE_MISMATCH:  # field layout of `runtime.reads`
             return Violation(
-                launch_tag=r.tag, group=r.tag.group, op="verify", slot=r.slot, stored_position=r.position,
+                launch_tag=r.tag, group=r.group, op="verify", slot=r.slot, stored_position=r.position,
                 expected_position=expected_pos, stored_token=r.stored_token, expected_token=None, stored_hash=0,
                 expected_hash=None, reasons=r.reasons, request_id=rid, request_row=rrow, step=r.step,
                 forward_kind=kind, reads=r.expected_token, owned_reads=r.stored_hash,
@@ -336,14 +336,14 @@ class Attributor:
             )
         if int(r.reasons) & FailReason.VERIFY_PADDING_SLOT_READ:  # field layout of `ops.padding_reads`
             return Violation(
-                launch_tag=r.tag, group=r.tag.group, op="verify", slot=r.slot, stored_position=r.position,
+                launch_tag=r.tag, group=r.group, op="verify", slot=r.slot, stored_position=r.position,
                 expected_position=expected_pos, stored_token=r.stored_token, expected_token=None,
                 stored_hash=r.stored_hash, expected_hash=None, reasons=r.reasons, request_id=rid, request_row=rrow,
                 step=r.step, forward_kind=kind, expected_slot=r.expected_aux,
             )
         return Violation(
             launch_tag=r.tag,
-            group=r.tag.group,
+            group=r.group,
             op="write" if r.is_write else "verify",
             slot=r.slot,
             stored_position=r.position,

@@ -6,6 +6,7 @@ the canary runs on.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -40,11 +41,32 @@ def classify_forward(prefix_lens: Sequence[int], extend_lens: Sequence[int],
     return "mixed"
 
 
+GROUP_KINDS = ("full", "swa")
+_GROUP_NAME = re.compile(r"^(full|swa)(?:\.([1-9][0-9]*))?$")
+
+
+def group_kind(name: str) -> str:
+    """The kind (``"full"`` or ``"swa"``) of a canary group name: ``"full"`` / ``"swa"``, or ``"full.<n>"`` /
+    ``"swa.<n>"`` (``n`` a positive integer without leading zeros) for a further group of that kind; refuses
+    anything else with a `KvCanaryValueError`."""
+    m = _GROUP_NAME.match(name) if isinstance(name, str) else None
+    if m is None:
+        raise KvCanaryValueError(
+            f"kv-canary: a group name must be 'full' or 'swa', or 'full.<n>' / 'swa.<n>' (n >= 1) for a further "
+            f"group of that kind, got {name!r}"
+        )
+    return m.group(1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class GroupSpec:
     """One attention group's slot space.
 
-    name: ``"full"`` or ``"swa"`` (selects the launch tags). num_slots: size of the group's
+    name: ``"full"`` or ``"swa"``, or ``"full.<n>"`` / ``"swa.<n>"`` for a further group of that kind (an engine
+    whose KV cache has several groups of one kind, e.g. vLLM's hybrid allocator). The name identifies the group
+    everywhere (buffers, `Canary.set_kv_cache`, live slots, `Canary.release_slots`, `Violation.group`, reports);
+    its `kind` selects the launch tags (the op contract knows one full and one swa group: groups of one kind share
+    their tags, each keeps rings of its own) and the sliding-window rules. num_slots: size of the group's
     slot space, slot 0 being the padding slot. sliding_window: tokens a sliding-window group
     keeps (0 for full attention). layer_ids: the model layers in the group (for real-KV sources).
     ring_window: the sliding-window KV is a ring — a forward stores position ``p + W`` into the slot of ``p``
@@ -58,14 +80,18 @@ class GroupSpec:
     layer_ids: tuple[int, ...] = ()
     ring_window: bool = False
 
+    @property
+    def kind(self) -> str:
+        """``"full"`` or ``"swa"`` (`group_kind` of the name)."""
+        return group_kind(self.name)
+
     def __post_init__(self) -> None:
-        if self.name not in ("full", "swa"):
-            raise KvCanaryValueError(f"kv-canary: GroupSpec.name must be 'full' or 'swa', got {self.name!r}")
+        kind = group_kind(self.name)
         if self.num_slots < 2:
             raise KvCanaryValueError(f"kv-canary: GroupSpec.num_slots must be >= 2 (slot 0 is padding), got {self.num_slots}")
-        if self.sliding_window < 0 or (self.name == "swa") != (self.sliding_window > 0):
+        if self.sliding_window < 0 or (kind == "swa") != (self.sliding_window > 0):
             raise KvCanaryValueError(
-                f"kv-canary: GroupSpec {self.name!r} needs sliding_window > 0 exactly when name == 'swa', "
+                f"kv-canary: GroupSpec {self.name!r} needs sliding_window > 0 exactly when its kind is 'swa', "
                 f"got {self.sliding_window}"
             )
         if self.ring_window and not self.sliding_window:

@@ -123,7 +123,8 @@ class Canary:
 
     Args:
         config: what to check and how to report (mode must not be ``none``: use `create_canary`).
-        groups: one `GroupSpec` per attention group (``full``, and ``swa`` for sliding window).
+        groups: one `GroupSpec` per attention group (``full``, and ``swa`` for sliding window; further groups of
+            a kind as ``full.1``, ``swa.1``, ...: each its own slot space, records and rings, named in violations).
         max_requests: rows of the engine's request table (row 0 = padding) — sizes the batch rows.
         max_context: longest sequence the engine serves — sizes the verify plan.
         max_batch_tokens: tokens one forward computes at most — sizes the static token buffers.
@@ -166,11 +167,11 @@ class Canary:
         self.groups: dict[str, CanaryGroup] = {
             spec.name: CanaryGroup(spec, config=config, device=self.device, anchor_rows=max_requests) for spec in groups
         }
-        tags = [tag for g in self.groups.values() for tag in g.tags()] + move_tags(list(self.groups.values()))
-        self.polled = PolledWords(num_tags=len(set(tags)), counter_shape=LaunchCounters.SHAPE,
+        keys = [key for g in self.groups.values() for key in g.ring_keys()] + move_tags(list(self.groups.values()))
+        self.polled = PolledWords(num_tags=len(set(keys)), counter_shape=LaunchCounters.SHAPE,
                                   num_groups=len(self.groups), device=self.device)
         self.launch_counters = LaunchCounters(self.device, table=self.polled.counters)
-        self.rings = ViolationRings(tags=tags, capacity=config.ring_capacity, device=self.device,
+        self.rings = ViolationRings(keys=keys, capacity=config.ring_capacity, device=self.device,
                                     write_index=self.polled.write_index)
         self.static = StaticBatch(
             groups=tuple(self.groups), max_rows=max_requests, max_tokens=max_batch_tokens, device=self.device,
@@ -355,8 +356,8 @@ class Canary:
 
     def _report_reads(self, g: CanaryGroup, check) -> None:
         tag = g.tag("head")
-        ring, write_index = self.rings.ring_for(tag)
-        append_read_rows(ring=ring, write_index=write_index, stamps=self.rings.stamps[self.rings.index[tag]], tag=tag,
+        ring, write_index = self.rings.ring_for(g.name, tag)
+        append_read_rows(ring=ring, write_index=write_index, stamps=self.rings.stamps_for(g.name, tag), tag=tag,
                          head_buf=g.head_buf, num_slots=g.num_slots, check=check, step=self.launches.step,
                          row_arange=self.static.row_arange if check.mismatch.shape[0] <= self.static.max_rows else None)
 
@@ -637,10 +638,16 @@ class Canary:
         ``stats`` counted them."""
         if stats is not None:
             return stats.checked_forwards
-        return self.launch_counters.snapshot().verify_kernels[self._head_tag()]
+        return self.launch_counters.snapshot().verify_kernels[self._head_tag()] // self._head_launches()
 
     def _head_tag(self) -> int:
         return int(next(iter(self.groups.values())).tag("head"))
+
+    def _head_launches(self) -> int:
+        """HEAD verify launches per forward under `_head_tag`: one per group of the first group's kind (the groups
+        of one kind share its counters)."""
+        kind = next(iter(self.groups.values())).kind
+        return sum(g.kind == kind for g in self.groups.values())
 
     def stats(self, *, wait: bool = True) -> CanaryStats:
         """Forwards, slots verified / written, kernel launches, sweeps, violations, memory. Inside an open forward the
@@ -825,6 +832,7 @@ class Canary:
         return CanaryStats.gather(
             forwards=forwards, counters=counters, ledger=self.ledger, sweeper=self.sweeper, passes=not polled,
             head_tag=self._head_tag() if self.groups else None,
+            head_launches=self._head_launches() if self.groups else 1,
             capacity_growths=self.static.growths + self.launches.plan_growths, write_assert_skipped=self.launches.write_assert_skipped,
             plans_disabled=int(self.launches.plans_disabled.sum().item()) if plans_disabled is None else plans_disabled,
             memory_bytes=self.memory_bytes(), health=self.health, sweep_stale=self.sweep_stale,

@@ -1,6 +1,6 @@
 """Draining: the device violation rings, and getting their rows to the host without stalling the forward.
 
-A violation is *born* in an op (a row appended to its launch tag's ring); right after the step's launches
+A violation is *born* in an op (a row appended to its group's ring of its launch tag); right after the step's launches
 the stamp op writes, beside each new row, the step and batch row it belongs to (so rows stay meaningful
 after the step's plans are overwritten). Draining then works one step or more late:
 
@@ -12,7 +12,7 @@ after the step's plans are overwritten). Draining then works one step or more la
 3. a later step finds the harvest complete and decodes its rows once into `RingRow`s.
 
 On the CPU (no asynchrony) and in ``raise`` mode (which may wait) a step's rows are harvested at its end.
-Counts per tag come from the write indices, exact even when a ring is full (the first ``capacity`` rows
+Counts per ring (group, tag) come from the write indices, exact even when a ring is full (the first ``capacity`` rows
 since the last harvest are kept, docs/design.md §3.4).
 """
 from __future__ import annotations
@@ -48,14 +48,36 @@ from kvcanary.runtime.cuda_host import current_stream
 from kvcanary.runtime.polled import PolledWords
 
 
+RingKey = tuple[str, CanaryLaunchTag]
+"""A ring's key: (canary group name, launch tag). Groups of one kind (``full`` and ``full.1``) launch under the
+same tags; each group keeps rings of its own, so a row names its group."""
+
+
+def ring_order(keys: Sequence[RingKey]) -> list[RingKey]:
+    """``keys`` without repeats, in stack order: HEAD / TAIL / SWEEP tags of the full groups, then the swa groups',
+    then the MOVE tags (full, swa); inside each block group by group (first appearance), each group's tags by value.
+    One group per kind gives the tags' own order; a group's HEAD and TAIL (and its SWEEP) rings stay adjacent."""
+    first: dict[str, int] = {}
+    for name, _ in keys:
+        first.setdefault(name, len(first))
+
+    def block(tag: CanaryLaunchTag) -> int:
+        v = int(tag)
+        return v // 6 if v < 12 else 2 + (v - 12) // 2
+
+    return sorted(set(keys), key=lambda k: (block(k[1]), first[k[0]], int(k[1])))
+
+
 @dataclass(frozen=True, slots=True)
 class RingRow:
     """One ring row decoded, with its stamp. Hashes are unsigned; ``expected_token`` is -1 when none was
     expected; ``batch_row`` / ``expected_position`` are -1 when the stamp could not tell. For a HEAD / TAIL row
     ``batch_row`` is the batch row that read or wrote the slot; for a SWEEP row it is the entry of the swept slice
-    (`sweep_entry`): a sweep serves no request."""
+    (`sweep_entry`): a sweep serves no request. ``group``: the canary group whose ring held it (its name; the tag
+    tells only the kind)."""
 
     tag: CanaryLaunchTag
+    group: str
     slot: int
     position: int
     stored_token: int
@@ -79,23 +101,24 @@ class RingRow:
 
 @dataclass(frozen=True)
 class Harvest:
-    """What one drain brought back: exact counts per tag, rows lost to full rings, the kept rows."""
+    """What one drain brought back: exact counts per ring (`RingKey`), rows lost to full rings, the kept rows."""
 
-    counts: dict[CanaryLaunchTag, int]
+    counts: dict[RingKey, int]
     dropped: int
     rows: list[RingRow]
 
 
 class ViolationRings:
-    """Per-tag device rings (int64 [cap, 8]), write indices (int32), step marks and stamps."""
+    """Per-ring device rings (int64 [cap, 8]), write indices (int32), step marks and stamps; one ring per
+    `RingKey` (group name, launch tag), stacked in `ring_order`."""
 
-    def __init__(self, *, tags: Sequence[CanaryLaunchTag], capacity: int, device: torch.device,
+    def __init__(self, *, keys: Sequence[RingKey], capacity: int, device: torch.device,
                  write_index: Optional[torch.Tensor] = None) -> None:
-        self.tags = sorted(set(tags))
-        self.index = {tag: i for i, tag in enumerate(self.tags)}
+        self.keys = ring_order(keys)
+        self.index = {key: i for i, key in enumerate(self.keys)}
         self.capacity = capacity
         self.device = device
-        t = len(self.tags)
+        t = len(self.keys)
         self.rings = torch.zeros(t, capacity, VIOLATION_FIELDS, dtype=torch.int64, device=device)
         self.stamps = torch.full((t, capacity, STAMP_FIELDS), -1, dtype=torch.int64, device=device)
         self.write_index = torch.zeros(t, dtype=torch.int32, device=device) if write_index is None else write_index
@@ -104,26 +127,30 @@ class ViolationRings:
                                      f"{tuple(self.write_index.shape)}")
         self.rows_from = torch.zeros(t, dtype=torch.int32, device=device)
 
-    def ring_for(self, tag: CanaryLaunchTag) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ring [capacity, 8], write_index [1])`` views for launches under ``tag``."""
-        i = self.index[tag]
+    def ring_for(self, group: str, tag: CanaryLaunchTag) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ring [capacity, 8], write_index [1])`` views for group ``group``'s launches under ``tag``."""
+        i = self.index[(group, tag)]
         return self.rings[i], self.write_index[i : i + 1]
 
-    def stamp_args(self, tag: CanaryLaunchTag) -> dict:
-        """The ring-side keyword arguments of the stamp op for ``tag``."""
-        i = self.index[tag]
+    def stamps_for(self, group: str, tag: CanaryLaunchTag) -> torch.Tensor:
+        """The stamps ``[capacity, STAMP_FIELDS]`` beside ``ring_for(group, tag)``'s ring."""
+        return self.stamps[self.index[(group, tag)]]
+
+    def stamp_args(self, group: str, tag: CanaryLaunchTag) -> dict:
+        """The ring-side keyword arguments of the stamp op for group ``group``'s ring of ``tag``."""
+        i = self.index[(group, tag)]
         return dict(
             violation_ring=self.rings[i], violation_write_index=self.write_index[i : i + 1],
             rows_from=self.rows_from[i : i + 1], stamps=self.stamps[i],
         )
 
-    def stamp_launches(self, tags: Sequence[CanaryLaunchTag]) -> list[dict]:
-        """The ring-side arguments of the stamp launches covering ``tags``: one over the stacked rings when
-        they are consecutive in the stack, else one per tag (`stamp_args`)."""
-        idx = [self.index[t] for t in tags]
+    def stamp_launches(self, group: str, tags: Sequence[CanaryLaunchTag]) -> list[dict]:
+        """The ring-side arguments of the stamp launches covering group ``group``'s rings of ``tags``: one over the
+        stacked rings when they are consecutive in the stack, else one per tag (`stamp_args`)."""
+        idx = [self.index[(group, t)] for t in tags]
         lo, k = idx[0], len(idx)
         if k == 1 or idx != list(range(lo, lo + k)):
-            return [self.stamp_args(t) for t in tags]
+            return [self.stamp_args(group, t) for t in tags]
         return [dict(
             violation_ring=self.rings[lo : lo + k], violation_write_index=self.write_index[lo : lo + k],
             rows_from=self.rows_from[lo : lo + k], stamps=self.stamps[lo : lo + k],
@@ -163,7 +190,7 @@ class ViolationDrain:
         self._snapshots: deque = deque()
         self._harvest: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]] = None
         if self.asynchronous:
-            t, cap = len(rings.tags), rings.capacity
+            t, cap = len(rings.keys), rings.capacity
             self._pinned = [_host(polled.buffer.numel(), dtype=torch.int64) for _ in range(8)]
             self._events = [self._event() for _ in range(8)]  # reused: one per pinned snapshot buffer
             self._h_rings = _host(t, cap, VIOLATION_FIELDS, dtype=torch.int64)
@@ -249,14 +276,15 @@ class ViolationDrain:
 
     def _decode(self, index: torch.Tensor, rings: torch.Tensor, stamps: torch.Tensor) -> Harvest:
         cap = self.rings.capacity
-        counts = {tag: n for tag, n in zip(self.rings.tags, index.tolist()) if n}
+        counts = {key: n for key, n in zip(self.rings.keys, index.tolist()) if n}
         rows: list[RingRow] = []
-        for tag, n in counts.items():
-            i = self.rings.index[tag]
+        for key, n in counts.items():
+            i = self.rings.index[key]
             kept = min(n, cap)
             for f, s in zip(rings[i, :kept].tolist(), stamps[i, :kept].tolist()):
                 rows.append(RingRow(
-                    tag=tag,
+                    tag=key[1],
+                    group=key[0],
                     slot=f[VIOLATION_FIELD_SLOT_IDX],
                     position=f[VIOLATION_FIELD_POSITION],
                     stored_token=f[VIOLATION_FIELD_STORED_TOKEN],

@@ -95,6 +95,7 @@ class CanaryGroup:
         self.spec = spec
         self.anchor_rows = anchor_rows  # context anchors: buffer rows past the slot space, one per batch row
         self.name = spec.name
+        self.kind = spec.kind  # "full" / "swa": selects the launch tags (the name keys the group's rings)
         self.num_slots = spec.num_slots
         self.window = spec.sliding_window
         self.hash_mode: RealKvHashMode = config.real_kv_hash_mode
@@ -133,11 +134,16 @@ class CanaryGroup:
 
     # ---- tags ------------------------------------------------------------------------------
     def tag(self, phase: str, side: str = "k") -> CanaryLaunchTag:
-        return CanaryLaunchTag.of(phase=phase, side=side, group=self.name)
+        """The launch tag of ``phase`` / ``side`` for this group's kind (groups of one kind share it)."""
+        return CanaryLaunchTag.of(phase=phase, side=side, group=self.kind)
 
     def tags(self) -> list[CanaryLaunchTag]:
         """Every tag this group launches under (HEAD_K, TAIL_*, SWEEP_*)."""
         return [self.tag("head")] + [self.tag(p, s) for p in ("tail", "sweep") for s in self.tail_sides]
+
+    def ring_keys(self) -> list[tuple[str, CanaryLaunchTag]]:
+        """The (group name, tag) keys of this group's rings (`tags`; MOVE rings: `runtime.moves.move_tags`)."""
+        return [(self.name, tag) for tag in self.tags()]
 
     def buffer(self, phase: str, side: str = "k") -> torch.Tensor:
         return self.head_buf if phase == "head" else self.tail_bufs[side]
@@ -247,7 +253,7 @@ class CanaryGroup:
         ctx = self._contexts.get(key)
         if ctx is None:
             tag = self.tag(phase, side)
-            ring, write_index = rings.ring_for(tag)
+            ring, write_index = rings.ring_for(self.name, tag)
             slot_counter, kernel_counter = counters.views(op, tag)
             if deep is None:
                 buf, sources, mode = self.buffer(phase, side), () if phase == "head" else self.sources[side], self.hash_mode

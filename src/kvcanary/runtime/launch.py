@@ -260,7 +260,7 @@ class ForwardLaunches:
                 if g.deep:  # every layer's bytes (sweep-checked), without a chain walk of their own
                     store_deep_fingerprints(targets=g.deep_targets(), out_loc=out_loc, plan=wplan)
             tags = [g.tag("head")] + [g.tag("tail", side) for side in g.tail_sides]
-            for ring_args in self.rings.stamp_launches(tags):  # one launch when the group's rings are adjacent
+            for ring_args in self.rings.stamp_launches(name, tags):  # one launch when the group's rings are adjacent
                 launch_stamp_violation_rows(
                     **ring_args, step=self.step, verify_plan=vplan, write_plan=wplan,
                     out_cache_loc=s.out_loc[name][:n], positions=s.positions[:n],
@@ -296,12 +296,12 @@ class ForwardLaunches:
         s = self.static
         for name, g in self.groups.items():
             tag = g.tag("head")
-            ring, write_index = self.rings.ring_for(tag)
+            ring, write_index = self.rings.ring_for(name, tag)
             inputs = s.inputs[name]
             launch_padding_read_check_kernel(
                 req_pool_indices=rows, prefix_lens=prefix, req_to_token=inputs.req_to_token, swa_window_size=g.window,
                 full_to_swa_index_mapping=inputs.lut, violation_ring=ring, violation_write_index=write_index,
-                stamps=self.rings.stamps[self.rings.index[tag]], step=self.step, kernel_kind=tag,
+                stamps=self.rings.stamps_for(name, tag), step=self.step, kernel_kind=tag,
                 ring_window=bool(g.spec.ring_window), shared_lens=s.shared[: rows.shape[0]] if g.window else None,
             )
 

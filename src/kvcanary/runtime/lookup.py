@@ -60,11 +60,11 @@ class RecordLookup:
             return None
         return {name: set((t.nonzero() if t.dtype == torch.bool else t).flatten().tolist()) for name, t in live.items()}
 
-    def fingerprints(self, tag: CanaryLaunchTag, slots: list[int]) -> list[tuple[int, int, str]]:
-        """(stored, recomputed, scope) real-KV fingerprints of ``slots`` for ``tag``'s side: the TAIL record's; for a
-        sweep row (which also checked the deep records of every byte), the first of TAIL, then each deep chunk,
-        that disagrees now, else the TAIL one."""
-        g = self.groups[tag.group]
+    def fingerprints(self, group: str, tag: CanaryLaunchTag, slots: list[int]) -> list[tuple[int, int, str]]:
+        """(stored, recomputed, scope) real-KV fingerprints of group ``group``'s ``slots`` for ``tag``'s side: the
+        TAIL record's; for a sweep row (which also checked the deep records of every byte), the first of TAIL, then
+        each deep chunk, that disagrees now, else the TAIL one."""
+        g = self.groups[group]
         if tag.side not in g.tail_bufs:
             return []
         idx = torch.tensor(slots, dtype=torch.int64, device=self.device)

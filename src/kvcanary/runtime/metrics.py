@@ -16,7 +16,8 @@ Metrics (counters end in ``_total``; a source's counters only grow, so they are 
 
 * ``kvcanary_violations_total{group, reason}`` — kept violations (every one unless more than the ledger's
   keep bound) by group and reason label; ``kvcanary_violations_by_tag_total{group, tag}`` — exact, from the
-  rings' write indices; ``kvcanary_ring_overflow_total`` — rows counted but not kept.
+  rings' write indices (``group`` there is the tag's kind: a tag sums the groups of that kind);
+  ``kvcanary_ring_overflow_total`` — rows counted but not kept.
 * ``kvcanary_forwards_total{state}`` — ``checked`` (HEAD checks ran on the device), ``engine`` (forwards
   the adapter saw, when it counts them), ``unchecked`` (ran while attached without the canary; by cause in
   ``kvcanary_unchecked_forwards_total{cause}``).
@@ -56,7 +57,8 @@ def _prometheus():
 
 
 def tag_group(tag: str) -> str:
-    """Canary group of a launch tag name (``HEAD_K_FULL`` -> ``full``, ``SWEEP_V_SWA`` -> ``swa``)."""
+    """Group kind of a launch tag name (``HEAD_K_FULL`` -> ``full``, ``SWEEP_V_SWA`` -> ``swa``): a tag's count sums
+    the groups of its kind (``full``, ``full.1``, ...); ``kvcanary_violations_total`` names each group."""
     return tag.rsplit("_", 1)[-1].lower() if "_" in tag else "unknown"
 
 

@@ -70,8 +70,9 @@ class MoveReport:
 
 
 def move_tags(groups: Sequence[CanaryGroup]) -> list[CanaryLaunchTag]:
-    """The MOVE tags the rings need for ``groups`` (one per group and hashed side)."""
-    return [CanaryLaunchTag.of(phase="move", side=s, group=g.name) for g in groups for s in g.tail_sides]
+    """The MOVE ring keys (group name, MOVE tag of its kind) the rings need for ``groups`` (one per group and hashed
+    side)."""
+    return [(g.name, CanaryLaunchTag.of(phase="move", side=s, group=g.kind)) for g in groups for s in g.tail_sides]
 
 
 def record_tables(g: CanaryGroup) -> tuple[torch.Tensor, ...]:
@@ -322,13 +323,13 @@ class SlotMoves:
         run_lens = torch.tensor(lens, dtype=torch.int64, device=g.device)
         c.rings.mark()
         for side in g.tail_sides:
-            tag = CanaryLaunchTag.of(phase="move", side=side, group=g.name)
-            ring, write_index = c.rings.ring_for(tag)
+            tag = CanaryLaunchTag.of(phase="move", side=side, group=g.kind)
+            ring, write_index = c.rings.ring_for(g.name, tag)
             slot_counter, kernel_counter = c.launch_counters.views("verify", tag)
             ctx = g.context("tail", side, "verify", rings=c.rings, counters=c.launch_counters, chain_assert=self._no_assert)
             ctx = _retagged(ctx, tag, ring, write_index, slot_counter, kernel_counter)
             launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=tokens is not None)
-            launch_stamp_violation_rows(**c.rings.stamp_args(tag), step=c.launches.step, verify_plan=plan,
+            launch_stamp_violation_rows(**c.rings.stamp_args(g.name, tag), step=c.launches.step, verify_plan=plan,
                                         req_pool_indices=runs, prefix_lens=run_lens)
         return int((slots > TOKEN_TO_KV_SLOT_PADDING).sum())
 

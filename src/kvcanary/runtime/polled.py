@@ -12,8 +12,8 @@ _LOW32 = (1 << 32) - 1
 
 
 class PolledWords:
-    """``buffer`` int64 [words]; ``write_index`` int32 [num_tags], ``counters`` int64 [rows, width] and
-    ``plans_disabled`` int64 [num_groups] are views of it (in that order)."""
+    """``buffer`` int64 [words]; ``write_index`` int32 [num_tags] (one per ring: group and tag), ``counters`` int64
+    [rows, width] and ``plans_disabled`` int64 [num_groups] are views of it (in that order)."""
 
     def __init__(self, *, num_tags: int, counter_shape: tuple[int, int], num_groups: int, device: torch.device) -> None:
         self.num_tags = num_tags

@@ -19,9 +19,9 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from kvcanary.errors import KvCanaryRuntimeError
-from kvcanary.ops import CanaryLaunchTag
 from kvcanary.runtime.attribution import Violation
 from kvcanary.runtime.config import CanaryConfig
+from kvcanary.runtime.drain import RingKey
 from kvcanary.runtime.reads import reason_labels
 
 logger = logging.getLogger("kvcanary")
@@ -74,9 +74,10 @@ class ViolationLedger:
         """Call ``sink(violation)`` for every violation drained from now on."""
         self._sinks.append(sink)
 
-    def record(self, *, counts: dict[CanaryLaunchTag, int], dropped: int, violations: list[Violation]) -> None:
-        """One drain's worth: exact per-tag counts, rows lost to full rings, attributed rows."""
-        for tag, n in counts.items():
+    def record(self, *, counts: dict[RingKey, int], dropped: int, violations: list[Violation]) -> None:
+        """One drain's worth: exact counts per ring (group, tag; ``by_tag`` sums a tag over the groups of its kind),
+        rows lost to full rings, attributed rows."""
+        for (_, tag), n in counts.items():
             self.by_tag[tag.name] += n
             self.total += n
         self.ring_overflow += dropped

@@ -56,10 +56,12 @@ class CanaryStats:
     def gather(cls, *, forwards, counters: LaunchCounters | CounterSnapshot, ledger, sweeper, capacity_growths: int,
                write_assert_skipped: int, plans_disabled: int, memory_bytes: int, health=None,
                sweep_stale: int = 0, engine_forwards: int = 0, unchecked_forwards: int = 0,
-               state: str = "checking", passes: bool = True, head_tag: Optional[int] = None) -> "CanaryStats":
+               state: str = "checking", passes: bool = True, head_tag: Optional[int] = None,
+               head_launches: int = 1) -> "CanaryStats":
         """``counters``: the device counters (read now: a sync) or a snapshot read back earlier; ``passes=False``
         leaves the rotating passes' per-group figures out (reading them is a device read); ``head_tag``: the launch
-        tag whose verify launches count checked forwards."""
+        tag whose verify launches count checked forwards, ``head_launches`` of them per forward (one per group of
+        that tag's kind)."""
         snap = counters if isinstance(counters, CounterSnapshot) else counters.snapshot()
         last = sweeper.last
         passes = sweeper.pass_report() if passes and sweeper.passes else {}
@@ -94,7 +96,7 @@ class CanaryStats:
             state=state,
             jitter_stalls=snap.jitter_stalls,
             jitter_cycles=snap.jitter_cycles,
-            checked_forwards=snap.verify_kernels[head_tag] if head_tag is not None else 0,
+            checked_forwards=snap.verify_kernels[head_tag] // max(1, head_launches) if head_tag is not None else 0,
         )
 
     def line(self) -> str:

@@ -342,7 +342,7 @@ class Sweeper:
                     for deep in (None, *g.deep_chunks()) for side in g.tail_sides]
         launch_canary_verify_kernels(contexts=contexts, plan=plan, check_verify_expected_token=False)
         tags = [g.tag("sweep", side) for side in g.tail_sides]
-        for ring_args in self.rings.stamp_launches(tags):  # one launch when the sides' rings are adjacent
+        for ring_args in self.rings.stamp_launches(g.name, tags):  # one launch when the sides' rings are adjacent
             launch_stamp_violation_rows(**ring_args, step=self.step, **stamp_plan)
 
     def owner_at_sweep(self, group: str, step: int, entry: int, current_step: int) -> Optional[int]:

@@ -104,3 +104,23 @@ def test_connector_refuses_untested_methods_with_a_kvcanary_error(method):
                              model_config=SimpleNamespace(uses_mrope=False))
     with pytest.raises(KvCanaryValueError, match=rf"^kv-canary: speculative decoding method '{method}' is not supported"):
         KvCanaryConnector._refuse_unsupported(config)
+
+
+def test_groups_of_one_kind_are_canary_groups_of_their_own():
+    """vLLM's hybrid allocator splits a kind's layers into several groups when the kinds' counts differ — here a
+    4-layer hybrid (full 0, 2; sliding 1, 3) whose EAGLE-3 head adds a full-attention layer (4): groups (0, 4), (2),
+    (1, 3), as vLLM 0.32 makes them (found by the vLLM fuzzer, seed 17586 configuration 30). Each is a canary group:
+    the first of a kind keeps the kind's name, later ones are numbered; the draft layer leaves its group."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(5)]
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=32)
+    config = _kv_config([KVCacheGroupSpec(layer_names=[names[0], names[4]], kv_cache_spec=full),
+                         KVCacheGroupSpec(layer_names=[names[2]], kv_cache_spec=full),
+                         KVCacheGroupSpec(layer_names=[names[1], names[3]], kv_cache_spec=swa)])
+    layouts = build_group_layouts(config, _tensors(names), exclude=frozenset({names[4]}))
+    assert [(g.name, g.kind, g.index, g.layer_ids) for g in layouts] == [
+        ("full", "full", 0, (0,)), ("full.1", "full", 1, (2,)), ("swa", "swa", 2, (1, 3))]
+    again = _kv_config([KVCacheGroupSpec(layer_names=[names[1]], kv_cache_spec=swa),
+                        KVCacheGroupSpec(layer_names=[names[3]], kv_cache_spec=swa),
+                        KVCacheGroupSpec(layer_names=[names[0], names[2]], kv_cache_spec=full)])
+    assert [g.name for g in build_group_layouts(again, _tensors(names))] == ["swa", "swa.1", "full"]

@@ -243,8 +243,11 @@ class WorkerView:
         # per group: slots of positions < seq_len of the last forward (kept only for adapters that mirror KV)
         self.track_read_slots = track_read_slots
         self.read_slots: dict[str, torch.Tensor] = {}
-        full = next((g for g in layouts if g.name == "full"), None)
-        self._ever_written = torch.zeros(full.num_slots if full else 0, dtype=torch.uint8, device=self.device)
+        # slots_reused: one mark per slot over every full-attention group (vLLM's groups draw their blocks from one
+        # pool, so a block freed by one full group and reallocated to another is reused memory too)
+        self._full_groups = [g.name for g in layouts if not g.sliding_window]
+        width = max((g.num_slots for g in layouts if not g.sliding_window), default=0)
+        self._ever_written = torch.zeros(width, dtype=torch.uint8, device=self.device)
         self._reused = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._reused_seen = 0
         self._reused_copy = None  # CUDA: (pinned int64 [1], event, [copy pending]) for `slots_reused(wait=False)`
@@ -419,8 +422,8 @@ class WorkerView:
             meta = step.attn_metadata[g.layer_names[0]]
             tables[g.name] = self._fill_table(g, meta, rows_t, seq_t, max_s)
             written[g.name] = meta.slot_mapping[:num_tokens].to(device=self.device, dtype=torch.int64)
-        if "full" in written:
-            launch_mark_written_slots_kernel(slots=written["full"], ever_written=self._ever_written,
+        for name in self._full_groups:  # one launch per group: a block belongs to one group at a time
+            launch_mark_written_slots_kernel(slots=written[name], ever_written=self._ever_written,
                                              rewritten=self._reused)
         return tables, written
 
@@ -439,8 +442,9 @@ class WorkerView:
         return table
 
     def slots_reused(self, wait: bool = True) -> int:
-        """Full-attention slots written again after their block was freed: read now (a device read), or with
-        ``wait=False`` on CUDA as last read back (a non-blocking copy per call, taken once it has completed)."""
+        """Full-attention slots written again after their block was freed (in any full-attention group: the groups
+        share vLLM's block pool): read now (a device read), or with ``wait=False`` on CUDA as last read back (a
+        non-blocking copy per call, taken once it has completed)."""
         if wait or self.device.type != "cuda":
             self._reused_seen = int(self._reused[0])
             return self._reused_seen
@@ -462,7 +466,9 @@ class WorkerView:
         batch rows to look at (a first forward past position 0); host lists.
 
         A position counts only if, in every group, the row's table slot is written by this forward *at
-        that position*; anything else stays in the verified prefix (and fails there if it is wrong)."""
+        that position* — in a sliding-window group, or lies behind the window (the group no longer reads it: vLLM
+        hands the row null blocks there); anything else stays in the verified prefix (and fails there if it is
+        wrong)."""
         out = [0] * len(rows)
         maps = {}
         for g in self.layouts:
@@ -480,7 +486,10 @@ class WorkerView:
                     break
                 cand = self.req_to_token[g.name][rows[i], :p].to(torch.int64)
                 idx = torch.searchsorted(slots_w, cand).clamp_max(slots_w.numel() - 1)
-                hit = (slots_w[idx] == cand) & (pos_w[idx] == torch.arange(p, device=cand.device))
+                at = torch.arange(p, device=cand.device)
+                hit = (slots_w[idx] == cand) & (pos_w[idx] == at)
+                if g.sliding_window:
+                    hit |= at < p - g.window_left
                 miss = (~hit).nonzero().flatten()
                 g_lo = int(miss[-1]) + 1 if miss.numel() else 0
                 lo = g_lo if g is self.layouts[0] else max(lo, g_lo)

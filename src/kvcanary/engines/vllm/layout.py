@@ -41,10 +41,12 @@ SWA = "swa"
 class GroupLayout:
     """One vLLM KV cache group seen as a canary group.
 
-    index: the group's position in ``kv_cache_config.kv_cache_groups`` (and in the model runner's
-    block tables). block_size: tokens per *kernel* block (the unit of ``block_table`` and
-    ``slot_mapping``). manager_block_size: tokens per scheduler block (a multiple of it).
-    num_blocks: kernel blocks per layer tensor. layer_ids: canary layer ids (the model's layer
+    name: the canary group's name — ``full`` / ``swa`` for the first group of its kind, ``full.1``, ``full.2``, ...
+    for further ones (vLLM's hybrid allocator splits one kind's layers into several groups of equal size when the
+    kinds' layer counts differ; `kvcanary.runtime.group_kind`). index: the group's position in
+    ``kv_cache_config.kv_cache_groups`` (and in the model runner's block tables). block_size: tokens per *kernel*
+    block (the unit of ``block_table`` and ``slot_mapping``). manager_block_size: tokens per scheduler block (a
+    multiple of it). num_blocks: kernel blocks per layer tensor. layer_ids: canary layer ids (the model's layer
     numbers), aligned with ``layer_names``. sliding_window: the model's window W (0: full attention).
     window_left: cached positions before its own a query reads in this group's attention (`window_left`;
     0 when unknown or full attention): a query at position p reads ``[p - window_left, p]``.
@@ -59,6 +61,11 @@ class GroupLayout:
     num_blocks: int
     sliding_window: int
     window_left: int = 0
+
+    @property
+    def kind(self) -> str:
+        """``full`` or ``swa``."""
+        return SWA if self.sliding_window else FULL
 
     @property
     def num_slots(self) -> int:
@@ -122,9 +129,10 @@ def layer_number(name: str, fallback: int) -> int:
 
 def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], kernel_block_sizes=None,
                         attention_layers=None, exclude=frozenset()) -> list[GroupLayout]:
-    """Canary groups of a vLLM ``KVCacheConfig`` (read only): one ``full`` and at most one ``swa``.
-    ``attention_layers`` (layer name -> ``Attention`` layer, vLLM's static forward context): gives each
-    sliding-window group its ``window_left``. ``exclude``: layer names left out of the canary's layer sets (a
+    """Canary groups of a vLLM ``KVCacheConfig`` (read only): one per KV cache group, in vLLM's order, named by kind
+    (`group_name`: ``full``, ``swa``, then ``full.1``, ``swa.1``, ... when a kind repeats). ``attention_layers``
+    (layer name -> ``Attention`` layer, vLLM's static forward context): gives each sliding-window group its
+    ``window_left``. ``exclude``: layer names left out of the canary's layer sets (a
     speculative draft model's own layers, `compat.draft_layer_names`); a group of excluded layers only is no canary
     group (the others keep their ``index``)."""
     layouts = []
@@ -134,9 +142,9 @@ def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], ker
         spec = group.kv_cache_spec
         kind = type(spec).__name__
         if kind == "SlidingWindowSpec":
-            name, window = SWA, int(spec.sliding_window)
+            of_kind, window = SWA, int(spec.sliding_window)
         elif kind == "FullAttentionSpec":
-            name, window = FULL, 0
+            of_kind, window = FULL, 0
         else:
             raise KvCanaryValueError(
                 f"kv-canary: vLLM KV cache group {index} is {kind}; the canary checks full-attention and "
@@ -162,16 +170,18 @@ def build_group_layouts(kv_cache_config, kv_caches: dict[str, torch.Tensor], ker
                 raise KvCanaryValueError(f"kv-canary: vLLM KV cache group {index} mixes window conventions {sorted(lefts)}")
             left = lefts.pop()
         layouts.append(GroupLayout(
-            name=name, index=index, layer_names=names,
+            name=group_name(of_kind, sum(g.kind == of_kind for g in layouts)), index=index, layer_names=names,
             layer_ids=tuple(layer_number(n, i) for i, n in enumerate(names)),
             block_size=kernel_bs, manager_block_size=manager_bs, num_blocks=int(tensor.shape[0]),
             sliding_window=window, window_left=left,
         ))
-    names = [g.name for g in layouts]
-    if len(set(names)) != len(names):
-        groups = "; ".join(f"group {g.index} {g.name}: {', '.join(g.layer_names)}" for g in layouts)
-        raise KvCanaryValueError(f"kv-canary: more than one vLLM KV cache group of one kind ({groups}); not supported")
     return layouts
+
+
+def group_name(kind: str, earlier: int) -> str:
+    """The canary name of a KV cache group of ``kind`` after ``earlier`` groups of that kind: ``full`` / ``swa``, then
+    ``full.1``, ``full.2``, ... (names `kvcanary.runtime.GroupSpec` accepts)."""
+    return kind if earlier == 0 else f"{kind}.{earlier}"
 
 
 # ---- token-major views of one layer's CPU cache ---------------------------------------------------

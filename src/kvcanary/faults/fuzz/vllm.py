@@ -2,12 +2,15 @@
 the canary, then with it in ``raise`` mode; a random subset also runs a faulted twin.
 
 `sample_config` draws what the adapter accepts: a tiny random Llama (full attention), Mistral (every
-layer sliding) or hybrid Llama (odd layers sliding) with 2-8 layers and windows shorter and longer than
-the prompts; 32/64-token blocks; a KV pool small enough to preempt; a step budget small enough to chunk
+layer sliding) or hybrid Llama (odd layers sliding; with an odd layer count, or an EAGLE head's extra
+full-attention layer, vLLM's hybrid allocator splits one kind's layers into several KV cache groups, each a
+canary group of its own: `kv_cache_groups`) with 2-8 layers and windows shorter and longer than the prompts;
+32/64-token blocks; a KV pool small enough to preempt; a step budget small enough to chunk
 prefills; prefix caching on or off; ``max_num_seqs`` 1-8; prompts sharing system prefixes; ``n`` up to
 3; aborted requests; speculative decoding (in about a third: 1-4 draft tokens from n-gram lookup or a one-layer
 random-weight EAGLE / EAGLE-3 head); and canary options (``sweep_interval``, ``sweep_max_bytes``, ``real_kv_hash``, ``real_kv_layers``,
-deep fingerprints).
+deep fingerprints). The faulted twin's fault acts on one of the full-attention groups (drawn from the run seed when
+vLLM made several; a configuration's ``fault_group`` names one instead) and must be caught in that group.
 
 `run_config` runs every engine of one configuration in a worker process of its own (started once and
 reused: vLLM engines start in seconds once vLLM is imported, and a crashed or hung worker is replaced),
@@ -44,10 +47,6 @@ def sample_config(rng: random.Random) -> dict:
     """One JSON-ready configuration (see the module docstring)."""
     arch = rng.choice(("llama", "llama", "mistral_swa", "hybrid"))
     layers = rng.randint(2, 8)
-    if arch == "hybrid":
-        # as many sliding as full layers: vLLM's hybrid allocator otherwise splits the full layers into two KV
-        # cache groups of the sliding group's size, which the adapter refuses (one group per kind)
-        layers += layers % 2
     block = rng.choice(BLOCK_SIZES)
     window = rng.randint(33, 140) if arch != "llama" else None
     max_len = 256
@@ -71,7 +70,7 @@ def sample_config(rng: random.Random) -> dict:
     if rng.random() < 0.3:
         aborts = [[rng.randrange(len(requests)), rng.randint(1, 12)]]  # (request index, after step)
     real_kv_hash = rng.choice(("partial", "partial", "all", "none"))
-    smallest = layers // 2 if arch == "hybrid" else layers  # real_kv_layers index every group's layers
+    smallest = layers // 2 if arch == "hybrid" else layers  # the draw's range; fitted to vLLM's groups below
     layer_picks = sorted(set(rng.randint(-smallest, smallest - 1) for _ in range(rng.randint(1, 4))))
     canary = {"sweep_interval": rng.choice((4, 8, 16, 64)), "real_kv_hash": real_kv_hash,
               "deep_fingerprints": rng.random() < 0.75}
@@ -95,7 +94,43 @@ def sample_config(rng: random.Random) -> dict:
         config["spec_method"] = rng.choice(("ngram", "eagle", "eagle3"))
     if rng.random() < 0.5:  # the periodic sweep in windows of a few blocks (1 byte: one block per window)
         canary["sweep_max_bytes"] = rng.choice((1, 1 << 12, 1 << 16, 1 << 20))
+    # no draws below (the configurations drawn before odd-layer hybrids came back stay as they were): fit what vLLM's
+    # split into more KV cache groups needs — real_kv_layers valid in every group, a pool serving one max-length
+    # request in every group
+    groups = _vllm_groups(config)
+    if "real_kv_layers" in canary:
+        least = min(len(ids) for _, ids in kv_cache_groups(config))
+        canary["real_kv_layers"] = sorted({min(max(p, -least), least - 1) for p in canary["real_kv_layers"]})
+    full_need = -(-max_len // block) + 1
+    config["num_blocks"] += max(0, sum(full_need if kind == "full" else swa_need for kind, _ in groups) - need)
     return config
+
+
+def kv_cache_groups(config: dict) -> list[tuple[str, list[int]]]:
+    """``(kind, target layer numbers)`` of each KV cache group vLLM 0.32 makes for ``config`` (a mirror of its
+    ``_get_kv_cache_groups_uniform_page_size``): one group when every layer (an EAGLE head's one layer included:
+    sliding under Mistral, which hands the head its window, full attention otherwise) is of one kind; else each kind's
+    layers split round-robin into groups of a common size — the smallest kind's layer count, or the largest's when
+    that is under 1.5 times the smallest. A group holding only the draft's layer is no canary group (left out)."""
+    n = config["layers"]
+    return [(kind, [x for x in layers if x < n]) for kind, layers in _vllm_groups(config) if any(x < n for x in layers)]
+
+
+def _vllm_groups(config: dict) -> list[tuple[str, list[int]]]:
+    """`kv_cache_groups` with the draft's layer (numbered ``layers``) kept, and a group of it alone."""
+    n, arch = config["layers"], config["arch"]
+    kinds = ["swa" if arch == "mistral_swa" or (arch == "hybrid" and i % 2) else "full" for i in range(n)]
+    if config.get("spec_tokens") and config.get("spec_method", "ngram") != "ngram":
+        kinds.append("swa" if arch == "mistral_swa" else "full")  # the EAGLE head's layer, numbered n
+    buckets = {k: [i for i, x in enumerate(kinds) if x == k] for k in ("full", "swa")}
+    buckets = {k: v for k, v in buckets.items() if v}
+    sizes = [len(v) for v in buckets.values()]
+    size = max(sizes) if len(sizes) == 1 or max(sizes) < 1.5 * min(sizes) else min(sizes)
+    out = []
+    for kind, layers in buckets.items():
+        count = -(-len(layers) // size)
+        out += [(kind, layers[i::count]) for i in range(count)]
+    return out
 
 
 def _model_shape(config: dict) -> tuple[str, dict]:
@@ -183,10 +218,12 @@ def _engine_run(config: dict, seed: int, *, canary: Optional[dict], faults: Opti
             c = worker.canary
             result.update(engine_forwards=worker.engine_forwards, checked_forwards=int(c.checked_forwards()),
                           violations=int(c.stats().violations),
-                          first_violations=[f"{v.launch_tag.name} {v.reason_label} slot={v.slot} pos={v.stored_position} "
-                                            f"req={v.request_id} step={v.step}" for v in c.violations()[:5]],
-                          found=[{"request_id": v.request_id, "slot": v.slot, "reason": v.reason_label, "step": v.step}
-                                 for v in c.violations()[:200]])
+                          first_violations=[f"{v.launch_tag.name} {v.reason_label} group={v.group} slot={v.slot} "
+                                            f"pos={v.stored_position} req={v.request_id} step={v.step}"
+                                            for v in c.violations()[:5]],
+                          found=[{"request_id": v.request_id, "slot": v.slot, "reason": v.reason_label, "step": v.step,
+                                  "group": v.group} for v in c.violations()[:200]],
+                          canary_groups={g.name: list(g.layer_names) for g in worker._layouts})
     finally:
         try:
             close(llm)
@@ -201,6 +238,7 @@ def _judge_fault(ledger: list[dict], found: list[dict], block_size: int) -> Opti
     inj = ledger[0]
     expected = set(inj["expected"])
     hits = [v for v in found if v["step"] >= inj["forward"] and set(v["reason"].split("+")) & expected
+            and v.get("group", "full") == inj.get("group", "full")
             and (v["request_id"] == inj["request_id"] or v["slot"] == inj["slot"]
                  or v["slot"] // block_size == inj["slot"] // block_size)]
     return {"caught": bool(hits), "right_request": bool(hits) and hits[0]["request_id"] == inj["request_id"],
@@ -220,6 +258,7 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
         "checked_forwards": checked.get("checked_forwards", 0),
         "tokens_identical": ref["error"] is None and checked["error"] is None and ref["tokens"] == checked["tokens"],
         "first_violations": checked.get("first_violations", []),
+        "canary_groups": checked.get("canary_groups"),
         "error": ref["error"] and f"unchecked run: {ref['error']}",
         "fault": None,
     }
@@ -230,7 +269,8 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
         kind = config["fault"]
         if config["canary"]["real_kv_hash"] == "none":
             kind = "redirect_block_table"
-        spec = {"name": kind, "after_forward": 2, "seed": seed, "ledger_path": os.path.join(work, "ledger.jsonl")}
+        spec = {"name": kind, "after_forward": 2, "seed": seed, "ledger_path": os.path.join(work, "ledger.jsonl"),
+                "group": config.get("fault_group", "any")}  # "any": one of the full-attention groups
         if kind == "flip_cached_block_byte":
             picks = config["canary"].get("real_kv_layers", [0, -1])
             spec["layer"] = picks[0]
@@ -243,6 +283,7 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
                 ledger = [json.loads(line) for line in fh if line.strip()]
         judged = _judge_fault(ledger, twin.get("found", []), config["block_size"])
         out["fault"] = {"kind": kind, "fired": judged is not None,
+                        "group": judged["injection"].get("group") if judged else None,
                         "caught": judged["caught"] if judged else None,
                         "right_request": judged["right_request"] if judged else None,
                         "detail": judged["injection"]["detail"] if judged else None,
