@@ -183,19 +183,9 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-
         if not self.kv_caches:
             return
-        if self.runner is None:
-            self.runner = find_model_runner(next(iter(self.kv_caches.values())))
-        if is_v2_runner(self.runner):
-            step = v2_step_from_stack(self.runner)  # FULL-graph steps have no forward context
-        else:
-            attn = get_forward_context().attn_metadata if is_forward_context_available() else None
-            if not attn or isinstance(attn, list):
-                return
-            step = v1_step(self.runner, attn, self.layouts[0].layer_names[0])
+        step = self._step()
         if step is None:
             return
         attn = step.attn_metadata
@@ -242,6 +232,19 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
                 self.fired[k] = True
                 self._log(spec, replace(injection, graph_mode=step.graph_mode))
         self.seen.update(req_ids)
+
+    def _step(self):
+        """The forward about to run (`forward_view.StepInputs`), or None when this call precedes none."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if self.runner is None:
+            self.runner = find_model_runner(next(iter(self.kv_caches.values())))
+        if is_v2_runner(self.runner):
+            return v2_step_from_stack(self.runner)  # FULL-graph steps have no forward context
+        attn = get_forward_context().attn_metadata if is_forward_context_available() else None
+        if not attn or isinstance(attn, list):
+            return None
+        return v1_step(self.runner, attn, self.layouts[0].layer_names[0])
 
     def _target_group(self, k: int, spec: dict):
         """The group fault ``k`` acts on (flip / redirect; None for the others, which pick their own, and for a model

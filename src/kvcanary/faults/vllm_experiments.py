@@ -290,6 +290,13 @@ def _shifted_weights(worker, checkpoint_format: bool) -> None:
         runner.reload_weights(weights_iterator=weights, is_checkpoint_format=checkpoint_format)
 
 
+def _worker_state(w) -> dict[str, Any]:
+    """The worker connector's forward counts, suspension and own-graph releases."""
+    return {"engine_forwards": w.engine_forwards, "unchecked_forwards": w.unchecked_forwards,
+            "checked_forwards": w.canary.checked_forwards(), "suspended": w.suspended,
+            "graph_releases": w.canary.graph_releases, "canary_graph_forwards": w.canary_graph_forwards}
+
+
 def weights_runs(workdir: str, scenarios: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Weights updated in place while serving (docs/design.md §5.6). One engine (canary, mode ``log``) serves each
     scenario's own prompt twice, one request at a time, with the scenario's update between the two: none; vLLM's
@@ -346,10 +353,7 @@ def weights_runs(workdir: str, scenarios: Optional[Sequence[str]] = None) -> dic
                              "violations": [{"request_id": v.request_id, "reason": v.reason_label,
                                              "position": v.stored_position, "detail": v.identity_detail} for v in new]})
             out[name] = rows
-        w = handles(llm).worker
-        out["canary"] = {"engine_forwards": w.engine_forwards, "unchecked_forwards": w.unchecked_forwards,
-                         "checked_forwards": w.canary.checked_forwards(), "suspended": w.suspended,
-                         "graph_releases": w.canary.graph_releases, "canary_graph_forwards": w.canary_graph_forwards}
+        out["canary"] = _worker_state(handles(llm).worker)
     finally:
         close(llm)
     return out

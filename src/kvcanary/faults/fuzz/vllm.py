@@ -94,16 +94,21 @@ def sample_config(rng: random.Random) -> dict:
         config["spec_method"] = rng.choice(("ngram", "eagle", "eagle3"))
     if rng.random() < 0.5:  # the periodic sweep in windows of a few blocks (1 byte: one block per window)
         canary["sweep_max_bytes"] = rng.choice((1, 1 << 12, 1 << 16, 1 << 20))
-    # no draws below (the configurations drawn before odd-layer hybrids came back stay as they were): fit what vLLM's
-    # split into more KV cache groups needs — real_kv_layers valid in every group, a pool serving one max-length
-    # request in every group
+    # no draws below (the configurations drawn before odd-layer hybrids came back stay as they were)
+    _fit_to_groups(config, need=need, swa_need=swa_need)
+    return config
+
+
+def _fit_to_groups(config: dict, *, need: int, swa_need: int) -> None:
+    """Fit what vLLM's split into more KV cache groups needs: real_kv_layers valid in every group, a pool serving one
+    max-length request in every group (``need`` / ``swa_need``: the blocks drawn for one group / a sliding one)."""
+    canary = config["canary"]
     groups = _vllm_groups(config)
     if "real_kv_layers" in canary:
         least = min(len(ids) for _, ids in kv_cache_groups(config))
         canary["real_kv_layers"] = sorted({min(max(p, -least), least - 1) for p in canary["real_kv_layers"]})
-    full_need = -(-max_len // block) + 1
+    full_need = -(-config["max_model_len"] // config["block_size"]) + 1
     config["num_blocks"] += max(0, sum(full_need if kind == "full" else swa_need for kind, _ in groups) - need)
-    return config
 
 
 def kv_cache_groups(config: dict) -> list[tuple[str, list[int]]]:
