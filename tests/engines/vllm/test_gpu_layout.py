@@ -193,3 +193,37 @@ def test_a_whole_mirror_refresh_copies_what_a_refresh_of_every_slot_copies(layou
         every.refresh(torch.arange(5 * 32))
         whole.refresh_all()
         assert every.mirror.abs().sum() > 0 and torch.equal(whole.mirror, every.mirror)
+
+
+@pytest.mark.parametrize("device_lengths", [True, False])
+def test_v2_lengths_from_the_device_when_async_scheduling_runs_ahead(device_lengths):
+    """Async scheduling with speculative drafts: row a verified 3 drafts at positions 5-8 last step and 1 was
+    accepted, but the host's count still takes all 3 (prefix 9); the runner's device ``seq_lens`` is exact (7 + 4 new
+    tokens = 11) and so are its positions. With ``device_lengths`` the canary's prefix and table follow the device;
+    without it, the host's upper bound (what made every verify forward after a rejection a false ``write_position``)."""
+    layout = GroupLayout(name=FULL, index=0, layer_names=("model.layers.0.self_attn.attn",), layer_ids=(0,),
+                         block_size=4, manager_block_size=4, num_blocks=16, sliding_window=0)
+    view = WorkerView(runner=None, layouts=[layout], max_requests=4, max_context=32, device=torch.device("cpu"),
+                      device_lengths=device_lengths)
+    view.apply(tokens={"a": (0, list(range(100, 108)))}, finished=(), preempted=())
+    bt = torch.zeros(4, 8, dtype=torch.int32)
+    bt[0, :3] = torch.tensor([3, 7, 5])
+    for start, n in ((0, 5), (5, 4)):  # the prefill, then the verify forward of 3 drafts (host and device agree)
+        earlier = SimpleNamespace(num_reqs=1, req_ids=["a"], num_scheduled_tokens=np.array([n], dtype=np.int32),
+                                  num_computed_tokens_np=np.array([start], dtype=np.int32),
+                                  seq_lens=torch.tensor([start + n, 0], dtype=torch.int32),
+                                  input_ids=torch.arange(100 + start, 100 + start + n, dtype=torch.int32),
+                                  positions=torch.arange(start, start + n))
+        slots = [bt[0, p // 4].item() * 4 + p % 4 for p in range(start, start + n)]
+        assert view.describe(v2_step(earlier, _metadata(bt, slots))).prefix_lens.tolist() == [start]
+    batch = SimpleNamespace(num_reqs=1, req_ids=["a"], num_scheduled_tokens=np.array([4], dtype=np.int32),
+                            num_computed_tokens_np=np.array([9], dtype=np.int32),
+                            seq_lens=torch.tensor([11, 0], dtype=torch.int32),
+                            input_ids=torch.tensor([107, 1, 2, 3, 0], dtype=torch.int32),
+                            positions=torch.tensor([7, 8, 9, 10, 0], dtype=torch.int64))
+    desc = view.describe(v2_step(batch, _metadata(bt, [7 * 4 + 3, 5 * 4, 5 * 4 + 1, 5 * 4 + 2])))
+    assert desc.extend_lens.tolist() == [4]
+    assert desc.prefix_lens.tolist() == ([7] if device_lengths else [9])
+    table = desc.groups[FULL].req_to_token[desc.req_pool_indices.tolist()[0]]
+    assert table[:11].tolist() == [12, 13, 14, 15, 28, 29, 30, 31, 20, 21, 22]
+    assert table[11:13].tolist() == ([0, 0] if device_lengths else [23, 0])

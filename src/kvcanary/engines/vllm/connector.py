@@ -630,8 +630,14 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
     def _make_view(self, runner) -> None:
         self.view = WorkerView(runner=runner, layouts=self._layouts, max_requests=self.max_requests,
                                max_context=self.max_context, device=self.canary.device,
-                               track_read_slots=bool(self._mirrors))
+                               track_read_slots=bool(self._mirrors), device_lengths=self._lengths_lag())
         self._v2 = is_v2_runner(runner)
+
+    def _lengths_lag(self) -> bool:
+        """Whether the runner's host lengths may run ahead of the KV: async scheduling with speculative drafts schedules
+        a step before the last one's rejections are known (the V2 runner's device lengths are exact)."""
+        cfg = self._vllm_config
+        return cfg.speculative_config is not None and bool(getattr(cfg.scheduler_config, "async_scheduling", False))
 
     def _warm_up(self) -> None:
         """CUDA, at start: compile the canary's kernels now (vLLM compiles its own at start too) instead of in the

@@ -43,7 +43,10 @@ class StepInputs:
     req_ids / query / prefix: per batch row (attention-metadata order), on the host (query / prefix: int sequences
     or numpy arrays): request id, tokens scheduled, positions already cached. input_ids / positions: ``[>= sum(query)]`` on the engine's device
     (the runner's own buffers, not copied). attn_metadata: layer name -> the backend's metadata (block
-    table, slot mapping), as attention will read it.
+    table, slot mapping), as attention will read it. seq_lens: ``[>= rows]`` on the device, each row's exact sequence
+    length after this forward, where the host ``prefix`` may be an upper bound (V2 runner: with async scheduling
+    and speculative drafts the host counts the previous step's drafts as accepted until their result is back; the
+    runner's device lengths are exact); None where the host lengths are exact.
     """
 
     req_ids: tuple
@@ -53,6 +56,7 @@ class StepInputs:
     positions: torch.Tensor
     attn_metadata: dict
     graph_mode: str = ""  # V2 runner: the step's CUDA-graph mode (FULL, PIECEWISE, NONE); "" when not known
+    seq_lens: Optional[torch.Tensor] = None
 
 
 def v1_step(runner, attn_metadata: dict, first_layer: str) -> StepInputs:
@@ -73,13 +77,14 @@ def v1_step(runner, attn_metadata: dict, first_layer: str) -> StepInputs:
 
 
 def v2_step(input_batch, attn_metadata: dict, graph_mode: str = "") -> StepInputs:
-    """`StepInputs` of a V2 runner's forward: lengths from the batch's host arrays (no device read)."""
+    """`StepInputs` of a V2 runner's forward: lengths from the batch's host arrays (no device read), and its device
+    ``seq_lens`` (exact where the host prefix is an upper bound; `WorkerView.device_lengths`)."""
     n = int(input_batch.num_reqs)
     query = np.array(input_batch.num_scheduled_tokens[:n], dtype=np.int64)  # copies: the runner reuses its arrays
     prefix = np.array(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
     return StepInputs(req_ids=tuple(input_batch.req_ids[:n]), query=query, prefix=prefix,
                       input_ids=input_batch.input_ids, positions=input_batch.positions, attn_metadata=attn_metadata,
-                      graph_mode=graph_mode)
+                      graph_mode=graph_mode, seq_lens=getattr(input_batch, "seq_lens", None))
 
 
 def v2_step_from_stack(runner, depth: int = 12) -> Optional[StepInputs]:
@@ -225,8 +230,11 @@ class WorkerView:
     """Keeps the canary's per-request tables and builds one `BatchDescription` per forward."""
 
     def __init__(self, *, runner, layouts: list[GroupLayout], max_requests: int, max_context: int,
-                 device: torch.device, track_read_slots: bool = False) -> None:
+                 device: torch.device, track_read_slots: bool = False, device_lengths: bool = False) -> None:
         self.runner = runner
+        # the rows' prefix / sequence lengths from the step's device ``seq_lens`` where it has them (async scheduling
+        # with speculative drafts: the host lengths are upper bounds); two small launches a forward
+        self.device_lengths = device_lengths
         self.layouts = layouts
         self.device = torch.device(device)
         self.max_context = max_context
@@ -325,6 +333,9 @@ class WorkerView:
         verify = self._verify_rows(req_ids)
         self._count_events(rows, first, prefix, query, verify)
         rows_t, seq_t, prefix_t, extend_t, lens_t, keys_t = self._upload_columns(rows, seq, prefix, query)
+        exact = self.device_lengths and step.seq_lens is not None
+        if exact:  # the host's max_s stays the tables' width: an upper bound
+            seq_t = step.seq_lens[: len(req_ids)].to(device=self.device, dtype=torch.int64)
         tables, written = self._tables(step, rows_t, seq_t, max_s, num_tokens)
         input_ids = step.input_ids[:num_tokens]
         positions = step.positions[:num_tokens]
@@ -339,6 +350,8 @@ class WorkerView:
             if any(shared):
                 input_ids, positions, written, prefix_t, extend_t, shared_t = self._share(
                     rows, prefix, query, shared, input_ids, positions, written)
+        if exact:  # after any same-step share: a row's claimed positions moved from its prefix to its extend
+            prefix_t = seq_t - extend_t
         rs.computed[rows] = seq
         if self.track_read_slots:
             for name, w in written.items():  # TAIL re-hashes the slots actually written, too
