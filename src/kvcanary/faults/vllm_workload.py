@@ -261,13 +261,14 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
                faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1,
                model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log",
                on_violation: str = "log", spec_tokens: int = 0, spec_method: str = "ngram",
-               sweep_max_bytes: Optional[int] = None) -> dict[str, Any]:
+               sweep_max_bytes: Optional[int] = None, num_blocks: int = 16) -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
     verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger.
     ``shape``: `model_config` options (layers, sliding window); ``mode_option``: the canary's mode; ``on_violation``:
     the adapter's response (log, abort, recompute); ``spec_tokens`` / ``spec_method``: speculative decoding
-    (`engine_kwargs`); ``sweep_max_bytes``: the canary option (None: its default)."""
+    (`engine_kwargs`); ``sweep_max_bytes``: the canary option (None: its default); ``num_blocks``: the KV cache's blocks
+    (shared by its KV cache groups: a split hybrid needs about 16 per group)."""
     import time
 
     from vllm import LLM
@@ -289,7 +290,7 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
     if spec_tokens and spec_method != "ngram":
         draft = write_tiny_draft(os.path.join(workdir, f"tiny-{model_kind}-{spec_method}"), spec_method, model_kind,
                                  target_layers=(shape or {}).get("layers"))
-    kwargs = engine_kwargs(model, kv_transfer_config=ktc, spec_tokens=spec_tokens, spec_method=spec_method,
+    kwargs = engine_kwargs(model, kv_transfer_config=ktc, spec_tokens=spec_tokens, spec_method=spec_method, num_blocks=num_blocks,
                            draft_dir=draft)
     if tensor_parallel > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tensor_parallel)))
@@ -349,8 +350,11 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama", choices=sorted(MODELS), help="tiny model")
     parser.add_argument("--layers", type=int, default=None, help="layers of the tiny model")
     parser.add_argument("--window", type=int, default=None, help="sliding window of the tiny model")
+    parser.add_argument("--sliding-layers", default=None,
+                        help="llama with --window: the layers that slide, comma-separated (a hybrid model)")
     parser.add_argument("--canary-mode", default="log", choices=("log", "raise"), help="the canary's mode")
     parser.add_argument("--on-violation", default="log", choices=("log", "abort", "recompute"), help="the adapter's response")
+    parser.add_argument("--num-blocks", type=int, default=16, help="KV cache blocks (shared by the KV cache groups)")
     parser.add_argument("--spec", type=int, default=0, help="speculative decoding with this many draft tokens")
     parser.add_argument("--sweep-max-bytes", type=int, default=None, help="the canary's sweep_max_bytes (window size)")
     parser.add_argument("--sweep-interval", type=int, default=8, help="forwards between sweeps")
@@ -363,13 +367,25 @@ def main(argv=None) -> int:
     faults = tuple(dict(f, rank=args.fault_rank) for f in plan) if args.fault_rank is not None else plan
     result = run_engine(args.mode, args.workdir, seed=args.seed, processes=args.processes,
                         tensor_parallel=args.tensor_parallel, faults=faults, model_kind=args.model,
-                        shape={k: v for k, v in (("layers", args.layers), ("sliding_window", args.window)) if v is not None},
+                        shape=_shape(args),
                         mode_option=args.canary_mode, on_violation=args.on_violation, spec_tokens=args.spec,
                         spec_method=args.spec_method, sweep_interval=args.sweep_interval,
-                        sweep_max_bytes=args.sweep_max_bytes)
+                        sweep_max_bytes=args.sweep_max_bytes, num_blocks=args.num_blocks)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0
+
+
+def _shape(args) -> dict[str, Any]:
+    """`model_config` shape options from the command line."""
+    shape = {k: v for k, v in (("layers", args.layers), ("sliding_window", args.window)) if v is not None}
+    if args.sliding_layers:
+        try:
+            shape["sliding_layers"] = tuple(int(i) for i in args.sliding_layers.split(","))
+        except ValueError:
+            raise KvCanaryValueError(f"kv-canary: --sliding-layers takes comma-separated layer numbers, got "
+                                     f"{args.sliding_layers!r}") from None
+    return shape
 
 
 # ---- handles on a live in-process engine (experiments, multimodal runs, the fuzzer) ----
