@@ -28,3 +28,29 @@ def test_transformers_clean_config_cuda_graphs(index):
                      device="cuda", cuda_graphs=True)
     assert not o["failed"], (f"fuzz config {index} failed ({', '.join(o['failed'])}): {o['error'] or ''} "
                              f"{o.get('first_violations', [])[:2]} fault={o['fault']}\nreproduce: {o['reproducer']}")
+
+
+VLLM_GPU_SEEDS = (0, 4, 5, 19)  # from the vllm-cpu CI slice: llama / sliding / hybrid, EAGLE or n-gram among them
+
+
+@pytest.mark.parametrize("seed", VLLM_GPU_SEEDS)
+def test_vllm_clean_config_as_vllm_runs_on_the_gpu(seed):
+    """The vLLM fuzzer's configurations (trimmed as in CI) on vLLM's GPU defaults — V2 runner, FULL_AND_PIECEWISE CUDA
+    graphs, async scheduling — unchecked, then with the canary in ``raise`` mode: silent, identical tokens, every
+    forward checked; every third a faulted twin, caught against the right request."""
+    pytest.importorskip("vllm")
+    import random
+
+    from kvcanary.faults.fuzz import vllm as fuzz_vllm
+
+    config = fuzz_vllm.sample_config(random.Random(f"vllm-ci:{seed}"))
+    config["requests"] = [dict(r, max_tokens=min(r["max_tokens"], 8)) for r in config["requests"][:4]]
+    config["aborts"] = [a for a in config["aborts"] if a[0] < 4]
+    o = fuzz_vllm.run_config(config, seed=seed, faulted=VLLM_GPU_SEEDS.index(seed) % 3 == 0)
+    assert o["error"] is None, f"{o['error']}\n{o['reproducer']}"
+    assert o["device"] == "cuda"
+    assert o["violations"] == 0 and not o["false_positive"], f"{o['first_violations']}\n{o['reproducer']}"
+    assert o["tokens_identical"], o["reproducer"]
+    assert o["engine_forwards"] == o["checked_forwards"] > 0, o["reproducer"]
+    if o["fault"] and o["fault"]["fired"]:
+        assert o["fault"]["caught"] and o["fault"]["right_request"], f"{o['fault']}\n{o['reproducer']}"

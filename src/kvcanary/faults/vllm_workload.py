@@ -95,14 +95,23 @@ def write_tiny_draft(directory: str, method: str = "eagle", target: str = "llama
     return directory
 
 
+def device_defaults() -> dict[str, Any]:
+    """``LLM`` arguments that depend on where vLLM runs: on a GPU vLLM's own defaults (V2 runner, torch.compile,
+    FULL_AND_PIECEWISE CUDA graphs) in a small share of its memory (``KVCANARY_GPU_MEMORY_UTILIZATION``, default 0.2);
+    on the CPU eager forwards."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {"gpu_memory_utilization": float(os.environ.get("KVCANARY_GPU_MEMORY_UTILIZATION", "0.2"))}
+    return {"enforce_eager": True}
+
+
 def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, num_blocks: int = 16,
                   max_num_seqs: int = 6, max_num_batched_tokens: int = 128, stats: bool = True,
                   spec_tokens: int = 0, spec_method: str = "ngram", draft_dir: Optional[str] = None) -> dict[str, Any]:
     """``LLM(**engine_kwargs(...))`` for the tiny model in a cramped KV cache (see the module docstring).
     ``spec_tokens`` > 0: speculative decoding with ``spec_method`` (`SPEC_METHODS`); "eagle" / "eagle3" draft with the
     tiny draft model in ``draft_dir`` (`write_tiny_draft`)."""
-    import torch
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     kw: dict[str, Any] = dict(
         model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -110,11 +119,7 @@ def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, 
         num_gpu_blocks_override=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         disable_log_stats=not stats,
     )
-    if torch.cuda.is_available():
-        # vLLM's defaults on a GPU (V2 runner, torch.compile, FULL_AND_PIECEWISE CUDA graphs); a small share of memory
-        kw["gpu_memory_utilization"] = float(os.environ.get("KVCANARY_GPU_MEMORY_UTILIZATION", "0.2"))
-    else:
-        kw["enforce_eager"] = True
+    kw.update(device_defaults())
     if kv_transfer_config is not None:
         kw["kv_transfer_config"] = kv_transfer_config
     if spec_method not in SPEC_METHODS:
@@ -430,7 +435,7 @@ def close(llm) -> None:
     cleanup_dist_env_and_memory()
 
 
-__all__ = ["MODELS", "BLOCK_SIZE", "SPEC_METHODS", "model_config", "write_tiny_model", "write_tiny_draft", "engine_kwargs", "Request", "PATTERN",
+__all__ = ["MODELS", "BLOCK_SIZE", "SPEC_METHODS", "model_config", "write_tiny_model", "write_tiny_draft", "device_defaults", "engine_kwargs", "Request", "PATTERN",
            "PARALLEL", "workload", "generate", "vllm_metrics", "read_jsonl", "transfer_config", "FAULT_PLAN",
            "FAULT_PLAN_SPEC", "run_engine", "canary_layers", "Handles", "handles", "close"]
 

@@ -161,13 +161,16 @@ def _prompts(config: dict, seed: int) -> list[list[int]]:
 
 # ---- one engine run (inside the worker) -----------------------------------------------------------
 def _llm_kwargs(config: dict, model: str, ktc: Optional[dict], draft: Optional[str] = None) -> dict:
-    """``LLM(...)`` arguments of one configuration (eager on the CPU; n-gram or EAGLE drafts when it draws them)."""
+    """``LLM(...)`` arguments of one configuration (`device_defaults`: eager on the CPU, vLLM's own defaults on a GPU —
+    CUDA graphs, async scheduling; n-gram or EAGLE drafts when it draws them)."""
+    from kvcanary.faults.vllm_workload import device_defaults
+
     kw: dict[str, Any] = dict(
         model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-        enable_prefix_caching=config["prefix_caching"], enforce_eager=True, max_model_len=config["max_model_len"],
+        enable_prefix_caching=config["prefix_caching"], max_model_len=config["max_model_len"],
         seed=0, block_size=config["block_size"], num_gpu_blocks_override=config["num_blocks"],
         max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=config["max_num_batched_tokens"],
-        disable_log_stats=True, kv_transfer_config=ktc)
+        disable_log_stats=True, kv_transfer_config=ktc, **device_defaults())
     if config.get("spec_tokens") and config.get("spec_method", "ngram") != "ngram":
         # a one-layer random-weight EAGLE / EAGLE-3 head beside the model (``draft``: written by `_engine_run`)
         kw["speculative_config"] = {"method": config["spec_method"], "model": draft,
@@ -228,7 +231,8 @@ def _engine_run(config: dict, seed: int, *, canary: Optional[dict], faults: Opti
                                             for v in c.violations()[:5]],
                           found=[{"request_id": v.request_id, "slot": v.slot, "reason": v.reason_label, "step": v.step,
                                   "group": v.group} for v in c.violations()[:200]],
-                          canary_groups={g.name: list(g.layer_names) for g in worker._layouts})
+                          canary_groups={g.name: list(g.layer_names) for g in worker._layouts},
+                          device=str(c.device.type), full_graph_forwards=worker.full_graph_forwards)
     finally:
         try:
             close(llm)
@@ -263,7 +267,8 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
         "checked_forwards": checked.get("checked_forwards", 0),
         "tokens_identical": ref["error"] is None and checked["error"] is None and ref["tokens"] == checked["tokens"],
         "first_violations": checked.get("first_violations", []),
-        "canary_groups": checked.get("canary_groups"),
+        "canary_groups": checked.get("canary_groups"), "device": checked.get("device"),
+        "full_graph_forwards": checked.get("full_graph_forwards", 0),
         "error": ref["error"] and f"unchecked run: {ref['error']}",
         "fault": None,
     }
