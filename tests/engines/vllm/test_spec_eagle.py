@@ -46,6 +46,15 @@ def faulted(tmp_path_factory):
     return run_workload("faults", tmp_path_factory, *EAGLE)
 
 
+ROLLBACK_FAULTS = json.dumps([{"name": "keep_rejected_drafts", "after_forward": 8, "seed": 0},
+                              {"name": "rollback_off_by_one", "after_forward": 24, "seed": 1}])
+
+
+@pytest.fixture(scope="module")
+def rollback_faulted(tmp_path_factory):
+    return run_workload("faults", tmp_path_factory, *EAGLE, "--fault-plan", ROLLBACK_FAULTS)
+
+
 def _silent_and_checked(run: dict) -> None:
     m = run["metrics"]
     assert m["kv_canary_draft_tokens"] > 50  # the EAGLE head proposed drafts and the target verified them
@@ -120,3 +129,18 @@ def test_eagle3_clean_run_is_silent_and_identical(reference3, clean3):
     _silent_and_checked(clean3)
     assert clean3["canary_layers"]["draft"] == [DRAFT_LAYER]
     assert clean3["canary_layers"]["groups"] == {"full": TARGET_LAYERS}
+
+
+def test_rollback_faults_in_vllm_scheduler_output_caught_in_their_forward(rollback_faulted):
+    """A request just rolled back by rejected drafts is handed to the worker with its computed count too high (by its
+    rejected drafts; by one), so the rejected drafts' KV is read as context: each caught by the committed-token check
+    against that request (a request of its own per fault) in that forward, nothing before."""
+    ledger = {e["name"]: e for e in rollback_faulted["ledger"]}
+    assert set(ledger) == {"keep_rejected_drafts", "rollback_off_by_one"}
+    assert ledger["keep_rejected_drafts"]["request_id"] != ledger["rollback_off_by_one"]["request_id"]
+    for e in ledger.values():
+        assert e["slot"] > 0, e
+        hits = [v for v in rollback_faulted["violations"] if v["step"] == e["forward"]
+                and v["request_id"] == e["request_id"] and "verify_token" in v["fail_reason"].split("+")]
+        assert hits, e
+    assert not [v for v in rollback_faulted["violations"] if v["step"] < min(e["forward"] for e in ledger.values())]

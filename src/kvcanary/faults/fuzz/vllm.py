@@ -254,6 +254,19 @@ def _judge_fault(ledger: list[dict], found: list[dict], block_size: int) -> Opti
             "injection": inj}
 
 
+def _fault_kind(config: dict, seed: int) -> str:
+    """The twin's fault: the configuration's, a block-table redirect where no real KV is hashed, and in a third of the
+    twins with speculative decoding on the CPU (V1 runner) and a full-attention group a rollback fault instead."""
+    import torch
+
+    if (config.get("spec_tokens") and config["arch"] != "mistral_swa" and not torch.cuda.is_available()
+            and seed % 3 == 0):
+        return ("keep_rejected_drafts", "rollback_off_by_one")[seed // 3 % 2]
+    if config["canary"]["real_kv_hash"] == "none":
+        return "redirect_block_table"
+    return config["fault"]
+
+
 def execute(config: dict, seed: int, faulted: bool) -> dict:
     """Every run of one configuration in this process (the worker's entry): unchecked, canary ``raise``,
     and with ``faulted`` the twin (canary ``log`` + one injected fault)."""
@@ -276,11 +289,10 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
     if checked["error"] and not out["violations"]:
         out["error"] = f"canary run: {checked['error']}"
     if faulted:
-        kind = config["fault"]
-        if config["canary"]["real_kv_hash"] == "none":
-            kind = "redirect_block_table"
-        spec = {"name": kind, "after_forward": 2, "seed": seed, "ledger_path": os.path.join(work, "ledger.jsonl"),
-                "group": config.get("fault_group", "any")}  # "any": one of the full-attention groups
+        kind = _fault_kind(config, seed)
+        spec = {"name": kind, "after_forward": 2, "seed": seed, "ledger_path": os.path.join(work, "ledger.jsonl")}
+        if kind in ("flip_cached_block_byte", "redirect_block_table"):
+            spec["group"] = config.get("fault_group", "any")  # "any": one of the full-attention groups
         if kind == "flip_cached_block_byte":
             picks = config["canary"].get("real_kv_layers", [0, -1])
             spec["layer"] = picks[0]
