@@ -108,10 +108,12 @@ def device_defaults() -> dict[str, Any]:
 
 def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, num_blocks: int = 16,
                   max_num_seqs: int = 6, max_num_batched_tokens: int = 128, stats: bool = True,
-                  spec_tokens: int = 0, spec_method: str = "ngram", draft_dir: Optional[str] = None) -> dict[str, Any]:
+                  spec_tokens: int = 0, spec_method: str = "ngram", draft_dir: Optional[str] = None,
+                  attention_backend: Optional[str] = None) -> dict[str, Any]:
     """``LLM(**engine_kwargs(...))`` for the tiny model in a cramped KV cache (see the module docstring).
     ``spec_tokens`` > 0: speculative decoding with ``spec_method`` (`SPEC_METHODS`); "eagle" / "eagle3" draft with the
-    tiny draft model in ``draft_dir`` (`write_tiny_draft`)."""
+    tiny draft model in ``draft_dir`` (`write_tiny_draft`). ``attention_backend``: vLLM's backend name (e.g.
+    ``TRITON_ATTN``, ``FLASHINFER``); None: vLLM's choice."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     kw: dict[str, Any] = dict(
         model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -120,6 +122,8 @@ def engine_kwargs(model_dir: str, *, kv_transfer_config: Optional[dict] = None, 
         disable_log_stats=not stats,
     )
     kw.update(device_defaults())
+    if attention_backend:
+        kw["attention_backend"] = attention_backend
     if kv_transfer_config is not None:
         kw["kv_transfer_config"] = kv_transfer_config
     if spec_method not in SPEC_METHODS:
@@ -266,14 +270,15 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
                faults: tuple = FAULT_PLAN, processes: bool = False, tensor_parallel: int = 1,
                model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log",
                on_violation: str = "log", spec_tokens: int = 0, spec_method: str = "ngram",
-               sweep_max_bytes: Optional[int] = None, num_blocks: int = 16) -> dict[str, Any]:
+               sweep_max_bytes: Optional[int] = None, num_blocks: int = 16,
+               attention_backend: Optional[str] = None) -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
     verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger.
     ``shape``: `model_config` options (layers, sliding window); ``mode_option``: the canary's mode; ``on_violation``:
     the adapter's response (log, abort, recompute); ``spec_tokens`` / ``spec_method``: speculative decoding
     (`engine_kwargs`); ``sweep_max_bytes``: the canary option (None: its default); ``num_blocks``: the KV cache's blocks
-    (shared by its KV cache groups: a split hybrid needs about 16 per group)."""
+    (shared by its KV cache groups: a split hybrid needs about 16 per group); ``attention_backend``: `engine_kwargs`."""
     import time
 
     from vllm import LLM
@@ -296,7 +301,7 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
         draft = write_tiny_draft(os.path.join(workdir, f"tiny-{model_kind}-{spec_method}"), spec_method, model_kind,
                                  target_layers=(shape or {}).get("layers"))
     kwargs = engine_kwargs(model, kv_transfer_config=ktc, spec_tokens=spec_tokens, spec_method=spec_method, num_blocks=num_blocks,
-                           draft_dir=draft)
+                           draft_dir=draft, attention_backend=attention_backend)
     if tensor_parallel > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tensor_parallel)))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -359,6 +364,7 @@ def main(argv=None) -> int:
                         help="llama with --window: the layers that slide, comma-separated (a hybrid model)")
     parser.add_argument("--canary-mode", default="log", choices=("log", "raise"), help="the canary's mode")
     parser.add_argument("--on-violation", default="log", choices=("log", "abort", "recompute"), help="the adapter's response")
+    parser.add_argument("--attention-backend", default=None, help="vLLM's attention backend (default: vLLM's choice)")
     parser.add_argument("--num-blocks", type=int, default=16, help="KV cache blocks (shared by the KV cache groups)")
     parser.add_argument("--spec", type=int, default=0, help="speculative decoding with this many draft tokens")
     parser.add_argument("--sweep-max-bytes", type=int, default=None, help="the canary's sweep_max_bytes (window size)")
@@ -375,7 +381,8 @@ def main(argv=None) -> int:
                         shape=_shape(args),
                         mode_option=args.canary_mode, on_violation=args.on_violation, spec_tokens=args.spec,
                         spec_method=args.spec_method, sweep_interval=args.sweep_interval,
-                        sweep_max_bytes=args.sweep_max_bytes, num_blocks=args.num_blocks)
+                        sweep_max_bytes=args.sweep_max_bytes, num_blocks=args.num_blocks,
+                        attention_backend=args.attention_backend)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0

@@ -227,3 +227,32 @@ def test_v2_lengths_from_the_device_when_async_scheduling_runs_ahead(device_leng
     table = desc.groups[FULL].req_to_token[desc.req_pool_indices.tolist()[0]]
     assert table[:11].tolist() == [12, 13, 14, 15, 28, 29, 30, 31, 20, 21, 22]
     assert table[11:13].tolist() == ([0, 0] if device_lengths else [23, 0])
+
+
+def test_v2_block_table_from_the_runner_when_the_backend_metadata_has_none():
+    """FlashInfer's metadata keeps paged-KV indices, not the block table: the V2 runner's gathered block table of the
+    group (by KV cache group index) gives the same position -> slot table; with neither, a named refusal."""
+    layout = GroupLayout(name=FULL, index=0, layer_names=("model.layers.0.self_attn.attn",), layer_ids=(0,),
+                         block_size=4, manager_block_size=4, num_blocks=16, sliding_window=0)
+    bt = torch.zeros(4, 8, dtype=torch.int32)
+    bt[0, :2] = torch.tensor([3, 7])
+
+    def batch():
+        return SimpleNamespace(num_reqs=1, req_ids=["a"], num_scheduled_tokens=np.array([6], dtype=np.int32),
+                               num_computed_tokens_np=np.array([0], dtype=np.int32),
+                               input_ids=torch.arange(100, 106, dtype=torch.int32), positions=torch.arange(6))
+
+    slots = [12, 13, 14, 15, 28, 29]
+    tables = []
+    for meta, given in ((_metadata(bt, slots), None),
+                        ({"model.layers.0.self_attn.attn": SimpleNamespace(slot_mapping=torch.tensor(slots))}, (bt,))):
+        view = WorkerView(runner=None, layouts=[layout], max_requests=4, max_context=32, device=torch.device("cpu"))
+        view.apply(tokens={"a": (0, list(range(100, 106)))}, finished=(), preempted=())
+        desc = view.describe(v2_step(batch(), meta, block_tables=given))
+        tables.append(desc.groups[FULL].req_to_token[desc.req_pool_indices.tolist()[0], :6].tolist())
+    assert tables[0] == tables[1] == slots
+    view = WorkerView(runner=None, layouts=[layout], max_requests=4, max_context=32, device=torch.device("cpu"))
+    bare = {"model.layers.0.self_attn.attn": SimpleNamespace(slot_mapping=torch.tensor(slots))}
+    with pytest.raises(RuntimeError, match=r"^kv-canary: the attention metadata of model.layers.0.self_attn.attn "
+                                           r"\(SimpleNamespace\) holds no block table"):
+        view.describe(v2_step(batch(), bare))

@@ -46,7 +46,9 @@ class StepInputs:
     table, slot mapping), as attention will read it. seq_lens: ``[>= rows]`` on the device, each row's exact sequence
     length after this forward, where the host ``prefix`` may be an upper bound (V2 runner: with async scheduling
     and speculative drafts the host counts the previous step's drafts as accepted until their result is back; the
-    runner's device lengths are exact); None where the host lengths are exact.
+    runner's device lengths are exact); None where the host lengths are exact. block_tables: V2 runner, the block
+    table of each KV cache group (by group index) as the runner gathered it for this forward — what a backend whose
+    metadata keeps no ``block_table`` (FlashInfer: paged-KV indices built from it) reads; None elsewhere.
     """
 
     req_ids: tuple
@@ -57,6 +59,7 @@ class StepInputs:
     attn_metadata: dict
     graph_mode: str = ""  # V2 runner: the step's CUDA-graph mode (FULL, PIECEWISE, NONE); "" when not known
     seq_lens: Optional[torch.Tensor] = None
+    block_tables: Optional[tuple] = None
 
 
 def v1_step(runner, attn_metadata: dict, first_layer: str) -> StepInputs:
@@ -76,7 +79,7 @@ def v1_step(runner, attn_metadata: dict, first_layer: str) -> StepInputs:
                       input_ids=runner.input_ids.gpu, positions=runner.positions, attn_metadata=attn_metadata)
 
 
-def v2_step(input_batch, attn_metadata: dict, graph_mode: str = "") -> StepInputs:
+def v2_step(input_batch, attn_metadata: dict, graph_mode: str = "", block_tables: Optional[tuple] = None) -> StepInputs:
     """`StepInputs` of a V2 runner's forward: lengths from the batch's host arrays (no device read), and its device
     ``seq_lens`` (exact where the host prefix is an upper bound; `WorkerView.device_lengths`)."""
     n = int(input_batch.num_reqs)
@@ -84,7 +87,7 @@ def v2_step(input_batch, attn_metadata: dict, graph_mode: str = "") -> StepInput
     prefix = np.array(input_batch.num_computed_tokens_np[:n], dtype=np.int64)
     return StepInputs(req_ids=tuple(input_batch.req_ids[:n]), query=query, prefix=prefix,
                       input_ids=input_batch.input_ids, positions=input_batch.positions, attn_metadata=attn_metadata,
-                      graph_mode=graph_mode, seq_lens=getattr(input_batch, "seq_lens", None))
+                      graph_mode=graph_mode, seq_lens=getattr(input_batch, "seq_lens", None), block_tables=block_tables)
 
 
 def v2_step_from_stack(runner, depth: int = 12) -> Optional[StepInputs]:
@@ -105,9 +108,24 @@ def v2_step_from_stack(runner, depth: int = 12) -> Optional[StepInputs]:
                 raise KvCanaryRuntimeError("kv-canary: micro-batched forwards (DBO) are not supported by the vLLM adapter")
             desc = loc.get("batch_desc")
             mode = getattr(getattr(desc, "cg_mode", None), "name", "") if desc is not None else ""
-            return v2_step(batch, attn, graph_mode=str(mode))
+            tables = loc.get("block_tables")
+            return v2_step(batch, attn, graph_mode=str(mode), block_tables=tuple(tables) if tables is not None else None)
         frame = frame.f_back
     return None
+
+
+def _block_table(step: StepInputs, g: GroupLayout, meta) -> torch.Tensor:
+    """The block table attention reads for group ``g`` this forward: the backend's metadata's, else (a backend that
+    keeps none, FlashInfer) the one the V2 runner gathered for the group."""
+    bt = getattr(meta, "block_table", None)
+    if bt is None and step.block_tables is not None and g.index < len(step.block_tables):
+        bt = step.block_tables[g.index]
+    if bt is None:
+        raise KvCanaryRuntimeError(
+            f"kv-canary: the attention metadata of {g.layer_names[0]} ({type(meta).__name__}) holds no block table and "
+            f"the model runner gave none for KV cache group {g.index}; this attention backend is not supported"
+        )
+    return bt
 
 
 class RequestRows:
@@ -433,18 +451,18 @@ class WorkerView:
         tables, written = {}, {}
         for g in self.layouts:
             meta = step.attn_metadata[g.layer_names[0]]
-            tables[g.name] = self._fill_table(g, meta, rows_t, seq_t, max_s)
+            tables[g.name] = self._fill_table(g, step, meta, rows_t, seq_t, max_s)
             written[g.name] = meta.slot_mapping[:num_tokens].to(device=self.device, dtype=torch.int64)
         for name in self._full_groups:  # one launch per group: a block belongs to one group at a time
             launch_mark_written_slots_kernel(slots=written[name], ever_written=self._ever_written,
                                              rewritten=self._reused)
         return tables, written
 
-    def _fill_table(self, g: GroupLayout, meta, rows_t, seq_t, max_s: int) -> torch.Tensor:
+    def _fill_table(self, g: GroupLayout, step: StepInputs, meta, rows_t, seq_t, max_s: int) -> torch.Tensor:
         """Write each row's position -> slot table from the block table attention reads (one kernel, on the device);
         a sliding-window group's null blocks (dropped behind the window) become padding, never verified."""
         table = self.req_to_token[g.name]
-        bt = meta.block_table
+        bt = _block_table(step, g, meta)
         if bt.device != self.device or bt.stride(-1) != 1:
             bt = bt.to(self.device).contiguous()
         launch_block_table_slots_kernel(block_table=bt, rows=rows_t, seq_lens=seq_t, block_size=g.block_size,
