@@ -355,12 +355,7 @@ class WorkerView:
         if exact:  # the host's max_s stays the tables' width: an upper bound
             seq_t = step.seq_lens[: len(req_ids)].to(device=self.device, dtype=torch.int64)
         tables, written = self._tables(step, rows_t, seq_t, max_s, num_tokens)
-        input_ids = step.input_ids[:num_tokens]
-        positions = step.positions[:num_tokens]
-        if input_ids.device != self.device:
-            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
-        if self.mm:
-            input_ids = self._content_inputs(req_ids, rows, prefix, query, input_ids)
+        input_ids, positions = self._inputs(step, num_tokens, req_ids, rows, prefix, query)
         todo = np.flatnonzero(first & (prefix > 0))
         shared_t = None
         if todo.size:
@@ -371,17 +366,13 @@ class WorkerView:
         if exact:  # after any same-step share: a row's claimed positions moved from its prefix to its extend
             prefix_t = seq_t - extend_t
         rs.computed[rows] = seq
-        if self.track_read_slots:
-            for name, w in written.items():  # TAIL re-hashes the slots actually written, too
-                self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
-        groups = {g.name: GroupBatch(req_to_token=tables[g.name], out_cache_loc=written[g.name]) for g in self.layouts}
         return BatchDescription(
             req_pool_indices=rows_t,
             prefix_lens=prefix_t,
             extend_lens=extend_t,
             input_ids=input_ids,
             positions=positions,
-            groups=groups,
+            groups=self._groups(tables, written),
             request_ids=tuple(req_ids),
             token_table=self.token_table,
             token_table_lens=lens_t,
@@ -389,6 +380,23 @@ class WorkerView:
             context_keys=keys_t,
             shared_lens=shared_t,
         )
+
+    def _inputs(self, step: StepInputs, num_tokens: int, req_ids, rows, prefix, query) -> tuple:
+        """The forward's input ids and positions on the canary's device (multimodal placeholders as content tokens)."""
+        input_ids = step.input_ids[:num_tokens]
+        positions = step.positions[:num_tokens]
+        if input_ids.device != self.device:
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+        if self.mm:
+            input_ids = self._content_inputs(req_ids, rows, prefix, query, input_ids)
+        return input_ids, positions
+
+    def _groups(self, tables: dict, written: dict) -> dict:
+        """Per group its `GroupBatch`; the slots written join the read slots TAIL re-hashes (adapters that mirror KV)."""
+        if self.track_read_slots:
+            for name, w in written.items():
+                self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
+        return {g.name: GroupBatch(req_to_token=tables[g.name], out_cache_loc=written[g.name]) for g in self.layouts}
 
     def empty_batch(self) -> BatchDescription:
         """A forward without rows or tokens holding this view's tables (for `Canary.warm_up`)."""
