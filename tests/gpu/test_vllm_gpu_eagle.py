@@ -40,17 +40,21 @@ def draft_faulted(tmp_path_factory):
     return run_workload("faults", tmp_path_factory, *EAGLE, "--fault-plan", DRAFT_FAULTS)
 
 
+def _silent_with_drafts_every_forward_checked(run: dict) -> None:
+    m = run["metrics"]
+    assert m["kv_canary_draft_tokens"] > 50
+    assert m["kv_canary_violations"] == 0 and not m["by_reason"] and run["violations"] == []
+    assert m["kv_canary_forwards"] > 20 and m["kv_canary_checked_forwards"] == m["kv_canary_forwards"]
+    assert m["kv_canary_full_graph_forwards"] > 0  # verify forwards replayed from vLLM's FULL CUDA graphs, checked
+
+
 def test_gpu_eagle_identical_tokens_with_and_without_the_canary(reference, clean):
     assert reference["tokens"] and clean["tokens"] == reference["tokens"]
 
 
 def test_gpu_eagle_clean_run_silent_every_forward_checked(clean):
-    m = clean["metrics"]
-    print(json.dumps({k: v for k, v in m.items() if k != "by_reason"}))
-    assert m["kv_canary_draft_tokens"] > 50
-    assert m["kv_canary_violations"] == 0 and not m["by_reason"] and clean["violations"] == []
-    assert m["kv_canary_forwards"] > 20 and m["kv_canary_checked_forwards"] == m["kv_canary_forwards"]
-    assert m["kv_canary_full_graph_forwards"] > 0  # verify forwards replayed from vLLM's FULL CUDA graphs, checked
+    print(json.dumps({k: v for k, v in clean["metrics"].items() if k != "by_reason"}))
+    _silent_with_drafts_every_forward_checked(clean)
     assert all(v == {"violations": 0, "reasons": []} for v in clean["verdicts"])
     layers = clean["canary_layers"]
     assert layers["draft"] == ["model.layers.2.self_attn.attn"]
@@ -87,8 +91,4 @@ def test_gpu_ngram_clean_run_silent_identical_every_forward_checked(reference_ng
     """n-gram drafts on the GPU (vLLM turns async scheduling off for them), CUDA graphs on: silent, token-identical to
     vLLM without the canary, every forward checked."""
     assert reference_ngram["tokens"] and clean_ngram["tokens"] == reference_ngram["tokens"]
-    m = clean_ngram["metrics"]
-    assert m["kv_canary_draft_tokens"] > 50
-    assert m["kv_canary_violations"] == 0 and not m["by_reason"] and clean_ngram["violations"] == []
-    assert m["kv_canary_forwards"] > 20 and m["kv_canary_checked_forwards"] == m["kv_canary_forwards"]
-    assert m["kv_canary_full_graph_forwards"] > 0
+    _silent_with_drafts_every_forward_checked(clean_ngram)

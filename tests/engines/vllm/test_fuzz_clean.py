@@ -6,7 +6,8 @@ on and off, aborts, n > 1 and hash mode). All configurations share one worker pr
 """
 from __future__ import annotations
 
-import random
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,14 +15,10 @@ pytest.importorskip("vllm")
 
 from kvcanary.faults.fuzz import vllm as fuzz  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_support import assert_clean_outcome, ci_config as _trimmed  # noqa: E402
+
 SEEDS = (0, 3, 4, 5, 7, 12, 16, 19, 24)  # chosen to cover every feature the slice asserts below
-
-
-def _trimmed(seed: int) -> dict:
-    config = fuzz.sample_config(random.Random(f"vllm-ci:{seed}"))
-    config["requests"] = [dict(r, max_tokens=min(r["max_tokens"], 8)) for r in config["requests"][:4]]
-    config["aborts"] = [a for a in config["aborts"] if a[0] < 4]
-    return config
 
 
 def test_the_slice_covers_the_engine_features():
@@ -37,10 +34,4 @@ def test_the_slice_covers_the_engine_features():
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_clean_configuration_is_silent_identical_and_fully_checked(seed):
-    o = fuzz.run_config(_trimmed(seed), seed=seed, faulted=SEEDS.index(seed) % 3 == 0)
-    assert o["error"] is None, f"{o['error']}\n{o['reproducer']}"
-    assert o["violations"] == 0 and not o["false_positive"], f"{o['first_violations']}\n{o['reproducer']}"
-    assert o["tokens_identical"], o["reproducer"]
-    assert o["engine_forwards"] == o["checked_forwards"] > 0, o["reproducer"]
-    if o["fault"] and o["fault"]["fired"]:
-        assert o["fault"]["caught"] and o["fault"]["right_request"], f"{o['fault']}\n{o['reproducer']}"
+    assert_clean_outcome(fuzz.run_config(_trimmed(seed), seed=seed, faulted=SEEDS.index(seed) % 3 == 0))

@@ -34,3 +34,26 @@ def run_experiment(what: str, tmp_path_factory, *extra: str, timeout: int = 900)
     if proc.returncode != 0:
         pytest.fail(f"{what} runs failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
+
+
+def ci_config(seed: int) -> dict:
+    """The vLLM fuzzer's configuration for CI seed ``seed``, trimmed to four requests of at most 8 new tokens."""
+    import random
+
+    from kvcanary.faults.fuzz import vllm as fuzz
+
+    config = fuzz.sample_config(random.Random(f"vllm-ci:{seed}"))
+    config["requests"] = [dict(r, max_tokens=min(r["max_tokens"], 8)) for r in config["requests"][:4]]
+    config["aborts"] = [a for a in config["aborts"] if a[0] < 4]
+    return config
+
+
+def assert_clean_outcome(o: dict) -> None:
+    """A fuzzer outcome: no error, silent, identical tokens, every forward checked; a fired fault caught against the
+    right request."""
+    assert o["error"] is None, f"{o['error']}\n{o['reproducer']}"
+    assert o["violations"] == 0 and not o["false_positive"], f"{o['first_violations']}\n{o['reproducer']}"
+    assert o["tokens_identical"], o["reproducer"]
+    assert o["engine_forwards"] == o["checked_forwards"] > 0, o["reproducer"]
+    if o["fault"] and o["fault"]["fired"]:
+        assert o["fault"]["caught"] and o["fault"]["right_request"], f"{o['fault']}\n{o['reproducer']}"
