@@ -55,9 +55,11 @@ for stage in ${STAGES:-tests bench1b}; do
       timeout 240 python3 -m pytest tests/gpu/test_deep_store_gpu.py -k captured -q -p no:cacheprovider -rf --tb=short \
         > "$OUT/deepcap.log" 2>&1; echo "deepcap rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/deepcap.log" | tail -4 ;;
     sections)  # the adapter's host time per decode forward by section, and each explicit sweep's parts
-      timeout $(( $(left) - 10 )) python3 bench/diag/vllm_host_sections.py > "$OUT/sections.log" 2>&1
-      echo "sections rc=$?"; grep -E "^round|^section|^bind|^save|^sched|^stats|^sweep|^explicit|^device" "$OUT/sections.log" | head -60
-      grep -E "^profile|^kernel" "$OUT/sections.log" | head -32 ;;
+      for shape in ${SECTION_SHAPES:-${KVC_SHAPE:-1b}}; do  # SECTION_SHAPES="1b 8b": one engine per shape, in turn
+        KVC_SHAPE=$shape timeout $(( $(left) - 10 )) python3 bench/diag/vllm_host_sections.py > "$OUT/sections_$shape.log" 2>&1
+        echo "sections $shape rc=$?"; grep -E "^round|^section|^bind|^save|^sched|^stats|^sweep|^explicit|^device" "$OUT/sections_$shape.log" | head -60
+        grep -E "^profile|^kernel" "$OUT/sections_$shape.log" | head -${PROFILE_LINES:-32}
+      done ;;
     race)  # issue 32: does jitter surface an unordered side-stream write? (simulated engine; then the cost table)
       timeout $(( $(left) - 10 )) python3 bench/jitter_race.py --json "$OUT/jitter_race.json" > "$OUT/race.log" 2>&1
       echo "race rc=$?"; grep -vE "^\[|Warning|warn" "$OUT/race.log" | tail -16
