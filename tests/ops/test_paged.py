@@ -31,13 +31,27 @@ def test_block_table_slots_drop_null_and_row_outside():
     assert table.tolist() == [[-1] * 6, [0, 0, 0, 12, 13, 14]]  # row 9 is outside the table: nothing written
 
 
+def test_block_table_slots_to_each_rows_length_keeps_the_rest():
+    table = torch.full((4, 10), -5, dtype=torch.int32)
+    bt = torch.tensor([[3, 0, 7], [2, 5, 0], [1, 1, 1]], dtype=torch.int32)
+    launch_block_table_slots_kernel(block_table=bt, rows=torch.tensor([2, 1, 0]), seq_lens=torch.tensor([9, 5, 0]),
+                                    block_size=4, width=None, table_out=table, drop_null=True)
+    assert table[2].tolist() == [12, 13, 14, 15, 0, 0, 0, 0, 28, -5]  # drop_null: block 0 -> 0; past 9 kept
+    assert table[1].tolist() == [8, 9, 10, 11, 20, -5, -5, -5, -5, -5]
+    assert table[0].tolist() == [-5] * 10  # length 0: nothing written
+    table = torch.full((4, 10), -5, dtype=torch.int32)  # rows past the block table's own: nothing written
+    launch_block_table_slots_kernel(block_table=bt[:1], rows=torch.tensor([2, 1]), seq_lens=torch.tensor([9, 5]),
+                                    block_size=4, width=None, table_out=table)
+    assert table[2].tolist() == [12, 13, 14, 15, 0, 1, 2, 3, 28, -5] and table[1].tolist() == [-5] * 10
+
+
 def test_block_table_slots_refuses_bad_input():
     table = torch.zeros(2, 4, dtype=torch.int32)
     bt = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(KvCanaryTypeError, match="kv-canary: block_table_slots rows must be int64"):
         launch_block_table_slots_kernel(block_table=bt, rows=torch.tensor([0], dtype=torch.int32),
                                         seq_lens=torch.tensor([1]), block_size=2, width=4, table_out=table)
-    with pytest.raises(KvCanaryValueError, match="width must be an int in"):
+    with pytest.raises(KvCanaryValueError, match="width must be None or an int in"):
         launch_block_table_slots_kernel(block_table=bt, rows=torch.tensor([0]), seq_lens=torch.tensor([1]),
                                         block_size=2, width=5, table_out=table)
     with pytest.raises(KvCanaryValueError, match="needs 2 rows"):
@@ -78,6 +92,13 @@ def test_paged_triton_matches_twin(seed):
         with selected_backend(name):
             launch_block_table_slots_kernel(block_table=bt, rows=rows, seq_lens=seq, block_size=block, width=width,
                                             table_out=table, drop_null=bool(seed % 3 == 0))
+        out[name] = table
+    assert torch.equal(out["torch"], out["triton"])
+    for name in ("torch", "triton"):  # to each row's length (lengths past the table's 80 columns clamp)
+        table = torch.full((11, 80), 7, dtype=torch.int32)
+        with selected_backend(name):
+            launch_block_table_slots_kernel(block_table=bt[: max(bs - seed % 3, 0)], rows=rows,
+                                            seq_lens=seq * (1 + seed % 2), block_size=block, width=None, table_out=table, drop_null=bool(seed % 3 == 0))
         out[name] = table
     assert torch.equal(out["torch"], out["triton"])
     slots = torch.randperm(60, generator=g)[:25] - 5

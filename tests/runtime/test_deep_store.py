@@ -185,7 +185,7 @@ def test_kernel_compiles_for_hopper():
     out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=300)
     if "ptxas" in out.stderr and "not found" in out.stderr:
         pytest.skip("no ptxas in this Triton install")
-    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("ok 16 256"), out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("ok 4 256"), out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -7,6 +7,8 @@ outside the table writes nothing), so both run inside a CUDA-graph capture and n
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from kvcanary.errors import KvCanaryTypeError, KvCanaryValueError
@@ -32,10 +34,14 @@ def _check(op: str, device: torch.device, **tensors) -> None:
 
 
 def launch_block_table_slots_kernel(*, block_table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                                    block_size: int, width: int, table_out: torch.Tensor, drop_null: bool = False) -> None:
+                                    block_size: int, width: Optional[int], table_out: torch.Tensor,
+                                    drop_null: bool = False) -> None:
     """``table_out[rows[r], p] = block_table[r, p // block_size] * block_size + p % block_size`` for ``p < seq_lens[r]``,
     0 for ``seq_lens[r] <= p < width`` (and, with ``drop_null``, where the block is 0: the null block of an engine
-    that drops blocks behind a sliding window).
+    that drops blocks behind a sliding window). ``width=None``: only the positions ``p < seq_lens[r]`` are written
+    (the columns past a row's length keep what they hold), with no host-known width: one program per row on CUDA,
+    so a CUDA graph captured once serves any lengths (rows of length 0, e.g. padding rows, and rows past
+    ``block_table``'s own read nothing: its row count may then be below ``rows``').
 
     block_table int32/int64 [>= bs, nblk] (kernel block ids; positions past ``nblk * block_size`` give 0); rows int64
     [bs] (distinct; one outside ``[0, table_out.shape[0])`` writes nothing); seq_lens int32/int64 [bs];
@@ -46,11 +52,12 @@ def launch_block_table_slots_kernel(*, block_table: torch.Tensor, rows: torch.Te
            seq_lens=(seq_lens, 1, _INTS), table_out=(table_out, 2, _INTS))
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise KvCanaryValueError(f"kv-canary: block_table_slots block_size must be a positive int, got {block_size!r}")
-    if not isinstance(width, int) or not 0 <= width <= table_out.shape[1]:
-        raise KvCanaryValueError(f"kv-canary: block_table_slots width must be an int in [0, {table_out.shape[1]}], "
-                                 f"got {width!r}")
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int)
+                              or not 0 <= width <= table_out.shape[1]):
+        raise KvCanaryValueError(f"kv-canary: block_table_slots width must be None or an int in "
+                                 f"[0, {table_out.shape[1]}], got {width!r}")
     bs = int(rows.shape[0])
-    if seq_lens.shape[0] < bs or block_table.shape[0] < bs:
+    if seq_lens.shape[0] < bs or (block_table.shape[0] < bs and width is not None):
         raise KvCanaryValueError(f"kv-canary: block_table_slots needs {bs} rows of seq_lens and block_table, got "
                                  f"{seq_lens.shape[0]} and {block_table.shape[0]}")
     backend = triton_backend(dev)

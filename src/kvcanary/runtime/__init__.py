@@ -3,7 +3,8 @@
 An adapter builds a `BatchDescription` per forward and brackets the forward with a `Canary`
 (see `kvcanary.runtime.canary` for the step-by-step contract). The runtime never imports an engine.
 """
-from kvcanary.runtime.batch import (FORWARD_KINDS, BatchDescription, GroupBatch, GroupSpec, ReadCheck, classify_forward,
+from kvcanary.runtime.batch import (FORWARD_KINDS, BatchDescription, BlockTable, GroupBatch, GroupSpec, ReadCheck,
+                                    RewriteCounter, classify_forward,
                                     group_kind)
 from kvcanary.runtime.canary import Canary, create_canary
 from kvcanary.runtime.config import CanaryConfig
@@ -14,7 +15,8 @@ from kvcanary.runtime.attribution import Violation
 from kvcanary.runtime.report import CanaryViolationError
 
 __all__ = [
-    "FORWARD_KINDS", "BatchDescription", "GroupBatch", "GroupSpec", "ReadCheck", "classify_forward", "group_kind",
+    "FORWARD_KINDS", "BatchDescription", "BlockTable", "GroupBatch", "GroupSpec", "ReadCheck", "RewriteCounter",
+    "classify_forward", "group_kind",
     "Canary", "create_canary", "CanaryConfig", "CanaryHealthError", "CanaryStats",
     "SweepReport", "CanaryViolationError", "Violation",
 ]

@@ -120,6 +120,45 @@ class ReadCheck:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BlockTable:
+    """A paged engine's block table for one group, from which HEAD derives the staged rows' position -> slot table
+    on the device (`launch_block_table_slots_kernel` with ``width=None``: ``req_to_token[rows[r], p] = table[r, p //
+    block_size] * block_size + p % block_size`` for ``p < prefix[r] + extend[r]``; columns past a row's length are
+    left as they are). table: int32/int64 [R, nblk], row ``r`` = batch row ``r`` (rows past R read nothing), unit
+    column stride, on the canary's device; held by reference like ``req_to_token`` (while the canary's graphs are
+    held a table at another address, stride or width releases them). drop_null: block 0 is the engine's null block
+    (a sliding window drops blocks behind it): its positions get the padding slot."""
+
+    table: torch.Tensor
+    block_size: int
+    drop_null: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.table
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in (torch.int32, torch.int64) or (
+                t.shape[1] and t.stride(1) != 1):
+            raise KvCanaryValueError("kv-canary: BlockTable.table must be a 2-D int32/int64 tensor with unit column "
+                                     f"stride, got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise KvCanaryValueError(f"kv-canary: BlockTable.block_size must be a positive int, got {self.block_size!r}")
+
+    def key(self) -> tuple:
+        """What a captured launch reads of it: address, row stride, width, dtype, block size, null rule."""
+        t = self.table
+        return (t.data_ptr(), t.stride(0), t.shape[1], t.dtype, self.block_size, self.drop_null)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewriteCounter:
+    """Slots written again: HEAD marks each slot the forward stores into (``out_cache_loc``, negatives skipped) in
+    ``ever_written`` (uint8 [num_slots]) and adds to ``rewritten`` (int64 [1]) how many were marked before
+    (`launch_mark_written_slots_kernel`). Held by reference; groups may share one counter (one pool of memory)."""
+
+    ever_written: torch.Tensor
+    rewritten: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupBatch:
     """One group's view of a forward.
 
@@ -128,12 +167,17 @@ class GroupBatch:
     full slot -> group slot). out_cache_loc: [num_tokens] slots written by this forward, in the
     group's own space (negative = not stored). read_check: optional `ReadCheck` — what attention reads,
     checked against what each row owns; disagreements are reported (``read_table_mismatch``) when staged.
+    block_table: optional `BlockTable` — HEAD writes the rows' ``req_to_token`` entries from it on the device
+    (``req_to_token`` must then be int32, the table HEAD writes into). rewrites: optional `RewriteCounter` HEAD
+    marks the forward's written slots in.
     """
 
     req_to_token: torch.Tensor
     out_cache_loc: torch.Tensor
     full_to_group_lut: Optional[torch.Tensor] = None
     read_check: Optional[ReadCheck] = None
+    block_table: Optional[BlockTable] = None
+    rewrites: Optional[RewriteCounter] = None
 
 
 @dataclass(frozen=True, kw_only=True)

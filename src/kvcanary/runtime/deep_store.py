@@ -47,18 +47,19 @@ DeepTarget = tuple[torch.Tensor, torch.Tensor, tuple[RealKvSource, ...]]  # (TAI
 DEEP_HASH_MODE = RealKvHashMode.LANES
 """How deep records fingerprint their sources: every byte, words hashed in parallel (docs/design.md §3.2)."""
 _CHAIN_FIELDS = (CANARY_FIELD_TOKEN, CANARY_FIELD_POSITION, CANARY_FIELD_PREV_HASH)
-_TILE_WORDS = 4096  # words per program and step of the LANES fold: tokens x columns (32 per thread at 4 warps)
+_TILE_WORDS = 1024  # words per program and step of the LANES fold: tokens x columns (8 per thread at 4 warps)
+_MIN_BLOCK = 4  # tokens per program at the least (a decode step's 64 tokens: 16 programs per deep buffer)
 _MAX_COLS = 256  # the widest column tile: a 2 KiB strip (e.g. 8 heads x 128 x bf16) in one step
 _WARPS = 4
 
 
 def _launch_shape(consts: dict) -> tuple[dict, int]:
     """The deep store's compile-time shape: the sources' consts with ``LANES_CH`` widened to the whole strip (up to
-    `_MAX_COLS` words) and BLOCK tokens per program such that BLOCK x LANES_CH = `_TILE_WORDS` (16 tokens of 2 KiB
+    `_MAX_COLS` words) and BLOCK tokens per program such that BLOCK x LANES_CH = `_TILE_WORDS` (4 tokens of 2 KiB
     strips), so a decode step's few tokens still spread over many programs and each source is one wide load."""
     widest = max(consts[f"W{i}"] for i in range(consts["NSRC"])) if consts["NSRC"] else 2
     cols = min(triton.next_power_of_2(widest), _MAX_COLS)
-    return dict(consts, LANES_CH=cols), max(16, min(256, _TILE_WORDS // cols))
+    return dict(consts, LANES_CH=cols), max(_MIN_BLOCK, min(256, _TILE_WORDS // cols))
 
 
 def stored_entries(plan: WritePlan, out_loc: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 ::
 
-    head()   per group: padding-read check (live read positions mapped to the padding slot; before the rings are marked)
+    head()   paged groups: position -> slot tables from the engine's block tables, written slots marked
+             per group: padding-read check (live read positions mapped to the padding slot; before the rings are marked)
              per group: plan (the first group's token -> row map also marks the rings) -> HEAD verify (prefix vs. the table)
              -> HEAD write (new tokens) -> slot records (position, predecessor, step, owner)
     ... engine forward: stores K/V into the staged out_loc slots ...
@@ -34,7 +35,9 @@ from kvcanary.ops import (
     launch_canary_verify_kernel,
     launch_canary_verify_kernels,
     launch_canary_write_kernel,
+    launch_block_table_slots_kernel,
     launch_canary_write_kernels,
+    launch_mark_written_slots_kernel,
     launch_padding_read_check_kernel,
     launch_stamp_violation_rows,
 )
@@ -99,6 +102,7 @@ class ForwardLaunches:
         # verify plans skipped for overflowing their capacity, per group (int64 [groups]; polled by the drain)
         self.plans_disabled = torch.zeros(len(groups), dtype=torch.int64, device=dev) if plans_disabled is None else plans_disabled
         self.row_history = torch.zeros(ROW_HISTORY, static.max_rows, dtype=torch.int64, device=dev)
+        self._seq = torch.zeros(static.max_rows, dtype=torch.int64, device=dev)  # prefix + extend (`_fill_paged`)
         self._identity_luts = {
             n: torch.arange(g.num_slots, dtype=torch.int64, device=dev) for n, g in groups.items() if g.window
         }
@@ -132,6 +136,7 @@ class ForwardLaunches:
         dev = self.device
         self.write_plans = {n: WritePlan.allocate(self.static.max_rows, dev) for n in self.groups}
         self.row_history = torch.zeros(ROW_HISTORY, self.static.max_rows, dtype=torch.int64, device=dev)
+        self._seq = torch.zeros(self.static.max_rows, dtype=torch.int64, device=dev)
 
     # ---- the two halves ----------------------------------------------------------------------------
     def head(self, *, full: bool = False, limit: Optional[tuple[int, int]] = None,
@@ -145,6 +150,7 @@ class ForwardLaunches:
         s = self.static
         self._shape = shape = self._head_shape(full, limit)
         bs, n = shape.rows, shape.tokens
+        self._before_open(self._fill_paged, bs, n)
         oracle = self._oracle(bs, n)
         if self.config.padding_read_check:  # before the step opens: the stamp launches never restamp its rows
             self._before_open(self._check_padding_reads, s.rows[:bs], s.prefix[:bs])
@@ -163,6 +169,24 @@ class ForwardLaunches:
             if before_records is not None and gi == 0:
                 before_records()
             self._record_slots(g, wplan, opened.tokens_row, out_loc, n)
+
+    def _fill_paged(self, bs: int, n: int) -> None:
+        """Groups with a `BlockTable`: their rows' ``req_to_token`` entries below ``prefix + extend``, from the
+        block table, before anything reads them; groups with a `RewriteCounter`: the forward's written slots marked
+        (docs/design.md §3.10). Device only; nothing for groups without either."""
+        s = self.static
+        seq = None
+        for name, inputs in s.inputs.items():
+            bt = inputs.block_table
+            if bt is not None and bs:
+                if seq is None:
+                    seq = torch.add(s.prefix[:bs], s.extend[:bs], out=self._seq[:bs])
+                launch_block_table_slots_kernel(block_table=bt.table, rows=s.rows[:bs], seq_lens=seq,
+                                                block_size=bt.block_size, width=None, table_out=inputs.req_to_token,
+                                                drop_null=bt.drop_null)
+            if inputs.rewrites is not None and n:
+                launch_mark_written_slots_kernel(slots=s.out_loc[name][:n], ever_written=inputs.rewrites.ever_written,
+                                                 rewritten=inputs.rewrites.rewritten)
 
     def _head_shape(self, full: bool, limit: Optional[tuple[int, int]]) -> _Shape:
         """The span of this step's launches (see `head`)."""

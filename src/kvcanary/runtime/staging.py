@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from kvcanary.errors import KvCanaryValueError
-from kvcanary.runtime.batch import BatchDescription
+from kvcanary.runtime.batch import BatchDescription, BlockTable, RewriteCounter
 from kvcanary.runtime.cuda_host import capturing, current_stream
 
 logger = logging.getLogger("kvcanary")
@@ -52,10 +52,19 @@ SMALL_TOKENS = 256  # the decode-sized buffer set's token capacity (and the cana
 
 @dataclass(frozen=True, kw_only=True)
 class GroupInputs:
-    """One group's by-reference inputs: req_to_token int32 [max_reqs, max_len]; lut int64 or None."""
+    """One group's by-reference inputs: req_to_token int32 [max_reqs, max_len]; lut int64 or None; the block table
+    HEAD fills req_to_token from and the rewrite counter it marks (`BlockTable`, `RewriteCounter`), or None."""
 
     req_to_token: torch.Tensor
     lut: Optional[torch.Tensor]
+    block_table: Optional[BlockTable] = None
+    rewrites: Optional[RewriteCounter] = None
+
+    def paged_key(self) -> tuple:
+        """What launches captured on these inputs read of the block table and the counter."""
+        rw = self.rewrites
+        return (self.block_table.key() if self.block_table is not None else None,
+                (rw.ever_written.data_ptr(), rw.rewritten.data_ptr(), rw.ever_written.shape[0]) if rw is not None else None)
 
 
 class _Layout:
@@ -189,15 +198,20 @@ class StaticBatch:
             gb = batch.groups[name]
             held = self.inputs.get(name)
             table = gb.req_to_token
-            if held is not None and held.req_to_token is table and held.lut is gb.full_to_group_lut:
+            if (held is not None and held.req_to_token is table and held.lut is gb.full_to_group_lut
+                    and held.block_table is gb.block_table and held.rewrites is gb.rewrites):
                 continue
             if table.dtype != torch.int32:
+                if gb.block_table is not None:
+                    raise KvCanaryValueError(f"kv-canary: group {name!r} has a block_table, so its req_to_token (which "
+                                             f"HEAD writes) must be int32, got {table.dtype}")
                 table = table.to(torch.int32)  # a copy per forward: give int32 tables to avoid it
-            inputs = GroupInputs(req_to_token=table, lut=gb.full_to_group_lut)
+            inputs = GroupInputs(req_to_token=table, lut=gb.full_to_group_lut, block_table=gb.block_table,
+                                 rewrites=gb.rewrites)
             if self.frozen and held is not None and not _same_inputs(held, inputs):
                 raise KvCanaryValueError(
-                    f"kv-canary: group {name!r} req_to_token / full_to_group_lut are not the tensors the canary's graphs "
-                    "were captured with; keep the same (int32) tensor objects while graphs are held"
+                    f"kv-canary: group {name!r} req_to_token / full_to_group_lut / block_table are not the tensors the "
+                    "canary's graphs were captured with; keep the same (int32) tensor objects while graphs are held"
                 )
             self.inputs[name] = inputs
         if not self.frozen:
@@ -220,6 +234,11 @@ class StaticBatch:
         on top of the engine's own token budget)."""
         if batch.context_keys is not None and not self.has_context:
             return "a batch carries context keys for the first time"
+        for name in self.groups:
+            held, gb = self.inputs.get(name), batch.groups[name]
+            if held is not None and held.paged_key() != GroupInputs(
+                    req_to_token=gb.req_to_token, lut=None, block_table=gb.block_table, rewrites=gb.rewrites).paged_key():
+                return f"group {name!r}'s block table or rewrite counter is not the one the graphs were captured with"
         if batch.batch_size > self.max_rows or batch.num_tokens > self.max_tokens:
             return (f"a batch of {batch.batch_size} rows / {batch.num_tokens} tokens exceeds the static buffers "
                     f"({self.max_rows} / {self.max_tokens})")
@@ -349,4 +368,4 @@ def _first(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _same_inputs(a: GroupInputs, b: GroupInputs) -> bool:
-    return a.req_to_token is b.req_to_token and a.lut is b.lut
+    return a.req_to_token is b.req_to_token and a.lut is b.lut and a.paged_key() == b.paged_key()

@@ -14,6 +14,8 @@ from kvcanary.engines.vllm.forward_view import WorkerView, v2_step
 from kvcanary.engines.vllm.layout import FULL, GroupLayout, gpu_kv_layout, gpu_kv_sources, gpu_token_views
 from kvcanary.ops.records import RealKvSource
 
+from .vllm_support import head_filled
+
 NB, H, B, D = 6, 3, 16, 8
 
 
@@ -76,7 +78,7 @@ def test_v2_batch_builds_tables_from_the_block_table_attention_reads():
                             input_ids=torch.tensor([105, 200, 201, 202, 0, 0], dtype=torch.int32),
                             positions=torch.tensor([5, 0, 1, 2, 0, 0], dtype=torch.int64))
     step = v2_step(batch, _metadata(bt, [7 * 4 + 1, 36, 37, 38]), graph_mode="PIECEWISE")
-    desc = view.describe(step)
+    desc = head_filled(view.describe(step))
     assert desc.request_ids == ("a", "b") and desc.forward_kind == "mixed"
     assert desc.prefix_lens.tolist() == [5, 0] and desc.extend_lens.tolist() == [1, 3]
     ra, rb = desc.req_pool_indices.tolist()
@@ -92,7 +94,7 @@ def test_v2_batch_builds_tables_from_the_block_table_attention_reads():
                              input_ids=torch.tensor([300, 301], dtype=torch.int32), positions=torch.tensor([0, 1]))
     bt2 = torch.zeros(4, 8, dtype=torch.int32)
     bt2[0, 0] = 9
-    assert view.describe(v2_step(batch2, _metadata(bt2, [36, 37]))) is not None
+    assert head_filled(view.describe(v2_step(batch2, _metadata(bt2, [36, 37])))) is not None
     assert view.slots_reused() == 2
 
 
@@ -173,7 +175,7 @@ def test_live_masks_hold_exactly_the_live_slots(seed):
                                 input_ids=torch.zeros(sum(lens), dtype=torch.int32),
                                 positions=torch.tensor([p for k in lens for p in range(k)]))
         meta = {name: SimpleNamespace(block_table=bt, slot_mapping=torch.tensor(slots, dtype=torch.int64)) for name in names}
-        view.describe(v2_step(batch, meta))
+        head_filled(view.describe(v2_step(batch, meta)))
         view.apply(tokens={}, finished=tuple(r for r in rids if rng.random() < 0.5), preempted=())
         cached = [(rng.randrange(1, 40), rng.randrange(0, 5), rng.randrange(2)) for _ in range(rng.randrange(4))]
         masks = view.live_masks(cached)
@@ -215,13 +217,13 @@ def test_v2_lengths_from_the_device_when_async_scheduling_runs_ahead(device_leng
                                   input_ids=torch.arange(100 + start, 100 + start + n, dtype=torch.int32),
                                   positions=torch.arange(start, start + n))
         slots = [bt[0, p // 4].item() * 4 + p % 4 for p in range(start, start + n)]
-        assert view.describe(v2_step(earlier, _metadata(bt, slots))).prefix_lens.tolist() == [start]
+        assert head_filled(view.describe(v2_step(earlier, _metadata(bt, slots)))).prefix_lens.tolist() == [start]
     batch = SimpleNamespace(num_reqs=1, req_ids=["a"], num_scheduled_tokens=np.array([4], dtype=np.int32),
                             num_computed_tokens_np=np.array([9], dtype=np.int32),
                             seq_lens=torch.tensor([11, 0], dtype=torch.int32),
                             input_ids=torch.tensor([107, 1, 2, 3, 0], dtype=torch.int32),
                             positions=torch.tensor([7, 8, 9, 10, 0], dtype=torch.int64))
-    desc = view.describe(v2_step(batch, _metadata(bt, [7 * 4 + 3, 5 * 4, 5 * 4 + 1, 5 * 4 + 2])))
+    desc = head_filled(view.describe(v2_step(batch, _metadata(bt, [7 * 4 + 3, 5 * 4, 5 * 4 + 1, 5 * 4 + 2]))))
     assert desc.extend_lens.tolist() == [4]
     assert desc.prefix_lens.tolist() == ([7] if device_lengths else [9])
     table = desc.groups[FULL].req_to_token[desc.req_pool_indices.tolist()[0]]
@@ -248,7 +250,7 @@ def test_v2_block_table_from_the_runner_when_the_backend_metadata_has_none():
                         ({"model.layers.0.self_attn.attn": SimpleNamespace(slot_mapping=torch.tensor(slots))}, (bt,))):
         view = WorkerView(runner=None, layouts=[layout], max_requests=4, max_context=32, device=torch.device("cpu"))
         view.apply(tokens={"a": (0, list(range(100, 106)))}, finished=(), preempted=())
-        desc = view.describe(v2_step(batch(), meta, block_tables=given))
+        desc = head_filled(view.describe(v2_step(batch(), meta, block_tables=given)))
         tables.append(desc.groups[FULL].req_to_token[desc.req_pool_indices.tolist()[0], :6].tolist())
     assert tables[0] == tables[1] == slots
     view = WorkerView(runner=None, layouts=[layout], max_requests=4, max_context=32, device=torch.device("cpu"))

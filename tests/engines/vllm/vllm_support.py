@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run_workload(mode: str, tmp_path_factory, *extra: str) -> dict:
@@ -57,3 +58,22 @@ def assert_clean_outcome(o: dict) -> None:
     assert o["engine_forwards"] == o["checked_forwards"] > 0, o["reproducer"]
     if o["fault"] and o["fault"]["fired"]:
         assert o["fault"]["caught"] and o["fault"]["right_request"], f"{o['fault']}\n{o['reproducer']}"
+
+
+def head_filled(desc):
+    """``desc`` (a `WorkerView.describe` result) after what the runtime's HEAD does with its groups' `BlockTable` and
+    `RewriteCounter` (the same op, `launch_block_table_slots_kernel` to each row's length, and the written-slot marks),
+    for unit tests that read the view's tables without a canary."""
+    seq = (desc.prefix_lens + desc.extend_lens).to(torch.int64)
+    from kvcanary.ops.paged import launch_block_table_slots_kernel, launch_mark_written_slots_kernel
+
+    for gb in desc.groups.values():
+        if gb.block_table is not None:
+            bt = gb.block_table
+            launch_block_table_slots_kernel(block_table=bt.table, rows=desc.req_pool_indices.to(torch.int64), seq_lens=seq,
+                                            block_size=bt.block_size, width=None, table_out=gb.req_to_token,
+                                            drop_null=bt.drop_null)
+        if gb.rewrites is not None:
+            launch_mark_written_slots_kernel(slots=gb.out_cache_loc, ever_written=gb.rewrites.ever_written,
+                                             rewritten=gb.rewrites.rewritten)
+    return desc

@@ -31,7 +31,7 @@ from kvcanary.engines.vllm.layout import GroupLayout
 from kvcanary.engines.vllm.multimodal import MultimodalSpans
 from kvcanary.errors import KvCanaryRuntimeError
 from kvcanary.ops.paged import launch_block_table_slots_kernel, launch_mark_written_slots_kernel
-from kvcanary.runtime.batch import BatchDescription, GroupBatch, classify_forward
+from kvcanary.runtime.batch import BatchDescription, BlockTable, GroupBatch, RewriteCounter, classify_forward
 from kvcanary.runtime.cuda_host import current_stream
 from kvcanary.runtime.upload import ColumnUpload
 
@@ -145,6 +145,7 @@ class RequestRows:
         self.computed = np.zeros(n, dtype=np.int64)
         self.preempted = np.zeros(n, dtype=bool)
         self.keys = np.zeros(n, dtype=np.int64)
+        self._recent: dict[tuple, np.ndarray] = {}  # `of`
 
     def get(self, request_id: str) -> int:
         row = self.row_of.get(request_id)
@@ -158,12 +159,22 @@ class RequestRows:
         return row
 
     def of(self, request_ids) -> np.ndarray:
-        """int64 rows of ``request_ids`` (new ids get free rows)."""
-        row_of = self.row_of
-        return np.fromiter((row_of.get(r) or self.get(r) for r in request_ids), dtype=np.int64, count=len(request_ids))
+        """int64 rows of ``request_ids`` (new ids get free rows), read-only. The few lists asked for last are
+        remembered until a request is released (a steady decode asks for the same ids every forward)."""
+        key = request_ids if isinstance(request_ids, tuple) else tuple(request_ids)
+        rows = self._recent.get(key)
+        if rows is None:
+            row_of = self.row_of
+            rows = np.fromiter((row_of.get(r) or self.get(r) for r in key), dtype=np.int64, count=len(key))
+            rows.flags.writeable = False
+            if len(self._recent) >= 4:
+                self._recent.clear()
+            self._recent[key] = rows
+        return rows
 
     def release(self, request_id: str) -> Optional[int]:
         row = self.row_of.pop(request_id, None)
+        self._recent.clear()
         if row is not None:
             self.free.append(row)
             self.hist[row] = self.computed[row] = self.keys[row] = 0
@@ -277,6 +288,9 @@ class WorkerView:
         self._reused = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._reused_seen = 0
         self._reused_copy = None  # CUDA: (pinned int64 [1], event, [copy pending]) for `slots_reused(wait=False)`
+        self._rewrites = RewriteCounter(ever_written=self._ever_written, rewritten=self._reused)
+        self._full_set = frozenset(self._full_groups)
+        self._block_tables: dict[tuple, BlockTable] = {}  # `_held_block_table`
         self._upload = ColumnUpload(self.device)
 
     # ---- scheduler events ----------------------------------------------------------------------
@@ -354,9 +368,9 @@ class WorkerView:
         exact = self.device_lengths and step.seq_lens is not None
         if exact:  # the host's max_s stays the tables' width: an upper bound
             seq_t = step.seq_lens[: len(req_ids)].to(device=self.device, dtype=torch.int64)
-        tables, written = self._tables(step, rows_t, seq_t, max_s, num_tokens)
-        input_ids, positions = self._inputs(step, num_tokens, req_ids, rows, prefix, query)
         todo = np.flatnonzero(first & (prefix > 0))
+        tables, written, paged = self._tables(step, rows_t, seq_t, max_s, num_tokens, eager=bool(todo.size))
+        input_ids, positions = self._inputs(step, num_tokens, req_ids, rows, prefix, query)
         shared_t = None
         if todo.size:
             shared = self._same_step_shares(rows.tolist(), prefix.tolist(), todo.tolist(), written, positions)
@@ -372,7 +386,7 @@ class WorkerView:
             extend_lens=extend_t,
             input_ids=input_ids,
             positions=positions,
-            groups=self._groups(tables, written),
+            groups=self._groups(tables, written, paged),
             request_ids=tuple(req_ids),
             token_table=self.token_table,
             token_table_lens=lens_t,
@@ -391,19 +405,32 @@ class WorkerView:
             input_ids = self._content_inputs(req_ids, rows, prefix, query, input_ids)
         return input_ids, positions
 
-    def _groups(self, tables: dict, written: dict) -> dict:
-        """Per group its `GroupBatch`; the slots written join the read slots TAIL re-hashes (adapters that mirror KV)."""
+    def _groups(self, tables: dict, written: dict, paged: dict) -> dict:
+        """Per group its `GroupBatch` (with its `BlockTable` and the full groups' `RewriteCounter` where HEAD fills the
+        table, `_tables`); the slots written join the read slots TAIL re-hashes (adapters that mirror KV)."""
         if self.track_read_slots:
             for name, w in written.items():
                 self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
-        return {g.name: GroupBatch(req_to_token=tables[g.name], out_cache_loc=written[g.name]) for g in self.layouts}
+        return {g.name: GroupBatch(req_to_token=tables[g.name], out_cache_loc=written[g.name],
+                                   block_table=paged.get(g.name),
+                                   rewrites=self._rewrites if paged and g.name in self._full_set else None)
+                for g in self.layouts}
 
     def empty_batch(self) -> BatchDescription:
-        """A forward without rows or tokens holding this view's tables (for `Canary.warm_up`)."""
+        """A forward without rows or tokens holding this view's tables (for `Canary.warm_up`); where HEAD will fill the
+        tables from vLLM's block tables, with a one-row stand-in block table of each group's shape of launch."""
         none = torch.zeros(0, dtype=torch.int64, device=self.device)
+        paged = {}
+        if self._paged_ok():
+            stand_in = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
+            paged = {g.name: BlockTable(table=stand_in, block_size=g.block_size, drop_null=bool(g.sliding_window))
+                     for g in self.layouts}
         return BatchDescription(
             req_pool_indices=none, prefix_lens=none, extend_lens=none, input_ids=none, positions=none,
-            groups={g.name: GroupBatch(req_to_token=self.req_to_token[g.name], out_cache_loc=none) for g in self.layouts},
+            groups={g.name: GroupBatch(req_to_token=self.req_to_token[g.name], out_cache_loc=none,
+                                       block_table=paged.get(g.name),
+                                       rewrites=self._rewrites if paged and g.name in self._full_set else None)
+                    for g in self.layouts},
             request_ids=(), token_table=self.token_table, token_table_lens=none, forward_kind="decode",
         )
 
@@ -454,23 +481,52 @@ class WorkerView:
         self.events.same_step_shared += int((k > 0).sum())
         return input_ids, positions, written, prefix_t, extend_t, shared_t
 
-    def _tables(self, step: StepInputs, rows_t, seq_t, max_s: int, num_tokens: int) -> tuple[dict, dict]:
-        """Per group: the position -> slot table (from the block table attention reads) and the slots written."""
-        tables, written = {}, {}
-        for g in self.layouts:
-            meta = step.attn_metadata[g.layer_names[0]]
-            tables[g.name] = self._fill_table(g, step, meta, rows_t, seq_t, max_s)
-            written[g.name] = meta.slot_mapping[:num_tokens].to(device=self.device, dtype=torch.int64)
-        for name in self._full_groups:  # one launch per group: a block belongs to one group at a time
-            launch_mark_written_slots_kernel(slots=written[name], ever_written=self._ever_written,
-                                             rewritten=self._reused)
-        return tables, written
+    def _tables(self, step: StepInputs, rows_t, seq_t, max_s: int, num_tokens: int,
+                eager: bool = False) -> tuple[dict, dict, dict]:
+        """Per group: the position -> slot table (from the block table attention reads), the slots written, and the
+        `BlockTable` HEAD fills the table from (on the canary's device, inside its own graphs: no launch here).
 
-    def _fill_table(self, g: GroupLayout, step: StepInputs, meta, rows_t, seq_t, max_s: int) -> torch.Tensor:
+        Filled here instead (and no `BlockTable`) where the runtime cannot: a block table not on the canary's device
+        or not row-major, an adapter that mirrors KV (its read slots come from the table now). ``eager``: filled here
+        as well (this forward reads the tables before HEAD, `_same_step_shares`); HEAD writes the same entries."""
+        metas = [step.attn_metadata[g.layer_names[0]] for g in self.layouts]
+        bts = [_block_table(step, g, meta) for g, meta in zip(self.layouts, metas)]
+        in_head = self._paged_ok() and all(bt.device == self.device and bt.stride(-1) == 1 for bt in bts)
+        tables, written, paged = {}, {}, {}
+        for g, meta, bt in zip(self.layouts, metas, bts):
+            written[g.name] = meta.slot_mapping[:num_tokens].to(device=self.device, dtype=torch.int64)
+            if in_head:
+                paged[g.name] = self._held_block_table(g, bt)
+            if eager or not in_head:
+                self._fill_table(g, bt, rows_t, seq_t, max_s)
+            tables[g.name] = self.req_to_token[g.name]
+        if not in_head:  # HEAD marks the written slots where it fills the tables; here one launch per full group
+            for name in self._full_groups:  # a block belongs to one group at a time
+                launch_mark_written_slots_kernel(slots=written[name], ever_written=self._ever_written,
+                                                 rewritten=self._reused)
+        return tables, written, paged
+
+    def _paged_ok(self) -> bool:
+        """Whether HEAD may fill the tables (`BlockTable`): not for an adapter that mirrors KV (`track_read_slots`)."""
+        return not self.track_read_slots
+
+    def _held_block_table(self, g: GroupLayout, bt: torch.Tensor) -> BlockTable:
+        """``bt`` (a view of vLLM's persistent block table cut to the batch's rows) widened to every row its storage
+        holds, as one `BlockTable` object per address: the canary's graphs read it by batch row whatever the batch."""
+        key = (g.name, bt.data_ptr(), bt.stride(0), bt.shape[1], bt.dtype)
+        held = self._block_tables.get(key)
+        if held is None:
+            elems = bt.untyped_storage().nbytes() // bt.element_size() - bt.storage_offset()
+            rows = max((elems - bt.shape[1]) // bt.stride(0) + 1 if bt.stride(0) > 0 else 0, bt.shape[0])
+            full = bt.as_strided((rows, bt.shape[1]), bt.stride(), bt.storage_offset())
+            held = self._block_tables[key] = BlockTable(table=full, block_size=g.block_size,
+                                                         drop_null=bool(g.sliding_window))
+        return held
+
+    def _fill_table(self, g: GroupLayout, bt: torch.Tensor, rows_t, seq_t, max_s: int) -> torch.Tensor:
         """Write each row's position -> slot table from the block table attention reads (one kernel, on the device);
         a sliding-window group's null blocks (dropped behind the window) become padding, never verified."""
         table = self.req_to_token[g.name]
-        bt = _block_table(step, g, meta)
         if bt.device != self.device or bt.stride(-1) != 1:
             bt = bt.to(self.device).contiguous()
         launch_block_table_slots_kernel(block_table=bt, rows=rows_t, seq_lens=seq_t, block_size=g.block_size,

@@ -5,6 +5,8 @@ BLOCK slots, one atomic add each. Neither reads a value back to the host: both a
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +34,27 @@ def _block_table_slots_kernel(bt_ptr, bt_stride, nblk, rows_ptr, seq_ptr, out_pt
         tl.store(out_ptr + rp * out_stride + cols, slots.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@jit_batch_sized("bt_rows", "bt_stride", "nblk", "out_stride", "out_width", "n_rows")
+def _block_table_rows_kernel(bt_ptr, bt_rows, bt_stride, nblk, rows_ptr, seq_ptr, out_ptr, out_stride, out_width, n_rows,
+                             BLOCK_SIZE: tl.constexpr, DROP_NULL: tl.constexpr, BLOCK: tl.constexpr,
+                             TILES: tl.constexpr):
+    """One program per batch row: its positions ``p < seq`` (and inside the table) in TILES BLOCK-wide steps."""
+    r = tl.program_id(0)
+    rp = tl.load(rows_ptr + r).to(tl.int64)
+    seq = tl.minimum(tl.load(seq_ptr + r).to(tl.int64), out_width)
+    if (rp >= 0) & (rp < n_rows) & (seq > 0) & (r < bt_rows):
+        for t in range(TILES):  # the table's width (fixed per engine); the steps past the length are masked off
+            cols = t * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            inside = cols < seq
+            blk = cols // BLOCK_SIZE
+            keep = inside & (blk < nblk)
+            blocks = tl.load(bt_ptr + r * bt_stride + blk, mask=keep, other=0).to(tl.int64)
+            if DROP_NULL:
+                keep = keep & (blocks > 0)
+            slots = tl.where(keep, blocks * BLOCK_SIZE + cols % BLOCK_SIZE, 0)
+            tl.store(out_ptr + rp * out_stride + cols, slots.to(out_ptr.dtype.element_ty), mask=inside)
+
+
 @jit_batch_sized("n", "num_slots", scalar_ptrs=("count_ptr",))
 def _mark_written_kernel(slots_ptr, n, ever_ptr, num_slots, count_ptr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -44,9 +67,16 @@ def _mark_written_kernel(slots_ptr, n, ever_ptr, num_slots, count_ptr, BLOCK: tl
 
 
 def launch_block_table_slots(*, block_table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                             width: int, drop_null: bool, table_out: torch.Tensor) -> None:
+                             width: Optional[int], drop_null: bool, table_out: torch.Tensor) -> None:
     """Triton twin of ``block_table_slots_torch_reference`` (arguments already checked)."""
     bs = int(rows.shape[0])
+    if bs and width is None:  # to each row's length: one program per row, no host-known width
+        _block_table_rows_kernel[(bs,)](
+            block_table, block_table.shape[0], block_table.stride(0), int(block_table.shape[1]), rows, seq_lens, table_out,
+            table_out.stride(0), table_out.shape[1], table_out.shape[0], BLOCK_SIZE=block_size, DROP_NULL=drop_null, BLOCK=_BLOCK,
+            TILES=triton.cdiv(table_out.shape[1], _BLOCK), num_warps=4,
+        )
+        return
     if bs == 0 or width <= 0:
         return
     nblk = min((width + block_size - 1) // block_size, int(block_table.shape[1]))
