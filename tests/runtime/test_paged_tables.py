@@ -130,6 +130,9 @@ def test_head_writes_to_each_rows_length_only():
     e.forward([2], [0], [[5, 6, 7, 8, 9]], ["a"], torch.tensor([[3, 5] + [0] * 10], dtype=torch.int32))
     assert e.table[2, :5].tolist() == [12, 13, 14, 15, 20] and e.table[2, 5:].tolist() == [-7] * (CTX - 5)
     assert e.table[0].tolist() == [-7] * CTX  # no row of the batch: untouched
+    # a padded batch: the padding row (request row 0) claims a prefix but is never filled
+    e.forward([2, 0], [5, 5], [[10], []], ["a", None], torch.tensor([[3, 5] + [0] * 10, [9] * 12], dtype=torch.int32))
+    assert e.table[2, :6].tolist() == [12, 13, 14, 15, 20, 21] and e.table[0].tolist() == [-7] * CTX
 
 
 def test_a_block_table_needs_an_int32_table():

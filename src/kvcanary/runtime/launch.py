@@ -172,15 +172,15 @@ class ForwardLaunches:
 
     def _fill_paged(self, bs: int, n: int) -> None:
         """Groups with a `BlockTable`: their rows' ``req_to_token`` entries below ``prefix + extend``, from the
-        block table, before anything reads them; groups with a `RewriteCounter`: the forward's written slots marked
+        block table, before anything reads them (not the padding row 0's); groups with a `RewriteCounter`: the forward's written slots marked
         (docs/design.md §3.10). Device only; nothing for groups without either."""
         s = self.static
         seq = None
         for name, inputs in s.inputs.items():
             bt = inputs.block_table
             if bt is not None and bs:
-                if seq is None:
-                    seq = torch.add(s.prefix[:bs], s.extend[:bs], out=self._seq[:bs])
+                if seq is None:  # padding rows (request row 0) read nothing, whatever lengths they claim
+                    seq = torch.add(s.prefix[:bs], s.extend[:bs], out=self._seq[:bs]).mul_(s.rows[:bs] != 0)
                 launch_block_table_slots_kernel(block_table=bt.table, rows=s.rows[:bs], seq_lens=seq,
                                                 block_size=bt.block_size, width=None, table_out=inputs.req_to_token,
                                                 drop_null=bt.drop_null)
