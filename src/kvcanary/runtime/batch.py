@@ -124,10 +124,10 @@ class BlockTable:
     """A paged engine's block table for one group, from which HEAD derives the staged rows' position -> slot table
     on the device (`launch_block_table_slots_kernel` with ``width=None``: ``req_to_token[rows[r], p] = table[r, p //
     block_size] * block_size + p % block_size`` for ``p < prefix[r] + extend[r]``; columns past a row's length, and
-    the padding row 0, are left as they are). table: int32/int64 [R, nblk], row ``r`` = batch row ``r`` (rows past R read nothing), unit
-    column stride, on the canary's device; held by reference like ``req_to_token`` (while the canary's graphs are
-    held a table at another address, stride or width releases them). drop_null: block 0 is the engine's null block
-    (a sliding window drops blocks behind it): its positions get the padding slot."""
+    the padding row 0, are left as they are). table: int32/int64 [R, nblk], row ``r`` = batch row ``r`` (rows past R
+    read nothing), unit column stride, on the canary's device; held by reference like ``req_to_token`` (while the
+    canary's graphs are held a table at another address, stride or width releases them). drop_null: block 0 is the
+    engine's null block (a sliding window drops blocks behind it): its positions get the padding slot."""
 
     table: torch.Tensor
     block_size: int

@@ -411,10 +411,13 @@ class WorkerView:
         if self.track_read_slots:
             for name, w in written.items():
                 self.read_slots[name] = torch.cat([self.read_slots[name], w[w > 0]])
-        return {g.name: GroupBatch(req_to_token=tables[g.name], out_cache_loc=written[g.name],
-                                   block_table=paged.get(g.name),
-                                   rewrites=self._rewrites if paged and g.name in self._full_set else None)
-                for g in self.layouts}
+        return {g.name: self._group_batch(g, tables[g.name], written[g.name], paged) for g in self.layouts}
+
+    def _group_batch(self, g: GroupLayout, table: torch.Tensor, written: torch.Tensor, paged: dict) -> GroupBatch:
+        """Group ``g``'s `GroupBatch`; where HEAD fills the tables (``paged``), its `BlockTable` and, for a full group,
+        the shared `RewriteCounter`."""
+        return GroupBatch(req_to_token=table, out_cache_loc=written, block_table=paged.get(g.name),
+                          rewrites=self._rewrites if paged and g.name in self._full_set else None)
 
     def empty_batch(self) -> BatchDescription:
         """A forward without rows or tokens holding this view's tables (for `Canary.warm_up`); where HEAD will fill the
@@ -427,10 +430,7 @@ class WorkerView:
                      for g in self.layouts}
         return BatchDescription(
             req_pool_indices=none, prefix_lens=none, extend_lens=none, input_ids=none, positions=none,
-            groups={g.name: GroupBatch(req_to_token=self.req_to_token[g.name], out_cache_loc=none,
-                                       block_table=paged.get(g.name),
-                                       rewrites=self._rewrites if paged and g.name in self._full_set else None)
-                    for g in self.layouts},
+            groups={g.name: self._group_batch(g, self.req_to_token[g.name], none, paged) for g in self.layouts},
             request_ids=(), token_table=self.token_table, token_table_lens=none, forward_kind="decode",
         )
 

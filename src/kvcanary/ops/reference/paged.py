@@ -23,7 +23,8 @@ def block_table_slots_torch_reference(*, block_table: torch.Tensor, rows: torch.
     dev = table_out.device
     pos = torch.arange(width, dtype=torch.int64, device=dev)
     seq = seq_lens[:bs].to(torch.int64)
-    keep = pos[None, :] < seq[:, None]
+    inside = pos[None, :] < seq[:, None]
+    keep = inside.clone()
     nblk = min((width + block_size - 1) // block_size, int(block_table.shape[1]))
     blk = pos // block_size
     keep &= (blk < nblk)[None, :]
@@ -37,7 +38,6 @@ def block_table_slots_torch_reference(*, block_table: torch.Tensor, rows: torch.
     r = rows.to(torch.int64)
     ok = (r >= 0) & (r < table_out.shape[0])
     if to_seq:  # keep each row's columns at and past its length
-        inside = pos[None, :] < seq[:, None]
         slots = torch.where(inside, slots, table_out[r.clamp(0, table_out.shape[0] - 1), :width].to(torch.int64))
     table_out[r[ok], :width] = slots[ok].to(table_out.dtype)
 

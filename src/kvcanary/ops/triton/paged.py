@@ -25,13 +25,19 @@ def _block_table_slots_kernel(bt_ptr, bt_stride, nblk, rows_ptr, seq_ptr, out_pt
         seq = tl.load(seq_ptr + r).to(tl.int64)
         cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < width
-        blk = cols // BLOCK_SIZE
-        keep = inside & (cols < seq) & (blk < nblk)
-        blocks = tl.load(bt_ptr + r * bt_stride + blk, mask=keep, other=0).to(tl.int64)
-        if DROP_NULL:
-            keep = keep & (blocks > 0)
-        slots = tl.where(keep, blocks * BLOCK_SIZE + cols % BLOCK_SIZE, 0)
+        slots = _row_slots(bt_ptr + r * bt_stride, nblk, cols, inside & (cols < seq), BLOCK_SIZE, DROP_NULL)
         tl.store(out_ptr + rp * out_stride + cols, slots.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _row_slots(row_ptr, nblk, cols, keep, BLOCK_SIZE: tl.constexpr, DROP_NULL: tl.constexpr):
+    """Slots of positions ``cols`` from one block-table row (0 where not ``keep``, past ``nblk``, or a null block)."""
+    blk = cols // BLOCK_SIZE
+    keep = keep & (blk < nblk)
+    blocks = tl.load(row_ptr + blk, mask=keep, other=0).to(tl.int64)
+    if DROP_NULL:
+        keep = keep & (blocks > 0)
+    return tl.where(keep, blocks * BLOCK_SIZE + cols % BLOCK_SIZE, 0)
 
 
 @jit_batch_sized("bt_rows", "bt_stride", "nblk", "out_stride", "out_width", "n_rows")
@@ -46,12 +52,7 @@ def _block_table_rows_kernel(bt_ptr, bt_rows, bt_stride, nblk, rows_ptr, seq_ptr
         for t in range(TILES):  # the table's width (fixed per engine); the steps past the length are masked off
             cols = t * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             inside = cols < seq
-            blk = cols // BLOCK_SIZE
-            keep = inside & (blk < nblk)
-            blocks = tl.load(bt_ptr + r * bt_stride + blk, mask=keep, other=0).to(tl.int64)
-            if DROP_NULL:
-                keep = keep & (blocks > 0)
-            slots = tl.where(keep, blocks * BLOCK_SIZE + cols % BLOCK_SIZE, 0)
+            slots = _row_slots(bt_ptr + r * bt_stride, nblk, cols, inside, BLOCK_SIZE, DROP_NULL)
             tl.store(out_ptr + rp * out_stride + cols, slots.to(out_ptr.dtype.element_ty), mask=inside)
 
 
