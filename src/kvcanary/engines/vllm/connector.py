@@ -11,16 +11,19 @@ vLLM builds one instance per process and role:
   the request finishes as ``RequestOutput.kv_transfer_params["kv_canary"]``.
 * worker role (each worker process; one per tensor-parallel rank) — owns the `Canary` for its KV
   shard. ``register_kv_caches`` sizes it from the KV tensors; ``bind_connector_metadata`` (called by
-  the model runner inside the forward context, right before the model runs) builds the
-  `BatchDescription` from the attention metadata and opens the forward (plan, HEAD verify + write);
-  ``wait_for_save`` (right after the model ran) closes it (TAIL verify with the real KV re-hashed,
-  TAIL write), then sweeps when the metadata carried the cached blocks. Counts leave through
+  the model runner right before the model runs) copies the forward's device inputs — input ids, positions, slot
+  mappings, block tables (`StepSnapshot`) — on the engine's stream; ``wait_for_save`` (after vLLM launched the
+  forward) builds the `BatchDescription` from that snapshot, opens the forward (plan, HEAD verify + write) and
+  closes it (TAIL verify with the real KV re-hashed, TAIL write), then sweeps when the metadata carried the cached
+  blocks. So the canary's host work overlaps the forward on the device. With ``check_after_forward=False``
+  bind builds the description and launches HEAD itself, ahead of the forward (the snapshot is not needed). Counts leave through
   ``get_kv_connector_stats`` (`kvcanary.engines.vllm.metrics`) and violations through
   ``build_connector_worker_meta``, the ``kvcanary`` log and the JSON-lines file when configured.
 
 Options (``kv_connector_extra_config = {"kvcanary": {...}}``, else ``KVCANARY_*`` environment
-variables): every `CanaryConfig` field, plus ``max_requests`` (default 2 x max_num_seqs) and
-``max_context`` (default max_model_len). ``jsonl_path`` may contain ``{rank}``; with several ranks
+variables): every `CanaryConfig` field, plus ``max_requests`` (default 2 x max_num_seqs),
+``max_context`` (default max_model_len), ``stats_period_s``, ``capture_canary``, ``check_after_forward`` (default
+true) and ``on_violation``. ``jsonl_path`` may contain ``{rank}``; with several ranks
 and no ``{rank}``, ``.rank<N>`` is appended.
 
 Fail-safe (``log`` mode): an exception of the canary's side of a step — building the batch, the bracket, the
@@ -38,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -70,6 +74,7 @@ from kvcanary.engines.vllm.layout import (
     layer_kv_views,
     probe_cpu_layout,
 )
+from kvcanary.engines.vllm.step_snapshot import StepSnapshot
 from kvcanary.engines.vllm.metrics import KvCanaryPromMetrics, KvCanaryStats
 from kvcanary.engines.vllm.multimodal import RequestContent
 from kvcanary.errors import KvCanaryError, KvCanaryRuntimeError, KvCanaryTypeError, KvCanaryValueError
@@ -87,7 +92,8 @@ OPTIONS_KEY = "kvcanary"
 #: canary's layer set (`compat.draft_layer_names`), not checked
 SPEC_METHODS = ("ngram",) + DRAFT_MODEL_METHODS
 STATS_PERIOD_S = 1.0  # on CUDA, default: seconds between two reads of the canary's counters for vLLM's stats
-ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s", "capture_canary", "on_violation")
+ADAPTER_OPTIONS = ("max_requests", "max_context", "stats_period_s", "capture_canary", "check_after_forward", "on_violation")
+BOOL_OPTIONS = ("capture_canary", "check_after_forward")
 
 
 
@@ -177,10 +183,11 @@ def canary_options(kv_transfer_config) -> tuple[CanaryConfig, dict[str, int]]:
         extra["mode"] = "raise"
     elif policy != "log" and extra.get("mode") == "raise":
         raise KvCanaryValueError(f"kv-canary: on_violation={policy!r} and mode='raise' contradict each other; pick one")
-    if not isinstance(adapter.get("capture_canary", True), bool):
-        raise KvCanaryValueError(f"kv-canary: vLLM option capture_canary must be true or false, got {adapter['capture_canary']!r}")
+    for key in BOOL_OPTIONS:
+        if not isinstance(adapter.get(key, True), bool):
+            raise KvCanaryValueError(f"kv-canary: vLLM option {key} must be true or false, got {adapter[key]!r}")
     for key, value in adapter.items():
-        if key in ("stats_period_s", "capture_canary", "on_violation"):
+        if key in ("stats_period_s", "on_violation") + BOOL_OPTIONS:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise KvCanaryValueError(f"kv-canary: vLLM option {key} must be a positive integer, got {value!r}")
@@ -202,6 +209,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.max_batch_tokens = int(sched.max_num_batched_tokens)
         self.stats_period_s = float(adapter.get("stats_period_s", STATS_PERIOD_S))
         self.capture_canary = bool(adapter.get("capture_canary", True))
+        # check each forward in wait_for_save, from a snapshot of its device inputs taken in bind (`step_snapshot`)
+        self.check_after_forward = bool(adapter.get("check_after_forward", True))
         self.on_violation = str(adapter.get("on_violation", "log"))
         self._check_response_path(vllm_config, kv_cache_config)
         self._bad_blocks: set[int] = set()  # worker: blocks holding corrupted KV, not yet reported to vLLM
@@ -227,6 +236,8 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._open = False
         self._meta: Optional[KvCanaryMetadata] = None
+        self._snapshot: Optional[StepSnapshot] = None  # `check_after_forward`: made with the view
+        self._deferred: Optional[tuple] = None  # (metadata, snapshot StepInputs) of the forward bound, not checked yet
         self._pending: dict[str, list] = {}
         self._last: dict[str, Any] = {}
         self.engine_forwards = 0
@@ -601,10 +612,21 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._watched:
             self._watched = True
             self._watch_weights(self.view.runner)
+        self._drop_deferred()
+        step = self._step()
+        if step is not None and self._snapshot is not None:
+            num_tokens = int(np.sum(step.query))
+            if num_tokens:  # checked in wait_for_save, once vLLM has launched the forward
+                self._deferred = (connector_metadata, self._snapshot.take(step, num_tokens))
+                self._open = True
+                return
+        self._check_forward(connector_metadata, step, counted)
+
+    def _check_forward(self, connector_metadata: KvCanaryMetadata, step, counted: list) -> None:
+        """The step's scheduler events, then (``step``: a forward) its description and the canary's HEAD."""
         self.view.apply(tokens=connector_metadata.tokens, finished=connector_metadata.finished,
                         preempted=connector_metadata.preempted, contexts=self._keyed(connector_metadata.contexts),
                         drafts=connector_metadata.drafts, multimodal=connector_metadata.multimodal)
-        step = self._step()
         if step is None:
             return
         batch = self.view.describe(step)
@@ -627,11 +649,46 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if self.canary.suspended is not None:
             self.unchecked_forwards += 1  # the bracket passed through: suspended (by this forward or before)
 
+    def _run_deferred(self) -> bool:
+        """`check_after_forward`: check the forward bound last (from its snapshot); whether the canary's bracket is
+        open now (HEAD launched: `Canary.after_forward` closes it)."""
+        (meta, step), self._deferred = self._deferred, None
+        counted = [False]
+        self._open = False
+        try:
+            if self.suspended is not None:  # suspended between bind and now: counted, not checked
+                self.engine_forwards += 1
+                self.unchecked_forwards += 1
+                return False
+            self._check_forward(meta, step, counted)
+        except Exception as exc:
+            self._open = False
+            if not counted[0]:
+                self.engine_forwards += 1
+            self.unchecked_forwards += 1
+            self._failed("wait_for_save", exc)
+        return self._open
+
+    def _drop_deferred(self) -> None:
+        """A forward bound whose wait_for_save never came (the step failed in vLLM): its scheduler events still apply
+        (the token history must not lose them); the forward counts as unchecked."""
+        if self._deferred is None:
+            return
+        (meta, _), self._deferred = self._deferred, None
+        self._open = False
+        self.engine_forwards += 1
+        self.unchecked_forwards += 1
+        logger.warning("kv-canary: a forward ended without vLLM's wait_for_save; it was not checked (counted in "
+                       "unchecked_forwards)")
+        self._check_forward(meta, None, [False])
+
     def _make_view(self, runner) -> None:
         self.view = WorkerView(runner=runner, layouts=self._layouts, max_requests=self.max_requests,
                                max_context=self.max_context, device=self.canary.device,
                                track_read_slots=bool(self._mirrors), device_lengths=self._lengths_lag())
         self._v2 = is_v2_runner(runner)
+        if self.check_after_forward:
+            self._snapshot = StepSnapshot(self._layouts, min_rows=self.max_requests + 1)
 
     def _lengths_lag(self) -> bool:
         """Whether the runner's host lengths may run ahead of the KV: async scheduling with speculative drafts schedules
@@ -717,6 +774,9 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         if self.canary is None or not self._open:
             return
         t0 = time.perf_counter()
+        if self._deferred is not None and not self._run_deferred():
+            self.canary_seconds += time.perf_counter() - t0
+            return
         self._open = False
         try:
             if self.suspended is None:

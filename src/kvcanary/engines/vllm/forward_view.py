@@ -114,7 +114,7 @@ def v2_step_from_stack(runner, depth: int = 12) -> Optional[StepInputs]:
     return None
 
 
-def _block_table(step: StepInputs, g: GroupLayout, meta) -> torch.Tensor:
+def block_table_of(step: StepInputs, g: GroupLayout, meta) -> torch.Tensor:
     """The block table attention reads for group ``g`` this forward: the backend's metadata's, else (a backend that
     keeps none, FlashInfer) the one the V2 runner gathered for the group."""
     bt = getattr(meta, "block_table", None)
@@ -490,7 +490,7 @@ class WorkerView:
         or not row-major, an adapter that mirrors KV (its read slots come from the table now). ``eager``: filled here
         as well (this forward reads the tables before HEAD, `_same_step_shares`); HEAD writes the same entries."""
         metas = [step.attn_metadata[g.layer_names[0]] for g in self.layouts]
-        bts = [_block_table(step, g, meta) for g, meta in zip(self.layouts, metas)]
+        bts = [block_table_of(step, g, meta) for g, meta in zip(self.layouts, metas)]
         in_head = self._paged_ok() and all(bt.device == self.device and bt.stride(-1) == 1 for bt in bts)
         tables, written, paged = {}, {}, {}
         for g, meta, bt in zip(self.layouts, metas, bts):
