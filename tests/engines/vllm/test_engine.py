@@ -43,6 +43,11 @@ def faulted(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def faulted_before(tmp_path_factory):
+    return _run("faults", tmp_path_factory, "--check-before-forward")
+
+
+@pytest.fixture(scope="module")
 def multiprocess(tmp_path_factory):
     return _run("clean", tmp_path_factory, "--processes")
 
@@ -87,12 +92,23 @@ def _detection(injection: dict, violations: list[dict]) -> list[dict]:
 
 
 def test_both_faults_fire_and_are_caught_against_the_right_request_in_the_same_forward(faulted):
+    """Default order: each forward checked in wait_for_save from the snapshot of its inputs taken in bind (the
+    redirected entry is restored by the fault injector before the canary's wait_for_save: the snapshot holds it)."""
+    _assert_both_faults_caught(faulted)
+
+
+def test_both_faults_caught_with_the_checks_ahead_of_the_forward(faulted_before):
+    """``check_after_forward=False``: bind describes the forward and launches HEAD before vLLM runs it."""
+    _assert_both_faults_caught(faulted_before)
+
+
+def _assert_both_faults_caught(faulted: dict) -> None:
     ledger = {e["name"]: e for e in faulted["ledger"]}
     assert set(ledger) == {"redirect_block_table", "flip_cached_block_byte"}
     violations = faulted["violations"]
     redirect = ledger["redirect_block_table"]
     hits = _detection(redirect, violations)
-    assert any(v["launch_tag"] == "HEAD_K_FULL" for v in hits)  # before the forward reads it
+    assert any(v["launch_tag"] == "HEAD_K_FULL" for v in hits)  # HEAD, from the table the forward read
     # the block read instead (and the chain link out of it, into the next block of the request)
     assert redirect["slot"] // BLOCK_SIZE in {v["slot"] // BLOCK_SIZE for v in hits if "verify_position" in v["fail_reason"]}
     flip = ledger["flip_cached_block_byte"]

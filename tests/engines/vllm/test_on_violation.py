@@ -95,3 +95,17 @@ def test_on_violation_is_validated():
         canary_options(Ktc({"on_violation": "abort", "mode": "raise"}))
     config, adapter = canary_options(Ktc({"on_violation": "raise"}))
     assert config.mode == "raise" and adapter["on_violation"] == "raise"
+
+
+def test_boolean_adapter_options_are_validated():
+    from kvcanary.engines.vllm.connector import canary_options
+
+    class Ktc:
+        def __init__(self, extra):
+            self.kv_connector_extra_config = {"kvcanary": extra}
+
+    for key in ("capture_canary", "check_after_forward"):
+        with pytest.raises(ValueError, match=f"^kv-canary: vLLM option {key} must be true or false, got 'no'"):
+            canary_options(Ktc({key: "no"}))
+        config, adapter = canary_options(Ktc({key: False}))
+        assert adapter[key] is False and not hasattr(config, key)
