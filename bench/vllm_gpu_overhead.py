@@ -4,8 +4,8 @@ vLLM runs as it does by default (engine-core process and worker process, V2 mode
 FULL_AND_PIECEWISE CUDA graphs, FlashAttention, async scheduling). Random-weight (``load_format="dummy"``, re-scaled so tokens depend on the KV) Llama-shaped models — ``1b``
 (Llama-3.2-1B shape) and ``8b`` (Llama-3.1-8B shape) — serve rounds of 64 requests with 2-3 k-token prompts
 (fresh random prompts per round: no prefix hits across rounds) and 128 new tokens each, greedy. Each arm is an
-engine of its own, alive for the whole run in a child process: ``none`` (no canary), ``canary`` (default options), ``canary_nokv`` (``real_kv_hash="none"``), ``canary_nohole`` (``padding_read_check=False``: the padding-read check's share), ``canary_before``
-(``check_after_forward=False``: the forward checked from bind, ahead of its launch, instead of after it), ``none_again`` (a second engine without the canary: how far vLLM's own
+engine of its own, alive for the whole run in a child process: ``none`` (no canary), ``canary`` (default options), ``canary_nokv`` (``real_kv_hash="none"``), ``canary_nohole`` (``padding_read_check=False``: the padding-read check's share), ``canary_after``
+(``check_after_forward=True``: each forward checked in wait_for_save from a copy of its inputs taken in bind), ``none_again`` (a second engine without the canary: how far vLLM's own
 tokens vary between two engines, the yardstick for the canary arms' token differences; ``--arms``),
 ``none_ngram`` / ``canary_ngram`` (n-gram speculative decoding, 3 draft tokens; ``canary_ngram`` is compared with
 ``none_ngram``), ``none_eagle`` / ``canary_eagle`` (EAGLE speculative decoding, 3 draft tokens from a one-layer
@@ -49,7 +49,7 @@ SHAPES = {
 ARMS = {"none": None, "none_again": None, "canary": {}, "canary_nokv": {"real_kv_hash": "none"}, "none_ngram": None,
         "canary_ngram": {}, "none_eagle": None, "canary_eagle": {},
         "canary_nohole": {"padding_read_check": False},  # the identity / padding-read check's share (issue 36)
-        "canary_before": {"check_after_forward": False}}  # the checks launched ahead of the forward (the old order)
+        "canary_after": {"check_after_forward": True}}  # each forward checked after its launch, from a snapshot
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 EAGLE = {"method": "eagle", "num_speculative_tokens": 3}  # + "model": a one-layer draft written by the child
 SPECULATIVE = {"none_ngram": NGRAM, "canary_ngram": NGRAM, "none_eagle": EAGLE, "canary_eagle": EAGLE}  # arm -> vLLM speculative_config

@@ -248,7 +248,7 @@ FAULT_PLAN_SPEC = (
 def _run_outputs(mode: str, workdir: str, *, faults: tuple, tensor_parallel: int, sweep_interval: int,
                  mode_option: str, on_violation: str,
                  sweep_max_bytes: Optional[int] = None,
-                 check_after_forward: bool = True) -> tuple[list[str], str, Optional[dict[str, Any]]]:
+                 check_after_forward: bool = False) -> tuple[list[str], str, Optional[dict[str, Any]]]:
     """(violation JSONL path per rank, ledger path, KV-transfer config or None for ``ref``) of one `run_engine`
     run; stale files of an earlier run in ``workdir`` are removed."""
     vpath, lpath = os.path.join(workdir, f"{mode}.violations.{{rank}}.jsonl"), os.path.join(workdir, f"{mode}.ledger.jsonl")
@@ -262,8 +262,8 @@ def _run_outputs(mode: str, workdir: str, *, faults: tuple, tensor_parallel: int
     extra = {"on_violation": on_violation} if on_violation != "log" else {}
     if sweep_max_bytes is not None:
         extra["sweep_max_bytes"] = sweep_max_bytes
-    if not check_after_forward:
-        extra["check_after_forward"] = False
+    if check_after_forward:
+        extra["check_after_forward"] = True
     options = dict(mode=mode_option, jsonl_path=vpath, sweep_interval=sweep_interval, readable_per_step=0,
                    stats_period_s=0, **extra)
     return vpaths, lpath, transfer_config(options, faults=plan)
@@ -274,7 +274,7 @@ def run_engine(mode: str, workdir: str, *, seed: int = 0, sweep_interval: int = 
                model_kind: str = "llama", shape: Optional[dict[str, Any]] = None, mode_option: str = "log",
                on_violation: str = "log", spec_tokens: int = 0, spec_method: str = "ngram",
                sweep_max_bytes: Optional[int] = None, num_blocks: int = 16,
-               attention_backend: Optional[str] = None, check_after_forward: bool = True) -> dict[str, Any]:
+               attention_backend: Optional[str] = None, check_after_forward: bool = False) -> dict[str, Any]:
     """Start the tiny engine — ``ref`` (no canary), ``clean`` (canary) or ``faults`` (canary + the
     fault injector) — run `workload`, and return what the user's process can see: outputs, per-request
     verdicts, the ``vllm:kv_canary_*`` metrics, the violations' JSON lines and the fault ledger.
@@ -371,8 +371,8 @@ def main(argv=None) -> int:
     parser.add_argument("--attention-backend", default=None, help="vLLM's attention backend (default: vLLM's choice)")
     parser.add_argument("--num-blocks", type=int, default=16, help="KV cache blocks (shared by the KV cache groups)")
     parser.add_argument("--spec", type=int, default=0, help="speculative decoding with this many draft tokens")
-    parser.add_argument("--check-before-forward", action="store_true",
-                        help="the adapter checks each forward from bind, ahead of its launch (check_after_forward=False)")
+    parser.add_argument("--check-after-forward", action="store_true",
+                        help="the adapter checks each forward in wait_for_save from a snapshot (check_after_forward=True)")
     parser.add_argument("--sweep-max-bytes", type=int, default=None, help="the canary's sweep_max_bytes (window size)")
     parser.add_argument("--sweep-interval", type=int, default=8, help="forwards between sweeps")
     parser.add_argument("--spec-method", default="ngram", choices=SPEC_METHODS,
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
                         spec_method=args.spec_method, sweep_interval=args.sweep_interval,
                         sweep_max_bytes=args.sweep_max_bytes, num_blocks=args.num_blocks,
                         attention_backend=args.attention_backend,
-                        check_after_forward=not args.check_before_forward)
+                        check_after_forward=args.check_after_forward)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     return 0

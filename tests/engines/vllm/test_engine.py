@@ -43,8 +43,8 @@ def faulted(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def faulted_before(tmp_path_factory):
-    return _run("faults", tmp_path_factory, "--check-before-forward")
+def faulted_after(tmp_path_factory):
+    return _run("faults", tmp_path_factory, "--check-after-forward")
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +92,13 @@ def _detection(injection: dict, violations: list[dict]) -> list[dict]:
 
 
 def test_both_faults_fire_and_are_caught_against_the_right_request_in_the_same_forward(faulted):
-    """Default order: each forward checked in wait_for_save from the snapshot of its inputs taken in bind (the
-    redirected entry is restored by the fault injector before the canary's wait_for_save: the snapshot holds it)."""
     _assert_both_faults_caught(faulted)
 
 
-def test_both_faults_caught_with_the_checks_ahead_of_the_forward(faulted_before):
-    """``check_after_forward=False``: bind describes the forward and launches HEAD before vLLM runs it."""
-    _assert_both_faults_caught(faulted_before)
+def test_both_faults_caught_when_checked_after_the_forward_from_its_snapshot(faulted_after):
+    """``check_after_forward=True``: each forward checked in wait_for_save from the copy of its inputs taken in bind
+    (the fault injector restores the redirected entry before the canary's wait_for_save: the copy still holds it)."""
+    _assert_both_faults_caught(faulted_after)
 
 
 def _assert_both_faults_caught(faulted: dict) -> None:

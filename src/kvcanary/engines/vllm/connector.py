@@ -11,19 +11,19 @@ vLLM builds one instance per process and role:
   the request finishes as ``RequestOutput.kv_transfer_params["kv_canary"]``.
 * worker role (each worker process; one per tensor-parallel rank) — owns the `Canary` for its KV
   shard. ``register_kv_caches`` sizes it from the KV tensors; ``bind_connector_metadata`` (called by
-  the model runner right before the model runs) copies the forward's device inputs — input ids, positions, slot
-  mappings, block tables (`StepSnapshot`) — on the engine's stream; ``wait_for_save`` (after vLLM launched the
-  forward) builds the `BatchDescription` from that snapshot, opens the forward (plan, HEAD verify + write) and
-  closes it (TAIL verify with the real KV re-hashed, TAIL write), then sweeps when the metadata carried the cached
-  blocks. So the canary's host work overlaps the forward on the device. With ``check_after_forward=False``
-  bind builds the description and launches HEAD itself, ahead of the forward (the snapshot is not needed). Counts leave through
+  the model runner right before the model runs) builds the `BatchDescription` from the attention metadata and
+  opens the forward (plan, HEAD verify + write); ``wait_for_save`` (after the model ran) closes it (TAIL verify
+  with the real KV re-hashed, TAIL write), then sweeps when the metadata carried the cached blocks. With
+  ``check_after_forward=True`` (experimental) bind only copies the forward's device inputs — input ids, positions,
+  slot mappings, block tables (`StepSnapshot`) — on the engine's stream, and ``wait_for_save`` describes the
+  forward from that copy and runs HEAD and TAIL back to back, after vLLM launched the forward. Counts leave through
   ``get_kv_connector_stats`` (`kvcanary.engines.vllm.metrics`) and violations through
   ``build_connector_worker_meta``, the ``kvcanary`` log and the JSON-lines file when configured.
 
 Options (``kv_connector_extra_config = {"kvcanary": {...}}``, else ``KVCANARY_*`` environment
 variables): every `CanaryConfig` field, plus ``max_requests`` (default 2 x max_num_seqs),
 ``max_context`` (default max_model_len), ``stats_period_s``, ``capture_canary``, ``check_after_forward`` (default
-true) and ``on_violation``. ``jsonl_path`` may contain ``{rank}``; with several ranks
+false) and ``on_violation``. ``jsonl_path`` may contain ``{rank}``; with several ranks
 and no ``{rank}``, ``.rank<N>`` is appended.
 
 Fail-safe (``log`` mode): an exception of the canary's side of a step — building the batch, the bracket, the
@@ -184,7 +184,7 @@ def canary_options(kv_transfer_config) -> tuple[CanaryConfig, dict[str, int]]:
     elif policy != "log" and extra.get("mode") == "raise":
         raise KvCanaryValueError(f"kv-canary: on_violation={policy!r} and mode='raise' contradict each other; pick one")
     for key in BOOL_OPTIONS:
-        if not isinstance(adapter.get(key, True), bool):
+        if not isinstance(adapter.get(key, False), bool):
             raise KvCanaryValueError(f"kv-canary: vLLM option {key} must be true or false, got {adapter[key]!r}")
     for key, value in adapter.items():
         if key in ("stats_period_s", "on_violation") + BOOL_OPTIONS:
@@ -210,7 +210,7 @@ class KvCanaryConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats_period_s = float(adapter.get("stats_period_s", STATS_PERIOD_S))
         self.capture_canary = bool(adapter.get("capture_canary", True))
         # check each forward in wait_for_save, from a snapshot of its device inputs taken in bind (`step_snapshot`)
-        self.check_after_forward = bool(adapter.get("check_after_forward", True))
+        self.check_after_forward = bool(adapter.get("check_after_forward", False))
         self.on_violation = str(adapter.get("on_violation", "log"))
         self._check_response_path(vllm_config, kv_cache_config)
         self._bad_blocks: set[int] = set()  # worker: blocks holding corrupted KV, not yet reported to vLLM

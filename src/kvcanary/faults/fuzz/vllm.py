@@ -94,8 +94,8 @@ def sample_config(rng: random.Random) -> dict:
         config["spec_method"] = rng.choice(("ngram", "eagle", "eagle3"))
     if rng.random() < 0.5:  # the periodic sweep in windows of a few blocks (1 byte: one block per window)
         canary["sweep_max_bytes"] = rng.choice((1, 1 << 12, 1 << 16, 1 << 20))
-    if rng.random() < 0.25:  # the adapter's other order: each forward checked from bind, ahead of its launch
-        canary["check_after_forward"] = False
+    if rng.random() < 0.25:  # the adapter's other order: each forward checked after its launch, from a snapshot
+        canary["check_after_forward"] = True
     # no draws below (the configurations drawn before stay as they were)
     _fit_to_groups(config, need=need, swa_need=swa_need)
     return config
