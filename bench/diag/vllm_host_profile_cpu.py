@@ -30,6 +30,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--options", default="{}", help="kv_transfer_config(**options) as JSON")
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--count-ops", action="store_true",
+                    help="count the torch ops each hook dispatches (each a launch, or a host-side op, on a GPU)")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -44,7 +46,8 @@ def main() -> int:
               block_size=32, enable_prefix_caching=True, max_num_seqs=args.requests, max_num_batched_tokens=2048,
               enforce_eager=True, kv_transfer_config=kv_transfer_config(**json.loads(args.options)))
     state = {"on": False, "prof": cProfile.Profile(), "per_call": collections.defaultdict(list), "forwards": 0,
-             "prefill_left": 0}
+             "prefill_left": 0, "ops": collections.Counter()}
+    counting = _op_counter(state["ops"]) if args.count_ops else None
 
     def wrap(name):
         orig = getattr(KvCanaryConnector, name)
@@ -53,6 +56,11 @@ def main() -> int:
             if not state["on"]:
                 return orig(self, *a, **k)
             t0 = time.perf_counter()
+            if counting is not None:
+                with counting(name):
+                    out = orig(self, *a, **k)
+                state["per_call"][name].append(time.perf_counter() - t0)
+                return out
             state["prof"].enable()
             try:
                 return orig(self, *a, **k)
@@ -64,6 +72,23 @@ def main() -> int:
     for n in ("build_connector_meta", "bind_connector_metadata", "wait_for_save", "get_kv_connector_stats",
               "update_connector_output", "build_connector_worker_meta"):
         wrap(n)
+    if counting is not None:  # the adapter's own parts, apart from the canary's HEAD / TAIL (torch twins on the CPU)
+        from kvcanary.engines.vllm.forward_view import WorkerView
+        from kvcanary.runtime import Canary
+
+        def wrap_method(cls, name):
+            orig = getattr(cls, name)
+
+            def hooked(self, *a, **k):
+                if not state["on"]:
+                    return orig(self, *a, **k)
+                with counting(f"{cls.__name__}.{name}"):
+                    return orig(self, *a, **k)
+            setattr(cls, name, hooked)
+
+        for cls, name in ((WorkerView, "apply"), (WorkerView, "describe"), (Canary, "begin_step"), (Canary, "stage"),
+                          (Canary, "launch_head"), (Canary, "after_forward")):
+            wrap_method(cls, name)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(384, 513))] for _ in range(args.requests)]
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -83,11 +108,42 @@ def main() -> int:
     for n, ts in state["per_call"].items():
         ts = sorted(ts)
         print(f"  {n:28s} {len(ts):5d} calls  median {1e6 * ts[len(ts) // 2]:7.0f} us  p90 {1e6 * ts[int(0.9 * len(ts))]:7.0f} us")
+    if counting is not None:
+        per_hook = collections.Counter()
+        for (hook, _), n in state["ops"].items():
+            per_hook[hook] += n
+        print("torch ops dispatched per decode forward, by hook:",
+              {h: round(n / max(fwd, 1), 1) for h, n in per_hook.most_common()})
+        for (hook, op), n in state["ops"].most_common(args.top):
+            print(f"  {hook:28s} {op:40s} {n / max(fwd, 1):6.2f} per forward")
+        return 0
     for key in ("tottime", "cumulative"):
         s = io.StringIO()
         pstats.Stats(state["prof"], stream=s).sort_stats(key).print_stats(args.top)
         print(s.getvalue())
     return 0
+
+
+def _op_counter(counts):
+    """A context factory: ``with counter(hook):`` counts each aten op dispatched inside as ``(hook, op name)``."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        hook = ""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[(self.hook, str(func.overloadpacket.__name__))] += 1
+            return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def counting(hook):
+        mode = Count()
+        mode.hook = hook
+        with mode:
+            yield
+    return counting
 
 
 if __name__ == "__main__":
