@@ -33,10 +33,12 @@ for stage in ${STAGES:-tests bench1b}; do
       echo "eagle tests rc=$?" | tee -a "$OUT/eagle_tests.log"
       grep -E "passed|failed|FAILED|Error|^\{|\[\{" "$OUT/eagle_tests.log" | tail -8 ;;
     gputests)  # any GPU test files: GPU_TESTS="tests/gpu/a.py tests/gpu/b.py::test_x" (log: gputests.log)
-      timeout $(( ${GPUTESTS_S:-$(left)} - 10 )) python3 -m pytest ${GPU_TESTS} -q -p no:cacheprovider -rf --tb=short \
-        > "$OUT/gputests.log" 2>&1
+      # -x: the first failure prints its traceback at once (a call cut by its time limit still brings it back)
+      timeout $(( ${GPUTESTS_S:-$(left)} - 10 )) python3 -m pytest ${GPU_TESTS} -q ${GPU_TESTS_X--x} -p no:cacheprovider -rf \
+        --tb=short > "$OUT/gputests.log" 2>&1
       echo "gputests rc=$?" | tee -a "$OUT/gputests.log"
-      grep -E "passed|failed|FAILED|Error" "$OUT/gputests.log" | tail -10 ;;
+      grep -E "passed|failed|FAILED|Error" "$OUT/gputests.log" | tail -10
+      grep -qE "^(E |FAILED)" "$OUT/gputests.log" && grep -E "^E |^FAILED|^tests/|Error" "$OUT/gputests.log" | cut -c1-300 | head -40 ;;
     t37bg)  # issue 37's failed-capture tests in the background, reported at the end
       python3 -m pip install -q --no-deps --target /tmp/tf524 .whl/transformers-5.24.0-py3-none-any.whl > /dev/null 2>&1
       ( PYTHONPATH=/tmp/tf524:$PWD/src timeout ${T37_S:-300} python3 -m pytest tests/gpu/test_failed_capture_gpu.py -n 4 -q \
