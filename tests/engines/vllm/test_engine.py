@@ -17,10 +17,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvcanary.faults.vllm_workload import BLOCK_SIZE  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_support import run_workload  # noqa: E402
+from vllm_support import assert_both_faults_caught, detection, run_workload  # noqa: E402
 
 
 def _run(mode: str, tmp_path_factory, *extra: str) -> dict:
@@ -84,45 +82,14 @@ def test_clean_workload_exercises_the_cache_and_has_no_violations(clean):
     assert all(v == {"violations": 0, "reasons": []} for v in clean["verdicts"])
 
 
-def _detection(injection: dict, violations: list[dict]) -> list[dict]:
-    """Violations at the injection's forward, charged to the injected request, with an expected reason."""
-    return [v for v in violations
-            if v["step"] == injection["forward"] and v["request_id"] == injection["request_id"]
-            and set(v["fail_reason"].split("+")) & set(injection["expected"])]
-
-
 def test_both_faults_fire_and_are_caught_against_the_right_request_in_the_same_forward(faulted):
-    _assert_both_faults_caught(faulted)
+    assert_both_faults_caught(faulted)
 
 
 def test_both_faults_caught_when_checked_after_the_forward_from_its_snapshot(faulted_after):
     """``check_after_forward=True``: each forward checked in wait_for_save from the copy of its inputs taken in bind
     (the fault injector restores the redirected entry before the canary's wait_for_save: the copy still holds it)."""
-    _assert_both_faults_caught(faulted_after)
-
-
-def _assert_both_faults_caught(faulted: dict) -> None:
-    ledger = {e["name"]: e for e in faulted["ledger"]}
-    assert set(ledger) == {"redirect_block_table", "flip_cached_block_byte"}
-    violations = faulted["violations"]
-    redirect = ledger["redirect_block_table"]
-    hits = _detection(redirect, violations)
-    assert any(v["launch_tag"] == "HEAD_K_FULL" for v in hits)  # HEAD, from the table the forward read
-    # the block read instead (and the chain link out of it, into the next block of the request)
-    assert redirect["slot"] // BLOCK_SIZE in {v["slot"] // BLOCK_SIZE for v in hits if "verify_position" in v["fail_reason"]}
-    flip = ledger["flip_cached_block_byte"]
-    hits = _detection(flip, violations)
-    assert {v["slot"] for v in hits if v["launch_tag"].startswith("TAIL_K")} == {flip["slot"]}
-    # before the first injection the run is clean
-    first = min(e["forward"] for e in faulted["ledger"])
-    assert not [v for v in violations if v["step"] < first]
-    # the user's process sees it: metrics and the injected requests' verdicts
-    assert faulted["metrics"]["kv_canary_violations"] == len(violations) > 0
-    by_id = dict(zip(faulted["request_ids"], faulted["verdicts"]))
-    for e in (redirect, flip):
-        parent = e["request_id"].split("-")[0]
-        verdict = by_id.get(parent) or next(v for rid, v in by_id.items() if e["request_id"].endswith(rid))
-        assert verdict["violations"] > 0
+    assert_both_faults_caught(faulted_after)
 
 
 def test_default_process_layout_counts_and_verdicts_reach_the_users_process(multiprocess):
@@ -145,7 +112,7 @@ def test_tensor_parallel_each_rank_checks_its_own_shard(tensor_parallel):
     assert {e["rank"] for e in run["ledger"]} == {1} and len(run["ledger"]) == 2
     assert run["violations"] and {v["rank"] for v in run["violations"]} == {1}
     for injection in run["ledger"]:
-        assert _detection(injection, run["violations"]), injection["name"]
+        assert detection(injection, run["violations"]), injection["name"]
     assert m["kv_canary_violations"] == len(run["violations"])
 
 

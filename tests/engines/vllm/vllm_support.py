@@ -10,15 +10,20 @@ import pytest
 import torch
 
 
-def run_workload(mode: str, tmp_path_factory, *extra: str) -> dict:
-    """``python -m kvcanary.faults.vllm_workload MODE ...`` in a fresh process; its JSON result."""
+def run_workload(mode: str, tmp_path_factory, *extra: str, runner: str = "default") -> dict:
+    """``python -m kvcanary.faults.vllm_workload MODE ...`` in a fresh process; its JSON result. ``runner="v2"``: on
+    vLLM's V2 model runner on the CPU, vLLM's Triton kernels interpreted (`v2_runner_cpu`)."""
     work = tmp_path_factory.mktemp(f"vllm-{mode}")
     out = work / "result.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    proc = subprocess.run([sys.executable, "-m", "kvcanary.faults.vllm_workload", mode, str(work), str(out), *extra],
-                          env=env, capture_output=True, text=True, timeout=420)
+    command = [sys.executable, "-m", "kvcanary.faults.vllm_workload"]
+    if runner == "v2":
+        env.update(VLLM_USE_V2_MODEL_RUNNER="1", TRITON_INTERPRET="1")
+        command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "v2_runner_cpu.py")]
+    proc = subprocess.run([*command, mode, str(work), str(out), *extra], env=env, capture_output=True, text=True,
+                          timeout=420)
     if proc.returncode != 0:
         pytest.fail(f"engine run {mode!r} {extra} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
@@ -77,3 +82,39 @@ def head_filled(desc):
             launch_mark_written_slots_kernel(slots=gb.out_cache_loc, ever_written=gb.rewrites.ever_written,
                                              rewritten=gb.rewrites.rewritten)
     return desc
+
+
+def detection(injection: dict, violations: list[dict]) -> list[dict]:
+    """Violations at the injection's forward, charged to the injected request, with an expected reason."""
+    return [v for v in violations
+            if v["step"] == injection["forward"] and v["request_id"] == injection["request_id"]
+            and set(v["fail_reason"].split("+")) & set(injection["expected"])]
+
+
+def assert_both_faults_caught(faulted: dict) -> None:
+    """The default fault plan's run (`kvcanary.faults.vllm_workload.FAULT_PLAN`): the redirected entry caught by HEAD
+    on the block read instead, the flipped bit by TAIL on its slot, both against the injected request in the forward
+    they were injected into, nothing before it, and the users' process sees it (metrics, verdicts)."""
+    from kvcanary.faults.vllm_workload import BLOCK_SIZE
+
+    ledger = {e["name"]: e for e in faulted["ledger"]}
+    assert set(ledger) == {"redirect_block_table", "flip_cached_block_byte"}
+    violations = faulted["violations"]
+    redirect = ledger["redirect_block_table"]
+    hits = detection(redirect, violations)
+    assert any(v["launch_tag"] == "HEAD_K_FULL" for v in hits)  # HEAD, from the table the forward read
+    # the block read instead (and the chain link out of it, into the next block of the request)
+    assert redirect["slot"] // BLOCK_SIZE in {v["slot"] // BLOCK_SIZE for v in hits if "verify_position" in v["fail_reason"]}
+    flip = ledger["flip_cached_block_byte"]
+    hits = detection(flip, violations)
+    assert {v["slot"] for v in hits if v["launch_tag"].startswith("TAIL_K")} == {flip["slot"]}
+    # before the first injection the run is clean
+    first = min(e["forward"] for e in faulted["ledger"])
+    assert not [v for v in violations if v["step"] < first]
+    # the user's process sees it: metrics and the injected requests' verdicts
+    assert faulted["metrics"]["kv_canary_violations"] == len(violations) > 0
+    by_id = dict(zip(faulted["request_ids"], faulted["verdicts"]))
+    for e in (redirect, flip):
+        parent = e["request_id"].split("-")[0]
+        verdict = by_id.get(parent) or next(v for rid, v in by_id.items() if e["request_id"].endswith(rid))
+        assert verdict["violations"] > 0
