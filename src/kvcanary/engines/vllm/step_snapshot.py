@@ -1,8 +1,8 @@
 """`StepSnapshot`: the device inputs of a vLLM forward copied before it runs, so the canary checks it afterwards.
 
 The adapter takes the snapshot in ``bind_connector_metadata`` (before the model runs) and checks the forward in
-``wait_for_save``, after vLLM has launched it: the canary's host work then overlaps the forward on the device
-instead of delaying its launch. What attention reads and writes is what the snapshot holds — the input ids,
+``wait_for_save``, after vLLM has launched it, so that the canary's host work can overlap the forward on the device
+(on a host-bound H100 it made no clear difference: docs/vllm.md). What attention reads and writes is what the snapshot holds — the input ids,
 positions, each group's slot mapping and block table (and the V2 runner's device lengths) — copied on the
 engine's stream ahead of the forward, so a block-table entry or slot mapping that is wrong only while the forward
 runs (restored afterwards, or overwritten by a speculative drafter in between) is still what the canary checks.
@@ -14,8 +14,6 @@ A group's block table keeps its address while its width stays: the canary's grap
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Optional
-
 import torch
 
 from kvcanary.engines.vllm.forward_view import StepInputs, block_table_of
@@ -41,7 +39,7 @@ class StepSnapshot:
             bt = block_table_of(step, g, meta)
             metas[g.layer_names[0]] = SimpleNamespace(
                 slot_mapping=self._copy(f"slots/{g.name}", meta.slot_mapping[:num_tokens]),
-                block_table=self._copy_table(g.name, bt),
+                block_table=self._copy(f"table/{g.name}", bt, min_rows=self.min_rows),
             )
         seq_lens = step.seq_lens
         return StepInputs(
@@ -53,27 +51,14 @@ class StepSnapshot:
             block_tables=None,
         )
 
-    def _copy(self, name: str, src: torch.Tensor) -> torch.Tensor:
-        """``src`` (1-D) copied into the buffer ``name``; returns the filled view."""
-        buf = self._buffer(name, (src.shape[0],), src)
+    def _copy(self, name: str, src: torch.Tensor, min_rows: int = 256) -> torch.Tensor:
+        """``src`` (1-D, or a block table ``[rows, width]``) copied into the buffer ``name`` (at least ``min_rows``
+        rows, so its address stays while forwards grow up to them); returns the filled rows."""
+        buf = self._buffers.get(name)
+        if (buf is None or buf.dtype != src.dtype or buf.device != src.device or buf.shape[0] < src.shape[0]
+                or buf.shape[1:] != src.shape[1:]):
+            rows = max(src.shape[0], min_rows, 0 if buf is None else 2 * buf.shape[0])
+            buf = self._buffers[name] = torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device=src.device)
         out = buf[: src.shape[0]]
         out.copy_(src, non_blocking=True)
         return out
-
-    def _copy_table(self, name: str, bt: torch.Tensor) -> torch.Tensor:
-        """A block table ``[rows, width]`` copied into the group's table buffer (at least ``min_rows`` rows, so its
-        address stays while the batch grows up to them); returns the buffer's first ``rows`` rows."""
-        buf = self._buffer(f"table/{name}", (max(bt.shape[0], self.min_rows), bt.shape[1]), bt)
-        out = buf[: bt.shape[0]]
-        out.copy_(bt, non_blocking=True)
-        return out
-
-    def _buffer(self, name: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
-        """The buffer ``name``, reallocated when it is too small, of another dtype or device, or (a table) of another
-        width."""
-        buf: Optional[torch.Tensor] = self._buffers.get(name)
-        if (buf is None or buf.dtype != like.dtype or buf.device != like.device or buf.shape[0] < shape[0]
-                or buf.shape[1:] != shape[1:]):
-            rows = shape[0] if len(shape) > 1 else max(shape[0], 256 if buf is None else 2 * buf.shape[0])
-            buf = self._buffers[name] = torch.empty((rows, *shape[1:]), dtype=like.dtype, device=like.device)
-        return buf
