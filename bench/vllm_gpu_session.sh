@@ -8,7 +8,7 @@ T0=$(date +%s); left() { echo $(( ${BUDGET_S:-560} - ($(date +%s) - T0) )); }
 bash .vl/vllm/install.sh || exit 1
 export PYTHONPATH=$PWD/src:/tmp/vllm-site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-  NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_DIR=/tmp/triton-cache
+  NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_DIR=/tmp/triton-cache KVC_WORKLOAD_DUMP=${KVC_WORKLOAD_DUMP-$OUT/workloads}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/machine.txt"
 python3 -c "import torch, triton, vllm, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/machine.txt"
 echo "src sha256 $(find src -name "*.py" | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12)" | tee -a "$OUT/machine.txt"

@@ -24,6 +24,15 @@ def run_workload(mode: str, tmp_path_factory, *extra: str, runner: str = "defaul
         command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "v2_runner_cpu.py")]
     proc = subprocess.run([*command, mode, str(work), str(out), *extra], env=env, capture_output=True, text=True,
                           timeout=420)
+    dump = os.environ.get("KVC_WORKLOAD_DUMP")  # a folder: each run's result and stderr kept there (device calls)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        stem = os.path.join(dump, f"{mode}-{'_'.join(a.strip('-') for a in extra)[:80] or 'default'}")
+        with open(stem + ".stderr.txt", "w") as f:
+            f.write(proc.stderr[-200_000:])
+        if out.exists():
+            with open(stem + ".json", "w") as f:
+                f.write(out.read_text())
     if proc.returncode != 0:
         pytest.fail(f"engine run {mode!r} {extra} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
