@@ -7,7 +7,7 @@ connector and the scheduler's are this process's). Decode forwards only (the fir
 prefill): per-hook median / p90, then cProfile by own time and by cumulative time. On the CPU the canary's device
 work runs inline, so compare the Python entries, not the torch kernels, with the GPU.
 
-    VLLM_CPU_KVCACHE_SPACE=2 python bench/diag/vllm_host_profile_cpu.py [--requests 64] [--options '{...}']
+    VLLM_CPU_KVCACHE_SPACE=2 python bench/diag/vllm_host_profile_cpu.py [--requests 64] [--options '{...}'] [--stub-device] [--no-profile] [--count-ops]
 """
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--options", default="{}", help="kv_transfer_config(**options) as JSON")
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--stub-device", action="store_true",
+                    help="HEAD and TAIL launch nothing (on a GPU each is one graph replay): what is left is the host path")
+    ap.add_argument("--no-profile", action="store_true", help="hook times only (no cProfile: not inflated)")
     ap.add_argument("--count-ops", action="store_true",
                     help="count the torch ops each hook dispatches (each a launch, or a host-side op, on a GPU)")
     args = ap.parse_args()
@@ -48,6 +51,10 @@ def main() -> int:
     state = {"on": False, "prof": cProfile.Profile(), "per_call": collections.defaultdict(list), "forwards": 0,
              "prefill_left": 0, "ops": collections.Counter()}
     counting = _op_counter(state["ops"]) if args.count_ops else None
+    if args.stub_device:
+        from kvcanary.runtime import Canary
+        Canary.launch_head = lambda self: None
+        Canary.launch_tail = lambda self, *, run_checks=True: None
 
     def wrap(name):
         orig = getattr(KvCanaryConnector, name)
@@ -59,6 +66,10 @@ def main() -> int:
             if counting is not None:
                 with counting(name):
                     out = orig(self, *a, **k)
+                state["per_call"][name].append(time.perf_counter() - t0)
+                return out
+            if args.no_profile:
+                out = orig(self, *a, **k)
                 state["per_call"][name].append(time.perf_counter() - t0)
                 return out
             state["prof"].enable()
@@ -104,7 +115,7 @@ def main() -> int:
     fwd = len(state["per_call"]["bind_connector_metadata"])
     total = sum(sum(v) for v in state["per_call"].values())
     print(f"profiled run: {wall:.2f} s, {fwd} forwards, hooks {1e6 * total / max(fwd, 1):.0f} us/forward "
-          "(with cProfile on: inflated)")
+          + ("(hook times only)" if args.no_profile else "(with cProfile on: inflated)"))
     for n, ts in state["per_call"].items():
         ts = sorted(ts)
         print(f"  {n:28s} {len(ts):5d} calls  median {1e6 * ts[len(ts) // 2]:7.0f} us  p90 {1e6 * ts[int(0.9 * len(ts))]:7.0f} us")
@@ -116,6 +127,8 @@ def main() -> int:
               {h: round(n / max(fwd, 1), 1) for h, n in per_hook.most_common()})
         for (hook, op), n in state["ops"].most_common(args.top):
             print(f"  {hook:28s} {op:40s} {n / max(fwd, 1):6.2f} per forward")
+        return 0
+    if args.no_profile:
         return 0
     for key in ("tottime", "cumulative"):
         s = io.StringIO()
