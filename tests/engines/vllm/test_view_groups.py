@@ -71,3 +71,26 @@ def test_slots_reused_counts_over_every_full_group():
     assert view.slots_reused() == 0
     mark({"full.1": torch.arange(8, 12)})  # full's block 2 now belongs to full.1
     assert view.slots_reused() == 4
+
+
+def test_same_step_share_followed_by_blocks_cached_earlier_claims_the_rest_of_the_prefix():
+    """Row 2 hits 12 positions: block 0 is the block row 1 computes in this forward (the earlier copy was evicted, so
+    row 1 found no hit and recomputes it), blocks 1-2 were cached by an earlier request and are not written now. The
+    claim runs from position 0 to the end of the prefix (a trailing-only claim would leave 0..3 in the verified
+    prefix, read before row 1's records exist). A padding slot the row reads after that point stops it: then only the
+    trailing run written here is claimed, as before."""
+    view = _view()
+    full, full1, swa = _layouts()
+    positions = torch.arange(12)
+    written, old = {}, {full: [11, 12], full1: [13, 14], swa: [15, 16]}
+    for g, ids in {full: [1, 2, 3], full1: [4, 5, 6], swa: [7, 8, 9]}.items():
+        slots = torch.tensor([ids[p // B] * B + p % B for p in range(12)])
+        written[g.name] = slots
+        view.req_to_token[g.name][1, :12] = slots.to(torch.int32)
+        row2 = torch.tensor([([ids[0]] + old[g])[p // B] * B + p % B for p in range(12)])
+        if g is swa:
+            row2[:B] = 0  # behind the window (12 - 5): a null block
+        view.req_to_token[g.name][2, :12] = row2.to(torch.int32)
+    assert view._same_step_shares([1, 2], [0, 12], [1], written, positions) == [0, 12]
+    view.req_to_token["full"][2, 9] = 0  # the padding slot inside what the row reads: nothing trailing is written here
+    assert view._same_step_shares([1, 2], [0, 12], [1], written, positions) == [0, 0]

@@ -555,15 +555,19 @@ class WorkerView:
         return self._reused_seen
 
     def _same_step_shares(self, rows, prefix, todo, written, positions) -> list[int]:
-        """Per batch row: how many trailing prefix positions this same forward writes (a prefix-cache
-        hit on blocks another row computes in this forward — vLLM caches a block when it is scheduled,
-        and within each layer all KV writes precede attention, so the read is legitimate). ``todo``: the
-        batch rows to look at (a first forward past position 0); host lists.
+        """Per batch row: how many trailing prefix positions it claims as this forward's (a prefix-cache hit on
+        blocks another row computes in this forward — vLLM caches a block when it is scheduled, and within each
+        layer all KV writes precede attention, so the read is legitimate). ``todo``: the batch rows to look at (a
+        first forward past position 0); host lists.
 
-        A position counts only if, in every group, the row's table slot is written by this forward *at
-        that position* — in a sliding-window group, or lies behind the window (the group no longer reads it: vLLM
-        hands the row null blocks there); anything else stays in the verified prefix (and fails there if it is
-        wrong)."""
+        A position is *written here* if, in some group, the row's table slot is written by this forward at that
+        position. The claim starts at the row's first such position and runs to the end of its prefix: the hit may
+        be a block computed now followed by blocks cached earlier (the earlier copy of its first block was evicted,
+        so the writing row found no hit and recomputes it, while the later ones are still cached). The records of
+        those later positions are written again with the row's own tokens instead of being verified (docs/design.md
+        §5.5). Not where the row reads the padding slot at or after that position (a full group, or inside a
+        sliding window: vLLM hands null blocks only behind it): then only the trailing run written here (or behind
+        a sliding window) is claimed, and the rest stays in the verified prefix, where it fails if it is wrong."""
         out = [0] * len(rows)
         maps = {}
         for g in self.layouts:
@@ -573,22 +577,26 @@ class WorkerView:
             maps[g.name] = (w[keep][order], positions[keep][order])
         for i in todo:
             p = prefix[i]
-            lo = p
+            trailing, first, reads = p, p, []
             for g in self.layouts:
                 slots_w, pos_w = maps[g.name]
                 if slots_w.numel() == 0:
-                    lo = p
+                    trailing, first = p, p
                     break
                 cand = self.req_to_token[g.name][rows[i], :p].to(torch.int64)
                 idx = torch.searchsorted(slots_w, cand).clamp_max(slots_w.numel() - 1)
                 at = torch.arange(p, device=cand.device)
-                hit = (slots_w[idx] == cand) & (pos_w[idx] == at)
-                if g.sliding_window:
-                    hit |= at < p - g.window_left
-                miss = (~hit).nonzero().flatten()
-                g_lo = int(miss[-1]) + 1 if miss.numel() else 0
-                lo = g_lo if g is self.layouts[0] else max(lo, g_lo)
-            out[i] = p - lo
+                here = (slots_w[idx] == cand) & (pos_w[idx] == at)
+                behind = at < p - g.window_left if g.sliding_window else torch.zeros_like(here)
+                miss = (~(here | behind)).nonzero().flatten()
+                g_trailing = int(miss[-1]) + 1 if miss.numel() else 0
+                trailing = g_trailing if g is self.layouts[0] else max(trailing, g_trailing)
+                found = here.nonzero().flatten()
+                if found.numel():
+                    first = min(first, int(found[0]))
+                reads.append((cand, behind))
+            hole = any(bool(((cand[first:] == 0) & ~behind[first:]).any()) for cand, behind in reads)
+            out[i] = p - (trailing if hole else min(first, trailing))
         return out
 
     def _claim_shared(self, rows, prefix, shared, query, input_ids, positions, written):
