@@ -561,13 +561,13 @@ class WorkerView:
         first forward past position 0); host lists.
 
         A position is *written here* if, in some group, the row's table slot is written by this forward at that
-        position. The claim starts at the row's first such position and runs to the end of its prefix: the hit may
-        be a block computed now followed by blocks cached earlier (the earlier copy of its first block was evicted,
-        so the writing row found no hit and recomputes it, while the later ones are still cached). The records of
-        those later positions are written again with the row's own tokens instead of being verified (docs/vllm.md,
-        "Prefix hits inside one forward"). Not where the row reads the padding slot at or after that position (a full group, or inside a
-        sliding window: vLLM hands null blocks only behind it): then only the trailing run written here (or behind
-        a sliding window) is claimed, and the rest stays in the verified prefix, where it fails if it is wrong."""
+        position. The claim starts at the row's first such position and runs to the end of its prefix: the hit may be a
+        block computed now followed by blocks cached earlier (the earlier copy of its first block was evicted, so the
+        writing row found no hit and recomputes it, while the later ones are still cached). The records of those later
+        positions are written again with the row's own tokens instead of being verified (docs/vllm.md, "Prefix hits
+        inside one forward"). Not where the row reads the padding slot at or after that position (a full group, or
+        inside a sliding window: vLLM hands null blocks only behind it): then only the trailing run written here (or
+        behind a sliding window) is claimed, and the rest stays in the verified prefix, where it fails if it is wrong."""
         out = [0] * len(rows)
         maps = {}
         for g in self.layouts:
