@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from kvcanary.faults.vllm_workload import BLOCK_SIZE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines" / "vllm"))
-from vllm_support import run_workload  # noqa: E402
+from vllm_support import detection, run_workload  # noqa: E402
 
 
 def _run(mode: str, tmp_path_factory) -> dict:
@@ -59,23 +59,17 @@ def test_gpu_clean_workload_every_forward_checked_graph_replays_included(clean):
     assert all(v == {"violations": 0, "reasons": []} for v in clean["verdicts"])
 
 
-def _detection(injection: dict, violations: list[dict]) -> list[dict]:
-    return [v for v in violations
-            if v["step"] == injection["forward"] and v["request_id"] == injection["request_id"]
-            and set(v["fail_reason"].split("+")) & set(injection["expected"])]
-
-
 def test_gpu_faults_caught_against_the_right_request(faulted):
     ledger = {e["name"]: e for e in faulted["ledger"]}
     print(json.dumps(faulted["ledger"]))
     assert set(ledger) == {"redirect_block_table", "flip_cached_block_byte"}
     violations = faulted["violations"]
     redirect = ledger["redirect_block_table"]
-    hits = _detection(redirect, violations)
+    hits = detection(redirect, violations)
     assert any(v["launch_tag"] == "HEAD_K_FULL" for v in hits)
     assert redirect["slot"] // BLOCK_SIZE in {v["slot"] // BLOCK_SIZE for v in hits if "verify_position" in v["fail_reason"]}
     flip = ledger["flip_cached_block_byte"]
-    hits = _detection(flip, violations)
+    hits = detection(flip, violations)
     assert {v["slot"] for v in hits if v["launch_tag"].startswith("TAIL_K")} == {flip["slot"]}
     first = min(e["forward"] for e in faulted["ledger"])
     assert not [v for v in violations if v["step"] < first]
