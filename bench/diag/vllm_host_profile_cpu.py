@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--stub-device", action="store_true",
                     help="HEAD and TAIL launch nothing (on a GPU each is one graph replay): what is left is the host path")
     ap.add_argument("--no-profile", action="store_true", help="hook times only (no cProfile: not inflated)")
+    ap.add_argument("--profile-hooks", default="", help="comma-separated hooks cProfile covers (default: all)")
+    ap.add_argument("--parts", action="store_true", help="also time the adapter's parts (apply, describe, stage, ...)")
     ap.add_argument("--count-ops", action="store_true",
                     help="count the torch ops each hook dispatches (each a launch, or a host-side op, on a GPU)")
     args = ap.parse_args()
@@ -68,7 +70,7 @@ def main() -> int:
                     out = orig(self, *a, **k)
                 state["per_call"][name].append(time.perf_counter() - t0)
                 return out
-            if args.no_profile:
+            if args.no_profile or (args.profile_hooks and name not in args.profile_hooks.split(",")):
                 out = orig(self, *a, **k)
                 state["per_call"][name].append(time.perf_counter() - t0)
                 return out
@@ -100,6 +102,27 @@ def main() -> int:
         for cls, name in ((WorkerView, "apply"), (WorkerView, "describe"), (Canary, "begin_step"), (Canary, "stage"),
                           (Canary, "launch_head"), (Canary, "after_forward")):
             wrap_method(cls, name)
+    if args.parts:
+        from kvcanary.engines.vllm.forward_view import WorkerView
+        from kvcanary.runtime import Canary
+
+        def time_method(cls, name):
+            orig = getattr(cls, name)
+
+            def hooked(self, *a, **k):
+                if not state["on"]:
+                    return orig(self, *a, **k)
+                t0 = time.perf_counter()
+                try:
+                    return orig(self, *a, **k)
+                finally:
+                    state["per_call"][f"  {cls.__name__}.{name}"].append(time.perf_counter() - t0)
+            setattr(cls, name, hooked)
+
+        for cls, name in ((WorkerView, "apply"), (WorkerView, "describe"), (KvCanaryConnector, "_step"),
+                          (Canary, "before_forward"), (Canary, "begin_step"), (Canary, "stage"), (Canary, "after_forward"),
+                          (Canary, "end_step")):
+            time_method(cls, name)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(384, 513))] for _ in range(args.requests)]
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
