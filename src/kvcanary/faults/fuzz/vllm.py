@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -274,8 +275,10 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
     and with ``faulted`` the twin (canary ``log`` + one injected fault)."""
     work = tempfile.mkdtemp(prefix="kvc-fuzz-vllm-")
     t0 = time.perf_counter()
+    _announce(UNCHECKED_RUN)
     ref = _engine_run(config, seed, canary=None, faults=None, work=work)
     options = dict(config["canary"], mode="raise", readable_per_step=0)
+    _announce("checked run")
     checked = _engine_run(config, seed, canary=options, faults=None, work=work)
     out: dict[str, Any] = {
         "violations": checked.get("violations", 0), "engine_forwards": checked.get("engine_forwards", 0),
@@ -284,11 +287,14 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
         "first_violations": checked.get("first_violations", []),
         "canary_groups": checked.get("canary_groups"), "device": checked.get("device"),
         "full_graph_forwards": checked.get("full_graph_forwards", 0),
-        "error": ref["error"] and f"unchecked run: {ref['error']}",
+        # the engine fails this configuration without the canary: an engine limit, not a canary finding
+        "engine_error": ref["error"] and f"{UNCHECKED_RUN}: {ref['error']}",
         "fault": None,
     }
+    if ref["error"]:
+        out["tokens_identical"] = None  # nothing to compare the checked run's tokens with
     out["false_positive"] = bool(out["violations"])
-    if checked["error"] and not out["violations"]:
+    if checked["error"] and not out["violations"] and not ref["error"]:
         out["error"] = f"canary run: {checked['error']}"
     if faulted:
         kind = _fault_kind(config, seed)
@@ -299,6 +305,7 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
             picks = config["canary"].get("real_kv_layers", [0, -1])
             spec["layer"] = picks[0]
         on_violation = config.get("on_violation", "log")
+        _announce("faulted twin")
         twin = _engine_run(config, seed, canary=dict(config["canary"], mode="log", readable_per_step=0,
                                                      on_violation=on_violation), faults=[spec], work=work)
         ledger = []
@@ -318,7 +325,27 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
 
 
 # ---- the worker process ------------------------------------------------------------------------------
+UNCHECKED_RUN = "unchecked run"  # the engine without the canary (`execute`'s first run)
+
+
+def _announce(run: str) -> None:
+    """Worker side: name the engine run that starts now on the worker's stdout (`_Worker.ask` keeps the last one, so a
+    worker killed mid-run — a signal from inside the engine — is reported with the run it died in)."""
+    sys.stdout.write(f"@@RUN {run}\n")
+    sys.stdout.flush()
+
+
+class WorkerDied(RuntimeError):
+    """The worker process ended mid-configuration; ``run``: the engine run it was in (None: before the first)."""
+
+    def __init__(self, message: str, run: Optional[str]) -> None:
+        super().__init__(message)
+        self.run = run
+
+
 class _Worker:
+    COMMAND = ("-m", "kvcanary.faults.fuzz.vllm", "--serve")  # the worker's arguments to the Python interpreter
+
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -326,7 +353,7 @@ class _Worker:
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.log = tempfile.NamedTemporaryFile(prefix="kvc-fuzz-vllm-worker-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvcanary.faults.fuzz.vllm", "--serve"], env=env,
+        self.proc = subprocess.Popen([sys.executable, *self.COMMAND], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.served = 0
 
@@ -335,10 +362,14 @@ class _Worker:
         self.proc.stdin.write(json.dumps(dict(request, out=out_path)) + "\n")
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout
+        run = None
         while True:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"fuzz worker exited ({self.proc.poll()}); log {self.log.name}")
+                raise WorkerDied(f"fuzz worker died {_exit_status(self.proc)} during the {run or 'start'}; "
+                                 f"log {self.log.name}", run)
+            if line.startswith("@@RUN "):
+                run = line[len("@@RUN "):].strip()
             if line.startswith("@@DONE"):
                 break
             if time.monotonic() > deadline:
@@ -355,6 +386,28 @@ class _Worker:
             self.proc.wait()
 
 
+def _exit_status(proc: subprocess.Popen) -> str:
+    """How a worker whose output ended has exited: ``(signal SIGILL)``, ``(exit status 1)``, or ``(still running)``."""
+    try:
+        code = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        return "(still running)"
+    if code < 0:
+        try:
+            return f"(signal {signal.Signals(-code).name})"
+        except ValueError:
+            return f"(signal {-code})"
+    return f"(exit status {code})"
+
+
+def died_outcome(exc: WorkerDied) -> dict:
+    """The outcome fields of a configuration whose worker died: the engine's failure (``engine_error``, nothing to
+    compare tokens with) where it died in the unchecked run, else an ``error`` (the canary was on)."""
+    if exc.run == UNCHECKED_RUN:
+        return {"engine_error": str(exc), "tokens_identical": None}
+    return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 _worker: Optional[_Worker] = None
 
 
@@ -368,17 +421,22 @@ def run_config(config: dict, *, seed: int, faulted: bool) -> dict:
         _worker = _Worker()
     try:
         got = _worker.ask({"config": config, "seed": seed, "faulted": faulted}, CONFIG_TIMEOUT_S)
-    except Exception as exc:  # noqa: BLE001 — a crashed or hung worker is an error outcome, and is replaced
+    except WorkerDied as exc:  # the engine killed its process: without the canary, it is the engine's failure
+        _worker.stop()
+        _worker = None
+        got = died_outcome(exc)
+    except Exception as exc:  # noqa: BLE001 — a hung worker is an error outcome, and is replaced
         _worker.stop()
         _worker = None
         got = {"error": f"{type(exc).__name__}: {exc}"}
-    if got.get("error") and _worker is not None:
+    if (got.get("error") or got.get("engine_error")) and _worker is not None:
         # an engine that failed to start or close leaves vLLM's process-wide state (the KV-transfer agent)
         # behind, and the next engine in that process would reuse it: start the next one in a fresh worker
         _worker.stop()
         _worker = None
     out = {"engine": ENGINE, "seed": seed, "config": config, "violations": 0, "false_positive": False,
-           "tokens_identical": False, "engine_forwards": 0, "checked_forwards": 0, "fault": None, "error": None}
+           "tokens_identical": False, "engine_forwards": 0, "checked_forwards": 0, "fault": None, "error": None,
+           "engine_error": None}
     out.update(got)
     out["seconds"] = round(time.perf_counter() - t0, 2)
     out["reproducer"] = (f"PYTHONPATH=src python -m kvcanary.faults.fuzz.vllm --seed {seed}"
@@ -445,22 +503,23 @@ def campaign(*, seed: int, configs: int, first: int = 0, out: Optional[str] = No
                            f"--configs 1   # or: {o['reproducer']}")
         outcomes.append(o)
         fired = [x["fault"] for x in outcomes if x["fault"] and x["fault"]["fired"]]
-        bad = [x for x in outcomes if x["error"] or x["violations"] or not x["tokens_identical"]
+        bad = [x for x in outcomes if x["error"] or x["engine_error"] or x["violations"] or not x["tokens_identical"]
                or x["engine_forwards"] != x["checked_forwards"]
                or (x["fault"] and x["fault"]["fired"] and not x["fault"]["right_request"])]
         summary = {
             "engine": ENGINE, "seed": seed, "first_seed": first, "configs": len(outcomes),
             "seconds": round(time.perf_counter() - t0, 1),
             "false_positives": sum(bool(x["violations"]) for x in outcomes),
-            "tokens_differ": sum(not x["tokens_identical"] for x in outcomes),
+            "tokens_differ": sum(x["tokens_identical"] is False for x in outcomes),
             "forwards_unchecked": sum(x["engine_forwards"] != x["checked_forwards"] for x in outcomes),
             "errors": sum(bool(x["error"]) for x in outcomes),
+            "engine_errors": sum(bool(x["engine_error"]) for x in outcomes),
             "engine_forwards": sum(x["engine_forwards"] for x in outcomes),
             "faulted": {"twins": sum(bool(x["fault"]) for x in outcomes), "fired": len(fired),
                         "caught": sum(bool(f["caught"]) for f in fired),
                         "right_request": sum(bool(f["right_request"]) for f in fired)},
             "failed": len(bad), "failures": [{"index": x["index"], "reproducer": x["reproducer"],
-                                              "error": (x["error"] or "")[:300] or None,
+                                              "error": (x["error"] or x["engine_error"] or "")[:300] or None,
                                               "first_violations": x.get("first_violations", [])[:3]} for x in bad],
             "outcomes": outcomes,
         }
