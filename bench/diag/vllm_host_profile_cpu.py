@@ -85,44 +85,30 @@ def main() -> int:
     for n in ("build_connector_meta", "bind_connector_metadata", "wait_for_save", "get_kv_connector_stats",
               "update_connector_output", "build_connector_worker_meta"):
         wrap(n)
+    from kvcanary.engines.vllm.forward_view import WorkerView
+    from kvcanary.runtime import Canary
+
+    def wrap_method(cls, name, measure):
+        """``cls.name`` run inside ``measure(key)`` while the profiled run is on."""
+        orig = getattr(cls, name)
+        key = f"{cls.__name__}.{name}"
+
+        def hooked(self, *a, **k):
+            if not state["on"]:
+                return orig(self, *a, **k)
+            with measure(key):
+                return orig(self, *a, **k)
+        setattr(cls, name, hooked)
+
     if counting is not None:  # the adapter's own parts, apart from the canary's HEAD / TAIL (torch twins on the CPU)
-        from kvcanary.engines.vllm.forward_view import WorkerView
-        from kvcanary.runtime import Canary
-
-        def wrap_method(cls, name):
-            orig = getattr(cls, name)
-
-            def hooked(self, *a, **k):
-                if not state["on"]:
-                    return orig(self, *a, **k)
-                with counting(f"{cls.__name__}.{name}"):
-                    return orig(self, *a, **k)
-            setattr(cls, name, hooked)
-
         for cls, name in ((WorkerView, "apply"), (WorkerView, "describe"), (Canary, "begin_step"), (Canary, "stage"),
                           (Canary, "launch_head"), (Canary, "after_forward")):
-            wrap_method(cls, name)
+            wrap_method(cls, name, counting)
     if args.parts:
-        from kvcanary.engines.vllm.forward_view import WorkerView
-        from kvcanary.runtime import Canary
-
-        def time_method(cls, name):
-            orig = getattr(cls, name)
-
-            def hooked(self, *a, **k):
-                if not state["on"]:
-                    return orig(self, *a, **k)
-                t0 = time.perf_counter()
-                try:
-                    return orig(self, *a, **k)
-                finally:
-                    state["per_call"][f"  {cls.__name__}.{name}"].append(time.perf_counter() - t0)
-            setattr(cls, name, hooked)
-
         for cls, name in ((WorkerView, "apply"), (WorkerView, "describe"), (KvCanaryConnector, "_step"),
                           (Canary, "before_forward"), (Canary, "begin_step"), (Canary, "stage"), (Canary, "after_forward"),
                           (Canary, "end_step")):
-            time_method(cls, name)
+            wrap_method(cls, name, _timer(state["per_call"]))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(384, 513))] for _ in range(args.requests)]
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -158,6 +144,20 @@ def main() -> int:
         pstats.Stats(state["prof"], stream=s).sort_stats(key).print_stats(args.top)
         print(s.getvalue())
     return 0
+
+
+def _timer(per_call):
+    """A context factory: ``with timer(key):`` appends the block's wall time to ``per_call["  " + key]``."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def timed(key):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            per_call[f"  {key}"].append(time.perf_counter() - t0)
+    return timed
 
 
 def _op_counter(counts):

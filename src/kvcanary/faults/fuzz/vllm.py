@@ -283,7 +283,8 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
     out: dict[str, Any] = {
         "violations": checked.get("violations", 0), "engine_forwards": checked.get("engine_forwards", 0),
         "checked_forwards": checked.get("checked_forwards", 0),
-        "tokens_identical": ref["error"] is None and checked["error"] is None and ref["tokens"] == checked["tokens"],
+        # None where the unchecked run failed: nothing to compare the checked run's tokens with
+        "tokens_identical": None if ref["error"] else checked["error"] is None and ref["tokens"] == checked["tokens"],
         "first_violations": checked.get("first_violations", []),
         "canary_groups": checked.get("canary_groups"), "device": checked.get("device"),
         "full_graph_forwards": checked.get("full_graph_forwards", 0),
@@ -291,8 +292,6 @@ def execute(config: dict, seed: int, faulted: bool) -> dict:
         "engine_error": ref["error"] and f"{UNCHECKED_RUN}: {ref['error']}",
         "fault": None,
     }
-    if ref["error"]:
-        out["tokens_identical"] = None  # nothing to compare the checked run's tokens with
     out["false_positive"] = bool(out["violations"])
     if checked["error"] and not out["violations"] and not ref["error"]:
         out["error"] = f"canary run: {checked['error']}"
@@ -421,17 +420,13 @@ def run_config(config: dict, *, seed: int, faulted: bool) -> dict:
         _worker = _Worker()
     try:
         got = _worker.ask({"config": config, "seed": seed, "faulted": faulted}, CONFIG_TIMEOUT_S)
-    except WorkerDied as exc:  # the engine killed its process: without the canary, it is the engine's failure
-        _worker.stop()
-        _worker = None
+    except WorkerDied as exc:  # killed mid-run: whose failure depends on the run it died in
         got = died_outcome(exc)
-    except Exception as exc:  # noqa: BLE001 — a hung worker is an error outcome, and is replaced
-        _worker.stop()
-        _worker = None
+    except Exception as exc:  # noqa: BLE001 — a hung worker is an error outcome
         got = {"error": f"{type(exc).__name__}: {exc}"}
-    if (got.get("error") or got.get("engine_error")) and _worker is not None:
-        # an engine that failed to start or close leaves vLLM's process-wide state (the KV-transfer agent)
-        # behind, and the next engine in that process would reuse it: start the next one in a fresh worker
+    if got.get("error") or got.get("engine_error"):
+        # a dead or hung worker is replaced; and an engine that failed to start or close leaves vLLM's process-wide
+        # state (the KV-transfer agent) behind, which the next engine in that process would reuse: a fresh worker
         _worker.stop()
         _worker = None
     out = {"engine": ENGINE, "seed": seed, "config": config, "violations": 0, "false_positive": False,
